@@ -1,0 +1,230 @@
+"""ToyChain-v0 (App. B.2): rewards, skill gating, resets, horizon, both autoreset modes, partial resets, devices."""
+
+import math
+
+import gymnasium as gym
+import numpy as np
+import pytest
+import torch
+from conftest import DEVICES
+
+from toy_chain_env import ToyChainConfig, ToyChainVectorEnv, draw_target_actions
+
+
+def make(num_envs=4, device="cpu", **overrides):
+    env = ToyChainVectorEnv(num_envs, ToyChainConfig(**overrides), device=device)
+    env.reset(seed=0)
+    return env
+
+
+def correct_actions(env):
+    return env.target_actions[env.block]
+
+
+def wrong_actions(env):
+    return (env.target_actions[env.block] + 1) % env.config.num_actions
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_reward_is_plus_half_for_the_target_action_and_minus_half_otherwise(device):
+    env = make(num_envs=3, device=device, horizon=20)
+    actions = correct_actions(env)
+    actions[1] = (actions[1] + 3) % env.config.num_actions
+    _, reward, terminated, truncated, info = env.step(actions)
+    assert reward.tolist() == [0.5, -0.5, 0.5]
+    assert info["correct"].tolist() == [True, False, True]
+    assert not terminated.any() and not truncated.any()
+
+
+def test_registered_as_a_vector_entry_point_and_overrides_apply():
+    envs = gym.make_vec("ToyChain-v0", num_envs=6, horizon=30, block_length=3)
+    assert isinstance(envs, ToyChainVectorEnv)
+    assert envs.num_blocks == 10 and envs.single_observation_space == gym.spaces.Discrete(10)
+    assert envs.single_action_space == gym.spaces.Discrete(20)
+    obs, _ = envs.reset(seed=1)
+    assert obs.shape == (6,) and obs.dtype == torch.long
+
+
+def test_target_actions_come_from_the_task_seed_not_the_episode_seed():
+    a = make(horizon=50, task_seed=3)
+    b = make(horizon=50, task_seed=3)
+    b.reset(seed=12345)
+    assert torch.equal(a.target_actions, b.target_actions)
+    assert not torch.equal(a.target_actions, make(horizon=50, task_seed=4).target_actions)
+    assert torch.equal(a.target_actions, draw_target_actions(ToyChainConfig(horizon=50, task_seed=3)))
+
+
+def test_hard_gate_without_mastery_never_leaves_the_first_block():
+    # p_prog = 0: only mastery moves the agent on (App. B.2.2); an agent that is always wrong stays in block 0.
+    env = make(num_envs=8, horizon=50, progression_prob=0.0, mastery_threshold=3)
+    for _ in range(49):
+        env.step(wrong_actions(env))
+        assert (env.block == 0).all()
+
+
+def test_hard_gate_with_mastery_advances_every_block_length_steps():
+    # Always correct: k = 3 <= L = 5 correct actions in each block, so b_t = floor(t / L) exactly.
+    env = make(num_envs=2, horizon=50, block_length=5, progression_prob=0.0, mastery_threshold=3)
+    blocks = []
+    for _ in range(49):
+        obs, *_ = env.step(correct_actions(env))
+        blocks.append(obs[0].item())
+    assert blocks == [(t + 1) // 5 for t in range(49)]
+
+
+def test_unmet_gate_is_checked_again_after_every_further_step():
+    # Our reading of App. B.2.2: after L steps without mastery the agent stays and the check repeats every step.
+    # Wrong for the first 5 steps, then correct: the 3rd correct action (step 8) masters block 0 -> block 1.
+    env = make(num_envs=1, horizon=50, block_length=5, progression_prob=0.0, mastery_threshold=3)
+    blocks = []
+    for t in range(10):
+        action = wrong_actions(env) if t < 5 else correct_actions(env)
+        obs, *_ = env.step(action)
+        blocks.append(obs[0].item())
+    assert blocks == [0, 0, 0, 0, 0, 0, 0, 1, 1, 1]
+
+
+def test_progression_probability_one_moves_on_regardless_of_actions():
+    env = make(num_envs=3, horizon=40, block_length=4, progression_prob=1.0, mastery_threshold=3)
+    for t in range(39):
+        obs, *_ = env.step(wrong_actions(env))
+        assert (obs == (t + 1) // 4).all()
+
+
+def test_progression_probability_is_the_chance_per_check():
+    # With p_prog = 0.3 and wrong actions, the first move happens after L + G - 1 steps, G ~ Geometric(0.3).
+    env = make(num_envs=4000, horizon=60, block_length=5, progression_prob=0.3, mastery_threshold=3)
+    for _ in range(5):  # the first check is made after the 5th step
+        env.step(wrong_actions(env))
+    assert abs((env.block == 1).float().mean().item() - 0.3) < 0.03
+
+
+def test_last_block_is_absorbing():
+    env = make(num_envs=2, horizon=20, block_length=5, progression_prob=1.0)
+    for _ in range(19):
+        env.step(wrong_actions(env))
+    assert (env.block == 3).all()
+
+
+def test_start_block_is_poisson_clamped():
+    lam, blocks = 1.5, 4  # clamped to [0, 3]: P(3) = P(X >= 3)
+    env = ToyChainVectorEnv(40000, ToyChainConfig(horizon=20, block_length=5, reset_lambda=lam))
+    obs, _ = env.reset(seed=7)
+    pmf = [math.exp(-lam) * lam**k / math.factorial(k) for k in range(blocks - 1)]
+    expected = np.array(pmf + [1 - sum(pmf)])
+    observed = np.bincount(obs.numpy(), minlength=blocks) / len(obs)
+    np.testing.assert_allclose(observed, expected, atol=0.01)
+
+
+def test_deterministic_reset_starts_in_block_zero():
+    env = ToyChainVectorEnv(100, ToyChainConfig(reset_lambda=0.0))
+    obs, _ = env.reset(seed=3)
+    assert (obs == 0).all()
+
+
+@pytest.mark.parametrize("mode", ["next_step", "same_step"])
+def test_horizon_is_a_truncation_and_success_means_final_block_at_the_end(mode):
+    env = make(num_envs=2, horizon=10, block_length=5, progression_prob=0.0, mastery_threshold=3, autoreset_mode=mode)
+    for t in range(10):
+        actions = correct_actions(env)
+        actions[1] = wrong_actions(env)[1]  # env 1 never masters block 0
+        _, _, terminated, truncated, info = env.step(actions)
+        assert not terminated.any()  # there is no terminal state
+        assert truncated.tolist() == ([True, True] if t == 9 else [False, False])
+    assert info["success"].tolist() == [True, False]
+
+
+def test_next_step_autoreset_sequence():
+    # H = 10, L = 5, always correct: obs 0,0,0,0,1,1,1,1,1,1(truncated) then the reset step: obs 0, reward 0.
+    env = make(num_envs=1, horizon=10, block_length=5, progression_prob=0.0, autoreset_mode="next_step")
+    seen = []
+    for _ in range(12):
+        obs, reward, terminated, truncated, info = env.step(correct_actions(env))
+        seen.append((obs.item(), reward.item(), truncated.item(), info["correct"].item()))
+    assert seen[:10] == [(0, .5, False, True)] * 4 + [(1, .5, False, True)] * 5 + [(1, .5, True, True)]
+    assert seen[10] == (0, 0.0, False, False)  # the action of the reset step is ignored
+    assert seen[11] == (0, 0.5, False, True)
+    assert "final_obs" not in info
+
+
+def test_same_step_autoreset_sequence():
+    env = make(num_envs=1, horizon=10, block_length=5, progression_prob=0.0, autoreset_mode="same_step")
+    seen = []
+    for _ in range(11):
+        obs, reward, _, truncated, info = env.step(correct_actions(env))
+        seen.append((obs.item(), truncated.item(), info["final_obs"].item(), info["_final_obs"].item()))
+    assert seen[8] == (1, False, 1, False)
+    assert seen[9] == (0, True, 1, True)  # the reset observation now, the true last one in final_obs
+    assert seen[10] == (0, False, 0, False)
+    assert env.episode_step.item() == 1
+
+
+@pytest.mark.parametrize("mode", ["next_step", "same_step"])
+def test_partial_reset_only_touches_masked_envs(mode):
+    env = make(num_envs=4, horizon=20, block_length=2, progression_prob=1.0, autoreset_mode=mode)
+    for _ in range(5):
+        env.step(correct_actions(env))
+    before_block, before_step = env.block.clone(), env.episode_step.clone()
+    mask = torch.tensor([True, False, True, False])
+    obs, _ = env.reset(options={"reset_mask": mask})
+    assert obs.tolist() == [0, before_block[1].item(), 0, before_block[3].item()]
+    assert env.episode_step.tolist() == [0, before_step[1].item(), 0, before_step[3].item()]
+    with pytest.raises(ValueError, match="reset_mask"):
+        env.reset(options={"reset_mask": torch.tensor([1, 0, 1, 0])})
+
+
+def test_partial_reset_cancels_a_pending_next_step_reset():
+    env = make(num_envs=2, horizon=4, block_length=2, autoreset_mode="next_step")
+    for _ in range(4):
+        env.step(correct_actions(env))  # both truncated: a reset is pending
+    env.reset(options={"reset_mask": torch.tensor([True, False])})
+    _, reward, *_ = env.step(correct_actions(env))
+    assert reward.tolist() == [0.5, 0.0]  # env 0 was reset already and acts; env 1 does its pending reset
+
+
+def test_same_seed_same_trajectories_with_stochastic_settings():
+    def rollout():
+        env = ToyChainVectorEnv(64, ToyChainConfig(horizon=30, progression_prob=0.5, reset_lambda=2.0))
+        obs, _ = env.reset(seed=11)
+        out = [obs]
+        for _ in range(40):
+            obs, *_ = env.step(torch.zeros(64, dtype=torch.long))
+            out.append(obs)
+        return torch.stack(out)
+
+    assert torch.equal(rollout(), rollout())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU")
+@pytest.mark.parametrize("mode", ["next_step", "same_step"])
+def test_cpu_and_cuda_give_the_same_trajectories(mode):
+    # Deterministic dynamics (p_prog in {0, 1}, lambda_R = 0): both devices must agree exactly.
+    for p_prog in (0.0, 1.0):
+        outs = []
+        for device in ("cpu", "cuda"):
+            env = make(num_envs=16, device=device, horizon=20, block_length=4, progression_prob=p_prog,
+                       autoreset_mode=mode)
+            gen = torch.Generator().manual_seed(0)
+            trace = []
+            for _ in range(45):
+                actions = torch.randint(0, 20, (16,), generator=gen)
+                obs, reward, _, truncated, info = env.step(actions.to(device))
+                trace.append(torch.stack([obs.cpu(), reward.cpu().long(), truncated.cpu().long(),
+                                          info["correct"].cpu().long()]))
+            outs.append(torch.stack(trace))
+        assert torch.equal(outs[0], outs[1])
+
+
+@pytest.mark.parametrize(
+    "overrides, flag",
+    [
+        (dict(horizon=52, block_length=5), "--toy.horizon"),
+        (dict(num_actions=1), "--toy.num-actions"),
+        (dict(progression_prob=1.5), "--toy.progression-prob"),
+        (dict(reset_lambda=-1.0), "--toy.reset-lambda"),
+        (dict(autoreset_mode="disabled"), "--toy.autoreset-mode"),
+    ],
+)
+def test_bad_settings_name_the_flag(overrides, flag):
+    with pytest.raises(ValueError, match=flag):
+        ToyChainVectorEnv(2, ToyChainConfig(**overrides))

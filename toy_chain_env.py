@@ -1,0 +1,245 @@
+"""ToyChain: the skill-gated chain environment of App. B.2 of
+
+    "Staggered Environment Resets Improve Massively Parallel On-Policy Reinforcement Learning"
+    Sid Bharthulwar, Stone Tao, Hao Su (2025), arXiv:2511.21011
+
+batched in torch, so that thousands of chains step at once on the CPU or on a CUDA device.
+
+The task (App. B.2.1, Sec. 4.1)
+-------------------------------
+An episode lasts H steps and the chain has B = H / L blocks ("levels") of L steps each. The observation is the
+index b of the block the agent is in. Every block has a fixed target action a*_b in {0, ..., A_c - 1}; choosing it
+gives +0.5, any other action -0.5. A perfect agent therefore collects 0.5 * H per episode.
+
+Skill gating (App. B.2.2). After the agent has spent L steps in block b it moves on to b + 1 if either
+  1. it has mastered b: at least k_mastery correct actions in b during the current episode, or
+  2. a random check with probability p_prog succeeds.
+The paper does not say what happens when neither is true. Our reading, the simplest one consistent with the text:
+the agent stays in b, and the same check is made again after every further step it spends there (its count of
+correct actions in b keeps growing, so an agent that keeps choosing a*_b eventually masters b and moves on).
+The last block has no successor: the agent stays in it until the episode ends.
+
+Start state (App. B.2.2): the start block is b_0 ~ Poisson(lambda_R), clamped to [0, B - 1]; lambda_R = 0 always
+starts in block 0. The episode still lasts H steps from wherever it starts.
+
+Episode end: after H steps the episode is *truncated* (a time limit: the observation carries no time, so the
+value of the last state is bootstrapped, not zeroed). There is no termination. The paper calls the end
+"terminates"; for learning it is a time limit, which is what we model. Success = the agent is in the final block
+when the episode ends.
+
+Vector-env API (Gymnasium 1.x VectorEnv)
+----------------------------------------
+Observations, rewards and flags are torch tensors on the env's device (as ManiSkill3 returns them):
+  obs (N,) int64 block index, reward (N,) float32, terminated / truncated (N,) bool.
+Both of Gymnasium's autoreset modes are implemented (see autoreset_modes.txt):
+  * "next_step": the step that ends an episode returns the true last observation; the *next* call to step()
+    resets that env, ignores its action and returns the reset observation with reward 0 and no flags.
+  * "same_step": the step that ends an episode resets at once and returns the reset observation; the true last
+    observation is in info["final_obs"] (a dense (N,) tensor, valid where info["_final_obs"] is True) and the
+    last step's info in info["final_info"].
+reset(options={"reset_mask": mask}) resets only the envs where mask is True and returns the observation of all.
+
+Diagnostics for the scripts: `block` (N,) and `episode_step` (N,) are the current block index and the number of
+steps taken in the current episode; info["correct"] says whether each env's action was its block's target (False
+on the ignored action of a next-step reset); `target_actions` (B,) holds a*_b.
+
+Registered with Gymnasium as "ToyChain-v0" (vector entry point):
+    envs = gymnasium.make_vec("ToyChain-v0", num_envs=512, config=ToyChainConfig(horizon=200), device="cpu")
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+from typing import Any, Literal
+
+import gymnasium as gym
+import numpy as np
+import torch
+from gymnasium.vector import AutoresetMode, VectorEnv
+
+
+@dataclass
+class ToyChainConfig:
+    """Settings of the ToyChain task (App. B.2, Table 2). Scripts nest this as `toy`: --toy.horizon, ..."""
+
+    horizon: int = 200
+    """H: episode length in steps; reaching it is a time-limit truncation (App. B.2.1)"""
+    block_length: int = 5
+    """L: steps the agent spends in a block before it may move on; B = H / L blocks (App. B.2.1)"""
+    num_actions: int = 20
+    """A_c: number of action categories (Table 2)"""
+    progression_prob: float = 0.5
+    """p_prog: chance that each gating check lets an unmastered agent move on (App. B.2.2)"""
+    mastery_threshold: int = 3
+    """k_mastery: correct actions in a block that guarantee moving on from it (App. B.2.2)"""
+    reset_lambda: float = 0.0
+    """lambda_R: start block ~ Poisson(lambda_R) clamped to [0, B-1]; 0 always starts in block 0 (App. B.2.2)"""
+    autoreset_mode: Literal["next_step", "same_step"] = "next_step"
+    """Gymnasium autoreset mode of the vector env (next_step masks one stale step; same_step fills final_obs)"""
+    task_seed: int = 0
+    """seed that draws the target action of each block: the task itself, the same whatever --seed is"""
+
+    @property
+    def num_blocks(self) -> int:
+        return self.horizon // self.block_length
+
+    def validate(self) -> None:
+        """Raises ValueError naming the flag to fix."""
+        if self.horizon < 1:
+            raise ValueError(f"--toy.horizon must be >= 1, got {self.horizon}")
+        if self.block_length < 1:
+            raise ValueError(f"--toy.block-length must be >= 1, got {self.block_length}")
+        if self.horizon % self.block_length != 0:
+            raise ValueError(
+                f"--toy.horizon ({self.horizon}) must be a multiple of --toy.block-length ({self.block_length}): "
+                f"the chain has B = H / L blocks (App. B.2.1)"
+            )
+        if self.num_actions < 2:
+            raise ValueError(f"--toy.num-actions must be >= 2, got {self.num_actions}")
+        if not 0.0 <= self.progression_prob <= 1.0:
+            raise ValueError(f"--toy.progression-prob must be in [0, 1], got {self.progression_prob}")
+        if self.mastery_threshold < 0:
+            raise ValueError(f"--toy.mastery-threshold must be >= 0, got {self.mastery_threshold}")
+        if self.reset_lambda < 0.0:
+            raise ValueError(f"--toy.reset-lambda must be >= 0, got {self.reset_lambda}")
+        if self.autoreset_mode not in ("next_step", "same_step"):
+            raise ValueError(
+                f"--toy.autoreset-mode must be 'next_step' or 'same_step', got {self.autoreset_mode!r}"
+            )
+
+
+def draw_target_actions(config: ToyChainConfig) -> torch.Tensor:
+    """The fixed target action a*_b of every block, drawn from `config.task_seed` (CPU generator: same on any device)."""
+    generator = torch.Generator().manual_seed(config.task_seed)
+    return torch.randint(0, config.num_actions, (config.num_blocks,), generator=generator)
+
+
+class ToyChainVectorEnv(VectorEnv):
+    """N independent ToyChain episodes stepped together as torch tensors (see the module docstring)."""
+
+    metadata = {"autoreset_mode": AutoresetMode.NEXT_STEP}
+
+    def __init__(
+        self,
+        num_envs: int,
+        config: ToyChainConfig | None = None,
+        device: str | torch.device = "cpu",
+        **overrides: Any,
+    ):
+        """`overrides` replace single fields of `config`, e.g. make_vec("ToyChain-v0", num_envs=8, horizon=50)."""
+        config = config if config is not None else ToyChainConfig()
+        unknown = set(overrides) - {f.name for f in fields(ToyChainConfig)}
+        if unknown:
+            raise TypeError(f"unknown ToyChain option(s) {sorted(unknown)}; see ToyChainConfig")
+        self.config = replace(config, **overrides)
+        self.config.validate()
+        if num_envs < 1:
+            raise ValueError(f"num_envs must be >= 1, got {num_envs}")
+
+        self.num_envs = num_envs
+        self.device = torch.device(device)
+        self.num_blocks = self.config.num_blocks
+        self.autoreset_mode = (
+            AutoresetMode.NEXT_STEP if self.config.autoreset_mode == "next_step" else AutoresetMode.SAME_STEP
+        )
+        self.metadata = {"autoreset_mode": self.autoreset_mode}
+
+        self.single_observation_space = gym.spaces.Discrete(self.num_blocks)
+        self.single_action_space = gym.spaces.Discrete(self.config.num_actions)
+        self.observation_space = gym.spaces.MultiDiscrete(np.full(num_envs, self.num_blocks))
+        self.action_space = gym.spaces.MultiDiscrete(np.full(num_envs, self.config.num_actions))
+
+        self.target_actions = draw_target_actions(self.config).to(self.device)
+        self._generator = torch.Generator(device=self.device)
+        self._generator.seed()
+
+        zeros = lambda dtype: torch.zeros(num_envs, dtype=dtype, device=self.device)  # noqa: E731
+        self.block = zeros(torch.long)  # current block index b (the observation)
+        self.episode_step = zeros(torch.long)  # steps taken in the current episode
+        self.steps_in_block = zeros(torch.long)  # steps spent in the current block
+        self.correct_in_block = zeros(torch.long)  # correct actions in the current block (for mastery)
+        self._pending_reset = zeros(torch.bool)  # next_step mode: episode ended, reset on the next step()
+
+    # ----------------------------------------------------------------------------------------------------------
+    def _start_episodes(self, mask: torch.Tensor) -> None:
+        """Starts a new episode in every env where `mask` is True: b_0 ~ Poisson(lambda_R) clamped (App. B.2.2)."""
+        if self.config.reset_lambda > 0.0:
+            rate = torch.full((self.num_envs,), self.config.reset_lambda, device=self.device)
+            start = torch.poisson(rate, generator=self._generator).long().clamp_(0, self.num_blocks - 1)
+        else:
+            start = torch.zeros(self.num_envs, dtype=torch.long, device=self.device)
+        self.block = torch.where(mask, start, self.block)
+        self.episode_step = torch.where(mask, 0, self.episode_step)
+        self.steps_in_block = torch.where(mask, 0, self.steps_in_block)
+        self.correct_in_block = torch.where(mask, 0, self.correct_in_block)
+        self._pending_reset = self._pending_reset & ~mask
+
+    def reset(self, *, seed: int | None = None, options: dict | None = None):
+        """Resets all envs, or only those in options["reset_mask"] (bool, shape (N,)); returns (obs, info)."""
+        if seed is not None:
+            self._generator.manual_seed(int(seed))
+        mask = torch.ones(self.num_envs, dtype=torch.bool, device=self.device)
+        if options is not None and "reset_mask" in options:
+            mask = torch.as_tensor(options["reset_mask"], device=self.device)
+            if mask.dtype != torch.bool or mask.shape != (self.num_envs,):
+                raise ValueError(
+                    f"options['reset_mask'] must be a bool tensor/array of shape ({self.num_envs},), "
+                    f"got dtype={mask.dtype} shape={tuple(mask.shape)}"
+                )
+        self._start_episodes(mask)
+        return self.block.clone(), {}
+
+    def step(self, actions):
+        """One step of every env; returns (obs, reward, terminated, truncated, info) as torch tensors."""
+        actions = torch.as_tensor(actions, device=self.device).long().reshape(self.num_envs)
+        # Next-step autoreset: envs whose episode ended on the previous call are reset now; their action is ignored.
+        # (Masked updates instead of `if mask.any()`: no host synchronisation when the env lives on a GPU.)
+        resetting = self._pending_reset.clone()
+        if self.autoreset_mode == AutoresetMode.NEXT_STEP:
+            self._start_episodes(resetting)
+        active = ~resetting
+
+        # Reward: +0.5 for the block's target action, -0.5 otherwise (App. B.2.1).
+        correct = (actions == self.target_actions[self.block]) & active
+        reward = torch.where(correct, 0.5, -0.5) * active
+        self.correct_in_block += correct.long()
+        self.steps_in_block += active.long()
+        self.episode_step += active.long()
+
+        # Skill gating (App. B.2.2): after L steps in b, move on if b is mastered or a p_prog check succeeds;
+        # otherwise stay and check again after the next step.
+        at_check = active & (self.steps_in_block >= self.config.block_length) & (self.block < self.num_blocks - 1)
+        mastered = self.correct_in_block >= self.config.mastery_threshold
+        lucky = torch.rand(self.num_envs, device=self.device, generator=self._generator) < self.config.progression_prob
+        advance = at_check & (mastered | lucky)
+        self.block = self.block + advance.long()
+        self.steps_in_block = torch.where(advance, 0, self.steps_in_block)
+        self.correct_in_block = torch.where(advance, 0, self.correct_in_block)
+
+        terminated = torch.zeros(self.num_envs, dtype=torch.bool, device=self.device)
+        truncated = active & (self.episode_step >= self.config.horizon)  # time limit, not a terminal state
+        success = self.block == self.num_blocks - 1
+        info: dict[str, Any] = {"correct": correct, "success": success}
+        done = terminated | truncated
+
+        if self.autoreset_mode == AutoresetMode.NEXT_STEP:
+            self._pending_reset = done
+            obs = self.block.clone()
+        else:  # SAME_STEP: return the reset observation now, the true last one in info["final_obs"]
+            final_obs = self.block.clone()
+            self._start_episodes(done)
+            obs = self.block.clone()
+            info.update(
+                final_obs=final_obs,
+                _final_obs=done,
+                final_info={"success": success, "correct": correct},
+                _final_info=done,
+            )
+        return obs, reward.float(), terminated, truncated, info
+
+    def close_extras(self, **kwargs: Any) -> None:
+        pass
+
+
+if "ToyChain-v0" not in gym.registry:
+    gym.register(id="ToyChain-v0", vector_entry_point=ToyChainVectorEnv)
