@@ -838,10 +838,12 @@ def evaluate(agent, eval_envs, normalize: Callable, num_steps: int, seed: int, d
             low, high = eval_envs.single_action_space.low, eval_envs.single_action_space.high
             action = action.clamp(torch.as_tensor(low, device=device), torch.as_tensor(high, device=device))
         obs, reward, terminated, truncated, info = eval_envs.step(action)
-        no_termination = torch.zeros_like(terminated)  # evaluation episodes end at the horizon only
+        final_mask = info.get("_final_obs", zeros(torch.bool))
+        # A termination ends an evaluation episode only where the env resets there (ToyChain); ManiSkill's
+        # evaluation envs keep running after a success (no partial resets), so their episodes last H steps.
+        ending_termination = terminated & (final_mask | next_step_mode)
         valid, episode_end, stale, waiting, episode_step = reset_bookkeeping(
-            stale, waiting, no_termination, truncated, info.get("_final_obs", zeros(torch.bool)), episode_step,
-            next_step_mode, gate_mode=True)
+            stale, waiting, ending_termination, truncated, final_mask, episode_step, next_step_mode, gate_mode=True)
         ep_return += reward * valid
         ep_len += valid.long()
         success_once |= info["success"] & valid
@@ -885,12 +887,24 @@ def advance_for_stagger(envs, obs, state: dict, groups: torch.Tensor, args: Args
     return obs
 
 
+def make_run_dir(args: Args) -> tuple[str, Path]:
+    """{output_dir}/{env_id}__{exp_name}__{seed}__{unix_time}, created here; a suffix keeps concurrent runs apart."""
+    run_name = f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}"
+    Path(args.output_dir).mkdir(parents=True, exist_ok=True)
+    for attempt in range(1000):
+        name = run_name if attempt == 0 else f"{run_name}_{attempt}"
+        try:
+            (Path(args.output_dir) / name).mkdir()
+            return name, Path(args.output_dir) / name
+        except FileExistsError:
+            continue
+    raise RuntimeError(f"could not create a run directory under {args.output_dir}")
+
+
 def main(args: Args) -> dict:
     args = resolve_args(args)
     is_toy = args.env_id == TOY_ENV_ID
-    run_name = f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}"
-    run_dir = Path(args.output_dir) / run_name
-    run_dir.mkdir(parents=True, exist_ok=True)
+    run_name, run_dir = make_run_dir(args)
     (run_dir / "config.json").write_text(json.dumps(asdict(args), indent=2))
 
     random.seed(args.seed)

@@ -78,6 +78,8 @@ class ToyChainConfig:
     """Gymnasium autoreset mode of the vector env (next_step masks one stale step; same_step fills final_obs)"""
     task_seed: int = 0
     """seed that draws the target action of each block: the task itself, the same whatever --seed is"""
+    terminal_horizon: bool = False
+    """end episodes at H with a termination, as App. B.2.1's wording has it (default: a time-limit truncation)"""
 
     @property
     def num_blocks(self) -> int:
@@ -216,8 +218,11 @@ class ToyChainVectorEnv(VectorEnv):
         self.steps_in_block = torch.where(advance, 0, self.steps_in_block)
         self.correct_in_block = torch.where(advance, 0, self.correct_in_block)
 
-        terminated = torch.zeros(self.num_envs, dtype=torch.bool, device=self.device)
-        truncated = active & (self.episode_step >= self.config.horizon)  # time limit, not a terminal state
+        horizon_end = active & (self.episode_step >= self.config.horizon)
+        if self.config.terminal_horizon:  # the paper's wording; the value of a block then depends on unseen time
+            terminated, truncated = horizon_end, torch.zeros_like(horizon_end)
+        else:  # default: a time limit (the observation carries no time), so the last state is bootstrapped
+            terminated, truncated = torch.zeros_like(horizon_end), horizon_end
         success = self.block == self.num_blocks - 1
         info: dict[str, Any] = {"correct": correct, "success": success}
         done = terminated | truncated

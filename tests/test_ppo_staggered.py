@@ -491,6 +491,14 @@ def test_save_model_then_resume_continues_the_global_step_then_evaluate(tmp_path
     assert "charts/SPS" not in evaluated and "eval/return" in evaluated
 
 
+def test_compile_option_trains(tmp_path):
+    """--compile (torch.compile of the policy step and the PPO update, LeanRL-style) on the CPU."""
+    run_script(TOY_SMALL + ["--total-timesteps", "1280", "--compile", "--no-cuda"], tmp_path, timeout=900)
+    summary = json.load(open(os.path.join(only_run_dir(tmp_path), "summary.json")))
+    assert summary["global_step"] == 1280 and math.isfinite(summary["losses/value_loss"])
+    assert json.load(open(os.path.join(only_run_dir(tmp_path), "config.json")))["compile"] is True
+
+
 def test_bad_flag_exits_early_with_a_message_and_writes_nothing(tmp_path):
     proc = run_script(["--env-id", "ToyChain-v0", "--num-steps", "300"], tmp_path, check=False)
     assert proc.returncode == 2

@@ -134,6 +134,15 @@ def test_horizon_is_a_truncation_and_success_means_final_block_at_the_end(mode):
     assert info["success"].tolist() == [True, False]
 
 
+@pytest.mark.parametrize("mode", ["next_step", "same_step"])
+def test_terminal_horizon_option_ends_the_episode_with_a_termination(mode):
+    env = make(num_envs=2, horizon=10, block_length=5, terminal_horizon=True, autoreset_mode=mode)
+    for t in range(10):
+        _, _, terminated, truncated, _ = env.step(correct_actions(env))
+        assert not truncated.any()
+        assert terminated.tolist() == [t == 9, t == 9]
+
+
 def test_next_step_autoreset_sequence():
     # H = 10, L = 5, always correct: obs 0,0,0,0,1,1,1,1,1,1(truncated) then the reset step: obs 0, reward 0.
     env = make(num_envs=1, horizon=10, block_length=5, progression_prob=0.0, autoreset_mode="next_step")
