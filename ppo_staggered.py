@@ -794,8 +794,9 @@ def restore_rng(rng: dict) -> None:
         torch.cuda.set_rng_state_all(rng["cuda"])
 
 
-def save_toy_figures(run_dir: Path, occupancy: np.ndarray, accuracy: np.ndarray, title: str) -> None:
-    """App. C Fig. 6c/d (mean number of envs in each block at each update) and App. E Fig. 12/13 (forgetting)."""
+def save_toy_figures(run_dir: Path, occupancy: np.ndarray, accuracy: np.ndarray, title: str, writer) -> None:
+    """App. C Fig. 6c/d (mean number of envs in each block at each update) and App. E Fig. 12/13 (forgetting),
+    as PNGs in the run directory and as TensorBoard images."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -814,7 +815,7 @@ def save_toy_figures(run_dir: Path, occupancy: np.ndarray, accuracy: np.ndarray,
         fig.colorbar(image, ax=ax)
         fig.tight_layout()
         fig.savefig(run_dir / name, dpi=100)
-        plt.close(fig)
+        writer.add_figure(f"toy/{name[len('toy_'):-len('.png')]}", fig, close=True)
 
 
 # =====================================================================================================================
@@ -1086,15 +1087,17 @@ def train(args: Args, envs, eval_envs, agent, optimizer, observe, obs_rms, logge
 
         # ---- rollout: K steps of every env ---------------------------------------------------------------------------
         rollout_start = time.time()
-        env_time = 0.0
+        env_time = inference_time = 0.0
         final_mask_buf.zero_()
         n_episodes = torch.zeros((), device=device)
         sum_return, sum_len, sum_success_once, sum_success_end = (torch.zeros((), device=device) for _ in range(4))
         for step in range(K):
             obs_buf[step] = obs
             episode_step_buf[step] = state["episode_step"]
+            t0 = time.time()
             action, logprob, value = policy_step(obs)
             actions_buf[step], logprobs_buf[step], values_buf[step] = action, logprob, value
+            inference_time += time.time() - t0
             t0 = time.time()
             raw_next, reward, terminated, truncated, info = envs.step(clamp_action(action))
             env_time += time.time() - t0
@@ -1200,6 +1203,7 @@ def train(args: Args, envs, eval_envs, agent, optimizer, observe, obs_rms, logge
         logger.writer.add_histogram("stagger/episode_step", episode_step_buf[valid_buf].float(), global_step)
         log("time/rollout", rollout_time, global_step)
         log("time/env_step", env_time, global_step)
+        log("time/inference", inference_time, global_step)
         log("time/update", update_time, global_step)
         if is_toy:
             log_toy_diagnostics(agent, envs, obs_buf, valid_buf, correct_buf, logger, global_step,
@@ -1219,7 +1223,8 @@ def train(args: Args, envs, eval_envs, agent, optimizer, observe, obs_rms, logge
         np.savez(run_dir / "toy_diagnostics.npz", occupancy=occupancy, accuracy=accuracy,
                  forgetting=forgetting_matrix(accuracy))
         summary["toy/forgetting_mean_overall"] = float(forgetting_matrix(accuracy).mean())
-        save_toy_figures(run_dir, occupancy, accuracy, "staggered" if args.stagger else "naive (synchronous)")
+        save_toy_figures(run_dir, occupancy, accuracy, "staggered" if args.stagger else "naive (synchronous)",
+                         logger.writer)
 
 
 def run_evaluation(args, agent, eval_envs, observe, logger, global_step, device, run_dir, optimizer, obs_rms,

@@ -445,6 +445,12 @@ def test_toy_chain_smoke(tmp_path, stagger, mode, device):
     assert min(valid) < 1.0 if mode == "next_step" and stagger else min(valid) == 1.0  # stale steps are masked
     for png in ("toy_block_occupancy.png", "toy_forgetting_matrix.png"):
         assert os.path.getsize(os.path.join(run_dir, png)) > 1000
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(run_dir)
+    acc.Reload()
+    assert {"toy/block_occupancy", "toy/forgetting_matrix"} <= set(acc.Tags()["images"])
+    assert {"toy/block_occupancy", "stagger/episode_step"} <= set(acc.Tags()["histograms"])
     diag = np.load(os.path.join(run_dir, "toy_diagnostics.npz"))
     assert diag["occupancy"].shape == (10, 10) and diag["forgetting"].min() >= 0
     np.testing.assert_allclose(diag["occupancy"].sum(1), 64, rtol=1e-5)  # every env is in some block at every step
@@ -489,6 +495,31 @@ def test_save_model_then_resume_continues_the_global_step_then_evaluate(tmp_path
     evaluated = json.load(open(os.path.join(only_run_dir(third), "summary.json")))
     assert evaluated["global_step"] == 1280 and 0.0 <= evaluated["eval/success_at_end"] <= 1.0
     assert "charts/SPS" not in evaluated and "eval/return" in evaluated
+
+
+def test_same_seed_gives_the_same_run_and_policy_advance_works(tmp_path):
+    args = TOY_SMALL + ["--total-timesteps", "960", "--no-cuda", "--stagger-advance", "policy"]
+    first, second = tmp_path / "a", tmp_path / "b"
+    run_script(args, first)
+    run_script(args, second)
+    a, b = (json.load(open(os.path.join(only_run_dir(d), "summary.json"))) for d in (first, second))
+    for key in ("losses/value_loss", "losses/policy_loss", "eval/return", "toy/accuracy", "stagger/value_mse"):
+        assert a[key] == b[key], key
+    assert a["advance_env_steps"] == 9 * 5 * 64
+    run_script(args[:-2] + ["--seed", "2"], tmp_path / "c")
+    c = json.load(open(os.path.join(only_run_dir(tmp_path / "c"), "summary.json")))
+    assert c["losses/value_loss"] != a["losses/value_loss"]
+
+
+def test_track_mirrors_to_wandb_offline(tmp_path):
+    pytest.importorskip("wandb")
+    env = dict(os.environ, WANDB_MODE="offline", WANDB_DIR=str(tmp_path), WANDB_SILENT="true")
+    proc = subprocess.run([sys.executable, SCRIPT, "--output-dir", str(tmp_path / "runs"), *TOY_SMALL,
+                           "--total-timesteps", "640", "--no-cuda", "--track"], capture_output=True, text=True,
+                          timeout=600, env=env, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert glob.glob(os.path.join(str(tmp_path), "wandb", "offline-run-*", "*.wandb"))
+    assert json.load(open(os.path.join(only_run_dir(tmp_path / "runs"), "summary.json")))["global_step"] == 640
 
 
 def test_compile_option_trains(tmp_path):
