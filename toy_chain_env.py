@@ -248,3 +248,93 @@ class ToyChainVectorEnv(VectorEnv):
 
 if "ToyChain-v0" not in gym.registry:
     gym.register(id="ToyChain-v0", vector_entry_point=ToyChainVectorEnv)
+
+
+# =====================================================================================================================
+# ToyChainContinuous-v0: the same chain with continuous actions (for DDPG-style scripts: pql.py)
+# =====================================================================================================================
+@dataclass
+class ToyChainContinuousConfig(ToyChainConfig):
+    """ToyChain settings plus those of the continuous-action variant (--toy.action-dim, --toy.target-radius)."""
+
+    action_dim: int = 4
+    """d: actions are vectors in [-1, 1]^d; every block b has a fixed target vector a*_b in [-0.8, 0.8]^d"""
+    target_radius: float = 0.2
+    """an action is "correct" (counts towards mastery, App. B.2.2) when its RMS distance to a*_b is at most this"""
+
+    def validate(self) -> None:
+        super().validate()
+        if self.action_dim < 1:
+            raise ValueError(f"--toy.action-dim must be >= 1, got {self.action_dim}")
+        if not 0.0 < self.target_radius <= 2.0:
+            raise ValueError(f"--toy.target-radius must be in (0, 2] (RMS distance in [-1, 1]^d), got {self.target_radius}")
+
+
+def draw_target_vectors(config: ToyChainContinuousConfig) -> torch.Tensor:
+    """The fixed target vector a*_b in [-0.8, 0.8]^d of every block, drawn from `config.task_seed` (CPU generator)."""
+    generator = torch.Generator().manual_seed(config.task_seed)
+    return torch.rand((config.num_blocks, config.action_dim), generator=generator) * 1.6 - 0.8
+
+
+class ToyChainContinuousVectorEnv(ToyChainVectorEnv):
+    """ToyChain with continuous actions: the same blocks, skill gating, start states, horizon, autoreset modes and
+    partial resets as ToyChain-v0 (this class reuses its step and reset), with
+
+      observation  one-hot of the block index b, float32 (B,)
+      action       a in [-1, 1]^d (clipped to the box)
+      reward       0.5 - 0.5 * dist(a, a*_b), dist = RMS distance ||a - a*_b||_2 / sqrt(d) in [0, 2]: +0.5 on the
+                   target, -0.5 at the far corner, so a perfect agent collects 0.5 * H like on ToyChain-v0
+      correct      dist <= target_radius; correct actions drive mastery exactly as the target action does on
+                   ToyChain-v0 (the step is delegated to ToyChain-v0 with the target action for a correct action and
+                   a wrong one otherwise).
+    info["final_obs"] (same-step mode) is one-hot too. Registered as "ToyChainContinuous-v0":
+        gymnasium.make_vec("ToyChainContinuous-v0", num_envs=64, config=ToyChainContinuousConfig(), device="cpu")
+    """
+
+    def __init__(
+        self,
+        num_envs: int,
+        config: ToyChainContinuousConfig | None = None,
+        device: str | torch.device = "cpu",
+        **overrides: Any,
+    ):
+        config = config if config is not None else ToyChainContinuousConfig()
+        if not isinstance(config, ToyChainContinuousConfig):  # a plain ToyChainConfig: keep its settings
+            config = ToyChainContinuousConfig(**{f.name: getattr(config, f.name) for f in fields(config)})
+        unknown = set(overrides) - {f.name for f in fields(ToyChainContinuousConfig)}
+        if unknown:
+            raise TypeError(f"unknown ToyChainContinuous option(s) {sorted(unknown)}; see ToyChainContinuousConfig")
+        super().__init__(num_envs, replace(config, **overrides), device)
+        d, num_blocks = self.config.action_dim, self.num_blocks
+        self.single_observation_space = gym.spaces.Box(0.0, 1.0, (num_blocks,), np.float32)
+        self.single_action_space = gym.spaces.Box(-1.0, 1.0, (d,), np.float32)
+        self.observation_space = gym.vector.utils.batch_space(self.single_observation_space, num_envs)
+        self.action_space = gym.vector.utils.batch_space(self.single_action_space, num_envs)
+        self.target_vectors = draw_target_vectors(self.config).to(self.device)
+
+    def _one_hot(self, block: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.one_hot(block, self.num_blocks).float()
+
+    def reset(self, *, seed: int | None = None, options: dict | None = None):
+        block, info = super().reset(seed=seed, options=options)
+        return self._one_hot(block), info
+
+    def step(self, actions):
+        actions = torch.as_tensor(actions, device=self.device, dtype=torch.float32)
+        actions = actions.reshape(self.num_envs, self.config.action_dim).clamp(-1.0, 1.0)
+        # Score the action against the block it was taken in (before the step moves the agent on).
+        distance = (actions - self.target_vectors[self.block]).square().mean(-1).sqrt()
+        correct = distance <= self.config.target_radius
+        target = self.target_actions[self.block]
+        discrete = torch.where(correct, target, (target + 1) % self.config.num_actions)
+        # Envs that reset in this step (next-step mode) ignore their action: reward 0, as on ToyChain-v0.
+        acting = ~self._pending_reset if self.autoreset_mode == AutoresetMode.NEXT_STEP else torch.ones_like(correct)
+        block, _, terminated, truncated, info = super().step(discrete)
+        reward = (0.5 - 0.5 * distance) * acting
+        if "final_obs" in info:
+            info["final_obs"] = self._one_hot(info["final_obs"])
+        return self._one_hot(block), reward, terminated, truncated, info
+
+
+if "ToyChainContinuous-v0" not in gym.registry:
+    gym.register(id="ToyChainContinuous-v0", vector_entry_point=ToyChainContinuousVectorEnv)

@@ -1,0 +1,648 @@
+"""pql.py: n-step targets (termination, truncation, an episode end inside the window, both autoreset modes), the
+categorical projection, mixed exploration, speed-ratio control, the learners' targets, argument validation, and
+runs of the script as a user runs it (toy chain, ManiSkill on CPU simulation, checkpoints, failures, Ctrl-C)."""
+
+import glob
+import json
+import math
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import replace
+
+import numpy as np
+import pytest
+import torch
+from conftest import DEVICES, ROOT
+
+import pql
+from toy_chain_env import ToyChainContinuousConfig, ToyChainContinuousVectorEnv
+
+GAMMA = 0.5
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# n-step targets (Sec. 3, Table B.1: n = 3) with termination and truncation kept apart
+# ----------------------------------------------------------------------------------------------------------------------
+def cols(*rows, dtype=torch.float32):
+    """(n, N) tensor from n rows of N values."""
+    return torch.tensor(rows, dtype=dtype)
+
+
+def test_nstep_targets_hand_worked():
+    # n = 3, gamma = 0.5, rewards 1, 2, 4 in every column; the columns differ in where the episode ends:
+    #   0: no end                 R = 1 + 1 + 1 = 3,  discount 0.5^3 = 0.125 (bootstrap from step 2's next obs)
+    #   1: terminated at step 1   R = 1 + 0.5*2 = 2,  discount 0             (nothing after a terminal state)
+    #   2: truncated at step 1    R = 2,              discount 0.5^2 = 0.25  (bootstrap from the true final obs)
+    #   3: terminated at step 0   R = 1,              discount 0
+    #   4: truncated at step 0    R = 1,              discount 0.5
+    #   5: truncated at step 2    R = 3,              discount 0.125
+    #   6: terminated at step 2   R = 3,              discount 0
+    #   7: truncated at 0, terminated at 2 (the next episode's end must not leak in): R = 1, discount 0.5
+    rewards = cols([1] * 8, [2] * 8, [4] * 8)
+    terms = cols([0, 0, 0, 1, 0, 0, 0, 0], [0, 1, 0, 0, 0, 0, 0, 0], [0, 0, 0, 0, 0, 0, 1, 1], dtype=torch.bool)
+    truncs = cols([0, 0, 0, 0, 1, 0, 0, 1], [0, 0, 1, 0, 0, 0, 0, 0], [0, 0, 0, 0, 0, 1, 0, 0], dtype=torch.bool)
+    returns, discounts, last = pql.nstep_targets(rewards, terms, terms | truncs, GAMMA)
+    assert returns.tolist() == [3, 2, 2, 1, 1, 3, 3, 1]
+    assert discounts.tolist() == [0.125, 0, 0.25, 0, 0.5, 0.125, 0, 0.5]
+    assert last.tolist() == [2, 1, 1, 0, 0, 2, 2, 0]
+
+
+def test_nstep_one_step_is_the_td_target():
+    r, te, tr = cols([1.5, 2.0, 3.0]), cols([0, 1, 0], dtype=torch.bool), cols([0, 0, 1], dtype=torch.bool)
+    returns, discounts, last = pql.nstep_targets(r, te, te | tr, 0.9)
+    assert returns.tolist() == [1.5, 2.0, 3.0] and last.tolist() == [0, 0, 0]
+    np.testing.assert_allclose(discounts.numpy(), [0.9, 0.0, 0.9])
+
+
+def push_all(assembler, steps):
+    """Pushes (obs, reward, terminated, truncated, true_next_obs, valid) of one env; returns the emitted transitions."""
+    out = []
+    for obs, reward, te, tr, nxt, valid in steps:
+        t = assembler.push(torch.tensor([[float(obs)]]), torch.tensor([[0.0]]), torch.tensor([float(reward)]),
+                           torch.tensor([bool(te)]), torch.tensor([bool(tr)]), torch.tensor([[float(nxt)]]),
+                           torch.tensor([bool(valid)]))
+        if t is not None:
+            out.append((t["obs"].item(), t["reward"].item(), t["discount"].item(), t["next_obs"].item(), t["valid"].item()))
+    return out
+
+
+def test_nstep_assembler_same_step_hand_worked():
+    # One env, n = 3, gamma = 0.5. Episode 1: obs 0, 1, 2; truncated at its third step: the true final obs is 3 (the
+    # env already returned the reset obs 10, and the Actor passes info["final_obs"] = 3). Episode 2: obs 10, 11;
+    # terminated at its second step (true next obs 12, reset obs 20). Then obs 20.
+    steps = [(0, 1, 0, 0, 1, 1), (1, 2, 0, 0, 2, 1), (2, 4, 0, 1, 3, 1), (10, 8, 0, 0, 11, 1), (11, 16, 1, 0, 12, 1),
+             (20, 32, 0, 0, 21, 1)]
+    emitted = push_all(pql.NStepAssembler(3, GAMMA), steps)
+    assert emitted == [
+        (0, 3.0, 0.125, 3.0, True),  # 1 + 0.5*2 + 0.25*4, truncation at the window's end: gamma^3 V(3)
+        (1, 4.0, 0.25, 3.0, True),  # 2 + 0.5*4, the truncation inside the window cuts it: gamma^2 V(true final 3)
+        (2, 4.0, 0.5, 3.0, True),  # the truncated step itself: gamma V(3), never V(reset obs 10)
+        (10, 16.0, 0.0, 12.0, True),  # 8 + 0.5*16, then a termination: no bootstrap
+    ]
+
+
+def test_nstep_assembler_next_step_mode_gives_the_same_transitions():
+    # The same trajectory in next-step mode: the step after each episode end only resets the env (its obs is the
+    # old episode's last one, reward 0, action ignored) and is not valid; it must not enter any n-step return.
+    steps = [(0, 1, 0, 0, 1, 1), (1, 2, 0, 0, 2, 1), (2, 4, 0, 1, 3, 1), (3, 0, 0, 0, 10, 0), (10, 8, 0, 0, 11, 1),
+             (11, 16, 1, 0, 12, 1), (12, 0, 0, 0, 20, 0), (20, 32, 0, 0, 21, 1)]
+    emitted = push_all(pql.NStepAssembler(3, GAMMA), steps)
+    valid = [e[:4] for e in emitted if e[4]]
+    assert [e[4] for e in emitted] == [True, True, True, False, True, True]
+    assert valid == [(0, 3.0, 0.125, 3.0), (1, 4.0, 0.25, 3.0), (2, 4.0, 0.5, 3.0), (10, 16.0, 0.0, 12.0),
+                     (11, 16.0, 0.0, 12.0)]
+
+
+def reference_nstep(rewards, terms, truncs, true_next, n, gamma):
+    """Independent reference: walk forward from each step until n steps or the episode's end."""
+    T, N = rewards.shape
+    out = []
+    for t in range(T - n + 1):
+        row = []
+        for i in range(N):
+            ret, disc, nxt = 0.0, gamma ** n, true_next[t + n - 1, i]
+            for k in range(n):
+                ret += gamma ** k * rewards[t + k, i]
+                if terms[t + k, i] or truncs[t + k, i]:
+                    disc = 0.0 if terms[t + k, i] else gamma ** (k + 1)
+                    nxt = true_next[t + k, i]
+                    break
+            row.append((ret, disc, nxt))
+        out.append(row)
+    return out
+
+
+@pytest.mark.parametrize("n", [1, 3, 5])
+def test_nstep_assembler_matches_a_reference_on_random_trajectories(n):
+    rng = np.random.default_rng(n)
+    T, N, gamma = 40, 6, 0.9
+    rewards = rng.normal(size=(T, N))
+    terms = rng.random((T, N)) < 0.1
+    truncs = (rng.random((T, N)) < 0.1) & ~terms
+    true_next = rng.normal(size=(T, N))
+    assembler = pql.NStepAssembler(n, gamma)
+    got = []
+    for t in range(T):
+        f = lambda x, dtype=torch.float64: torch.as_tensor(x[t], dtype=dtype)  # noqa: E731
+        out = assembler.push(f(rewards)[:, None], torch.zeros(N, 1), f(rewards), f(terms, torch.bool),
+                             f(truncs, torch.bool), f(true_next)[:, None], torch.ones(N, dtype=torch.bool))
+        if out is not None:
+            got.append(list(zip(out["reward"].tolist(), out["discount"].tolist(), out["next_obs"][:, 0].tolist())))
+    expected = reference_nstep(rewards, terms, truncs, true_next, n, gamma)
+    np.testing.assert_allclose(np.array(got), np.array(expected), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("mode", ["next_step", "same_step"])
+def test_truncation_bootstraps_from_the_true_final_observation_of_the_toy_chain(mode):
+    """With the env itself: the transition of the step that hits the horizon bootstraps from the final block's
+    one-hot, not from the reset observation, in both autoreset modes (the Actor's handling in train())."""
+    H, N = 10, 3
+    env = ToyChainContinuousVectorEnv(N, ToyChainContinuousConfig(horizon=H, block_length=5, progression_prob=1.0,
+                                                                 autoreset_mode=mode))
+    obs, _ = env.reset(seed=0)
+    assembler = pql.NStepAssembler(1, 0.9)
+    stale = torch.zeros(N, dtype=torch.bool)
+    emitted = []
+    for _ in range(H + 2):
+        action = torch.zeros(N, env.config.action_dim)
+        nxt, reward, te, tr, info = env.step(action)
+        true_next = nxt if mode == "next_step" else torch.where(info["_final_obs"][:, None], info["final_obs"], nxt)
+        emitted.append(assembler.push(obs, action, reward, te, tr, true_next, ~stale))
+        stale = (te | tr) & (mode == "next_step")
+        obs = nxt
+    last = emitted[H - 1]  # the step that hit the horizon
+    assert last["valid"].all() and torch.allclose(last["discount"], torch.full((N,), 0.9))
+    assert (last["next_obs"].argmax(-1) == 1).all()  # block 1, where the episode ended; the reset obs is block 0
+    if mode == "next_step":
+        assert not emitted[H]["valid"].any()  # the stale reset step
+    assert emitted[H + (mode == "next_step")]["obs"].argmax(-1).eq(0).all()
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Distributional critic (PQL-D, App. C)
+# ----------------------------------------------------------------------------------------------------------------------
+def test_categorical_projection_hand_worked():
+    support = torch.tensor([-1.0, 0.0, 1.0])
+    probs = torch.tensor([[0.2, 0.5, 0.3]] * 3)
+    returns, discounts = torch.tensor([0.5, -2.0, 2.0]), torch.tensor([0.5, 0.0, 1.0])
+    projected = pql.categorical_projection(probs, returns, discounts, support)
+    # row 0: atoms move to 0.5 + 0.5 * {-1, 0, 1} = {0, 0.5, 1}: 0.2 -> 0; 0.5 split equally between 0 and 1; 0.3 -> 1
+    # row 1: terminal (discount 0), R = -2 clamps to -1: all mass on -1; row 2: everything beyond 1 clamps to 1
+    torch.testing.assert_close(projected, torch.tensor([[0.0, 0.45, 0.55], [1.0, 0.0, 0.0], [0.0, 0.0, 1.0]]))
+
+
+def reference_projection(probs, returns, discounts, support):
+    """Independent loop version of Bellemare et al. (2017), Alg. 1."""
+    B, K = probs.shape
+    v_min, v_max = support[0], support[-1]
+    dz = (v_max - v_min) / (K - 1)
+    out = np.zeros((B, K))
+    for b in range(B):
+        for j in range(K):
+            tz = min(max(returns[b] + discounts[b] * support[j], v_min), v_max)
+            pos = (tz - v_min) / dz
+            lo, hi = int(math.floor(pos)), int(math.ceil(pos))
+            if lo == hi:
+                out[b, lo] += probs[b, j]
+            else:
+                out[b, lo] += probs[b, j] * (hi - pos)
+                out[b, hi] += probs[b, j] * (pos - lo)
+    return out
+
+
+def test_categorical_projection_matches_a_reference_and_keeps_the_mean():
+    rng = np.random.default_rng(0)
+    B, K = 64, 51
+    support = np.linspace(-10, 10, K)
+    probs = rng.dirichlet(np.ones(K), size=B)
+    returns, discounts = rng.uniform(-3, 3, B), rng.choice([0.0, 0.99 ** 3, 0.5], B)
+    t = lambda x: torch.as_tensor(x, dtype=torch.float64)  # noqa: E731
+    projected = pql.categorical_projection(t(probs), t(returns), t(discounts), t(support)).numpy()
+    np.testing.assert_allclose(projected, reference_projection(probs, returns, discounts, support), atol=1e-12)
+    np.testing.assert_allclose(projected.sum(1), 1.0, atol=1e-12)
+    # where no atom is clamped, the projection keeps the mean: E = R + discount * E[Z]
+    inside = np.all(np.abs(returns[:, None] + discounts[:, None] * support[None]) <= 10, axis=1)
+    np.testing.assert_allclose((projected * support).sum(1)[inside],
+                               (returns + discounts * (probs * support).sum(1))[inside], atol=1e-9)
+
+
+def test_distributional_critic_target_takes_the_lower_mean_head_and_sums_to_one():
+    args = pql.resolve_args(pql.Args(env_id=pql.TOY_ENV_ID, cuda=False, distributional=True, target_noise_std=0.0))
+    policy, critic = pql.build_networks(args, 10, 4)
+    v = pql.VLearner(args, 10, 4, 16, torch.device("cpu"), 0, {"policy": policy.state_dict(), "critic": critic.state_dict()})
+    next_obs = torch.randn(32, 10)
+    returns, discounts = torch.randn(32), torch.full((32,), 0.97)
+    target = v.target(returns, discounts, next_obs)
+    assert target.shape == (32, 51)
+    torch.testing.assert_close(target.sum(-1), torch.ones(32))
+    with torch.no_grad():
+        logits1, logits2 = v.critic_target(next_obs, v.policy(next_obs))
+        p1, p2 = logits1.softmax(-1), logits2.softmax(-1)
+        s = v.critic.support
+        chosen = torch.where(((p1 * s).sum(-1) <= (p2 * s).sum(-1))[:, None], p1, p2)
+    torch.testing.assert_close(target, torch.as_tensor(reference_projection(
+        chosen.double().numpy(), returns.double().numpy(), discounts.double().numpy(), s.double().numpy()),
+        dtype=torch.float32), atol=1e-5, rtol=1e-5)
+
+
+def test_scalar_critic_target_is_the_min_of_the_target_heads():
+    args = pql.resolve_args(pql.Args(env_id=pql.TOY_ENV_ID, cuda=False, target_noise_std=0.0))
+    policy, critic = pql.build_networks(args, 10, 4)
+    v = pql.VLearner(args, 10, 4, 16, torch.device("cpu"), 0, {"policy": policy.state_dict(), "critic": critic.state_dict()})
+    with torch.no_grad():
+        for p in v.critic_target.q2.parameters():
+            p.add_(0.1)  # make the two target heads differ
+    next_obs, returns, discounts = torch.randn(8, 10), torch.randn(8), torch.tensor([0.0, 0.5] * 4)
+    with torch.no_grad():
+        action = v.policy(next_obs)
+        x = torch.cat([next_obs, action], -1)
+        expected = returns + discounts * torch.min(v.critic_target.q1(x), v.critic_target.q2(x))[:, 0]
+    torch.testing.assert_close(v.target(returns, discounts, next_obs), expected)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Mixed exploration (Sec. 3.3)
+# ----------------------------------------------------------------------------------------------------------------------
+def test_mixed_exploration_sigmas_are_spread_uniformly_over_the_range():
+    torch.testing.assert_close(pql.mixed_exploration_sigmas(4, 0.05, 0.8), torch.tensor([0.05, 0.3, 0.55, 0.8]))
+    n = 4096
+    sigmas = pql.mixed_exploration_sigmas(n, 0.05, 0.8)
+    i = torch.arange(1, n + 1, dtype=torch.float64)
+    torch.testing.assert_close(sigmas.double(), 0.05 + (i - 1) / (n - 1) * 0.75)  # sigma_i of Sec. 3.3
+    assert pql.mixed_exploration_sigmas(1, 0.05, 0.8).tolist() == [pytest.approx(0.05)]
+
+
+def test_explore_adds_noise_of_each_envs_sigma_and_clips():
+    sigmas = torch.tensor([0.05, 0.2, 0.4])
+    mean = torch.zeros(3, 20000)
+    generator = torch.Generator().manual_seed(0)
+    actions = pql.explore(mean, sigmas, generator)
+    np.testing.assert_allclose(actions.std(1).numpy(), sigmas.numpy(), rtol=0.03)
+    clipped = pql.explore(torch.full((3, 1000), 0.95), sigmas, generator)
+    assert clipped.max() <= 1.0 and (clipped[2] == 1.0).float().mean() > 0.4
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Speed-ratio control (Sec. 3.2)
+# ----------------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("beta_a_v, beta_p_v", [(1 / 8, 1 / 2), (1 / 4, 1.0), (1 / 12, 1 / 3), (2.0, 1 / 2), (1.0, 2.0)])
+def test_ratio_control_never_deadlocks_and_keeps_the_ratios(beta_a_v, beta_p_v):
+    """Three processes of random, changing speeds act whenever their rule allows: none ever waits for a state that
+    cannot change (no deadlock), and the counts stay within a few updates of the target ratios."""
+    rng = random.Random(0)
+    k_v, k_p = 1 / beta_a_v, 1 / beta_p_v
+    A = V = P = 0
+    for tick in range(60_000):
+        if tick % 1000 == 0:
+            speeds = [rng.uniform(0.1, 10.0) for _ in range(3)]
+        allowed = [pql.actor_may_step(A, V, beta_a_v), pql.v_may_update(V, A, P, beta_a_v, beta_p_v),
+                   pql.p_may_update(P, V, beta_p_v)]
+        assert any(allowed), (A, V, P)
+        who = rng.choices(range(3), weights=speeds)[0]
+        if allowed[who]:
+            if who == 0:
+                A += 1
+            elif who == 1:
+                V += 1
+            else:
+                P += 1
+        assert V <= k_v * A + 1e-9 and V >= k_v * (A - 2) - 1 - 1e-9  # within two Actor steps
+        assert k_p * P <= V + 1e-9 and V <= k_p * P + 2 * max(k_p, 1) + 1e-9  # within two P-updates
+    assert A > 100
+
+
+def test_sequential_learners_do_the_ratios_exactly():
+    args = pql.resolve_args(pql.Args(env_id=pql.TOY_ENV_ID, cuda=False, batch_size=8, beta_a_v=1 / 6, beta_p_v=1 / 3,
+                                     actor_hidden_dims=(8,), critic_hidden_dims=(8,)))
+    policy, critic = pql.build_networks(args, 10, 4)
+    learners = pql.SequentialLearners(args, 10, 4, 100, {"policy": policy.state_dict(), "critic": critic.state_dict()})
+    batch = dict(obs=torch.rand(5, 10), action=torch.rand(5, 4), reward=torch.rand(5), next_obs=torch.rand(5, 10),
+                 discount=torch.rand(5), valid=torch.ones(5, dtype=torch.bool))
+    for step in range(1, 5):
+        learners.send(batch, None)
+        learners.step_done()
+        assert learners.counts() == (step, 6 * step, 2 * step)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Other pieces
+# ----------------------------------------------------------------------------------------------------------------------
+def test_replay_buffer_wraps_around_and_samples_only_what_it_holds():
+    buf = pql.ReplayBuffer(5, {"x": ((), torch.float32)}, torch.device("cpu"))
+    buf.add({"x": torch.tensor([1.0, 2.0, 3.0])})
+    g = torch.Generator().manual_seed(0)
+    assert set(buf.sample(200, g)["x"].tolist()) == {1.0, 2.0, 3.0}
+    buf.add({"x": torch.tensor([4.0, 5.0, 6.0, 7.0])})
+    assert buf.data["x"].tolist() == [6.0, 7.0, 3.0, 4.0, 5.0] and buf.size == 5 and buf.pos == 2
+    buf.add({"x": torch.arange(10.0, 22.0)})  # more than the capacity: the newest 5
+    assert sorted(buf.data["x"].tolist()) == [17.0, 18.0, 19.0, 20.0, 21.0]
+
+
+def test_soft_update_and_action_scaling():
+    a, b = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
+    expected = [0.95 * pa.detach() + 0.05 * pb.detach() for pa, pb in zip(a.parameters(), b.parameters())]
+    pql.soft_update_(a, b, 0.05)
+    for p, e in zip(a.parameters(), expected):
+        torch.testing.assert_close(p.detach(), e)
+    low, high = torch.tensor([0.0, -2.0]), torch.tensor([1.0, 2.0])
+    torch.testing.assert_close(pql.scale_action(torch.tensor([[-1.0, 1.0], [0.0, 0.0]]), low, high),
+                               torch.tensor([[0.0, 2.0], [0.5, 0.0]]))
+
+
+def test_running_mean_std_matches_numpy():
+    rng = np.random.default_rng(0)
+    batches = [rng.normal(3.0, 2.0, size=(n, 4)) for n in (7, 50, 13)]
+    rms = pql.RunningMeanStd((4,), "cpu", epsilon=1e-12)
+    for batch in batches:
+        rms.update(torch.as_tensor(batch, dtype=torch.float64))
+    data = np.concatenate(batches)
+    np.testing.assert_allclose(rms.mean.numpy(), data.mean(0), rtol=1e-9)
+    np.testing.assert_allclose(rms.var.numpy(), data.var(0), rtol=1e-9)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Arguments: presets and early, clear errors
+# ----------------------------------------------------------------------------------------------------------------------
+def test_defaults_are_table_b1():
+    a = pql.Args()
+    assert (a.batch_size, a.buffer_size, a.learning_rate, a.max_grad_norm, a.nstep, a.tau, a.gamma) == \
+        (None, 5_000_000, 5e-4, 0.5, 3, 0.05, 0.99)
+    assert (a.warm_up_steps, a.sigma_min, a.sigma_max, a.beta_a_v, a.beta_p_v) == (32, 0.05, 0.8, 1 / 8, 1 / 2)
+    assert (a.num_atoms, a.v_min, a.v_max) == (51, -10.0, 10.0)
+    assert pql.MANISKILL_GPU["num_envs"] == 4096 and pql.MANISKILL_GPU["batch_size"] == 8192
+    r = pql.resolve_args(pql.Args(env_id="PickCube-v1", cuda=False))
+    assert r.resolved_sim_backend == "physx_cpu" and r.num_envs == 8 and r.resolved_horizon == 50
+    assert r.actor_device == r.v_learner_device == r.p_learner_device == "cpu" and r.norm_obs
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(env_id="ToyChain-v0"), "use --env-id ToyChainContinuous-v0"),
+        (dict(env_id="NoSuchTask-v9"), "is not ToyChainContinuous-v0 or a registered ManiSkill3 task"),
+        (dict(actor_device="cuda:7"), "--actor-device"),
+        (dict(v_learner_device="tpu"), "--v-learner-device"),
+        (dict(env_id="PickCube-v1", sim_backend="physx_cuda"), "--sim-backend physx_cuda"),
+        (dict(beta_a_v=0.0), "--beta-a-v must be > 0"),
+        (dict(gamma=1.5), "--gamma must be in"),
+        (dict(sigma_min=0.9), "--sigma-min"),
+        (dict(distributional=True, v_min=5.0, v_max=1.0), "--v-min"),
+        (dict(total_timesteps=64 * 30), "nothing would be learned"),
+        (dict(debug_crash="v_learner", sequential=True), "--sequential has none"),
+        (dict(evaluate=True), "--evaluate needs --checkpoint"),
+        (dict(checkpoint="/nonexistent/ckpt.pt"), "no such file"),
+        (dict(horizon=10), "--toy.horizon"),
+        (dict(toy=ToyChainContinuousConfig(action_dim=0)), "--toy.action-dim"),
+    ],
+)
+def test_bad_input_is_rejected_with_the_flag_named(kwargs, message):
+    kwargs = {"env_id": pql.TOY_ENV_ID, **kwargs}
+    if kwargs.get("actor_device", "").startswith("cuda") and torch.cuda.device_count() > 7:
+        pytest.skip("this machine has a cuda:7")
+    with pytest.raises(pql.ArgsError, match=re.escape(message)):
+        pql.resolve_args(pql.Args(cuda=False, **kwargs))
+
+
+def test_replay_buffer_shrinks_with_a_message_when_memory_does_not_hold_it(monkeypatch, capsys):
+    args = pql.resolve_args(pql.Args(env_id=pql.TOY_ENV_ID, cuda=False, total_timesteps=64 * 10**6))
+    monkeypatch.setattr(pql, "free_memory_bytes", lambda device: 2 * 100_000 * (4 * (2 * 10 + 4 + 2) + 4 * 10))
+    assert pql.replay_capacity(args, 10, 4, buffer_size_given=False) == 100_000
+    assert "reduced" in capsys.readouterr().out
+    with pytest.raises(pql.ArgsError, match="--buffer-size"):
+        pql.replay_capacity(args, 10, 4, buffer_size_given=True)
+    small = replace(args, num_actor_steps=100)  # a short run never needs more than it can fill
+    assert pql.replay_capacity(small, 10, 4, buffer_size_given=False) == 100 * 64
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Runs of the script, as a user runs it, asserting on what it wrote
+# ----------------------------------------------------------------------------------------------------------------------
+SCRIPT = os.path.join(ROOT, "pql.py")
+TOY_SMALL = ["--env-id", "ToyChainContinuous-v0", "--toy.horizon", "50", "--num-envs", "32", "--num-eval-envs", "16",
+             "--batch-size", "256", "--warm-up-steps", "8", "--actor-hidden-dims", "64", "64",
+             "--critic-hidden-dims", "64", "64", "--eval-freq", "20", "--no-progress-bar"]
+
+
+def run_script(args, tmp_path, timeout=600, check=True, env=None):
+    env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
+    proc = subprocess.run([sys.executable, SCRIPT, "--output-dir", str(tmp_path), *args], capture_output=True,
+                          text=True, timeout=timeout, env=env, cwd=ROOT)
+    if check:
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
+def only_run_dir(tmp_path, pattern="*"):
+    dirs = [d for d in glob.glob(os.path.join(str(tmp_path), pattern)) if os.path.isdir(d)]
+    assert len(dirs) == 1, dirs
+    return dirs[0]
+
+
+def read_summary(run_dir):
+    with open(os.path.join(run_dir, "summary.json")) as f:
+        return json.load(f)
+
+
+def scalars(run_dir):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(run_dir, size_guidance={"scalars": 0})
+    acc.Reload()
+    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+
+
+def learner_pids(stdout):
+    return {role: int(pid) for role, pid in re.findall(r"(V-learner|P-learner) started: pid (\d+)", stdout)}
+
+
+def pid_alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie (exited, not yet reaped) is not running
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.parametrize("mode, sequential", [("next_step", False), ("same_step", True)])
+@pytest.mark.parametrize("device", DEVICES)
+def test_toy_chain_smoke(tmp_path, mode, sequential, device):
+    args = TOY_SMALL + ["--total-timesteps", str(32 * 60), "--toy.autoreset-mode", mode, "--log-freq", "5"]
+    args += (["--sequential"] if sequential else []) + (["--no-cuda"] if device == "cpu" else [])
+    proc = run_script(args, tmp_path)
+    run_dir = only_run_dir(tmp_path)
+    summary, config = read_summary(run_dir), json.load(open(os.path.join(run_dir, "config.json")))
+    assert summary["global_step"] == 32 * 60 and summary["actor_steps"] == 60 and summary["sps"] > 0
+    assert summary["mode"] == ("sequential" if sequential else "parallel")
+    assert config["toy"]["autoreset_mode"] == mode and config["v_learner_device"] == config["actor_device"]
+    assert config["actor_device"] == ("cpu" if device == "cpu" else "cuda:0")
+    # 60 Actor steps, learning from step 8: 52 learning steps, 8 V-updates and 4 P-updates each (after the drain)
+    assert (summary["pql/learning_steps"], summary["pql/v_updates"], summary["pql/p_updates"]) == (52, 416, 208)
+    assert summary["pql/ratio_a_v"] == 0.125 and summary["pql/ratio_p_v"] == 0.5
+    for key in ("eval/return", "eval/success_once", "eval/success_at_end", "eval/episode_len", "losses/qf_loss",
+                "losses/actor_loss", "charts/episodic_return", "charts/SPS", "pql/ratio_a_v_window"):
+        assert key in summary, key
+    assert summary["eval/episode_len"] == 50 and math.isfinite(summary["losses/qf_loss"])
+    s = scalars(run_dir)
+    assert [step for step, _ in s["eval/return"]] == [0, 640, 1280, 1920]
+    assert ("started: pid" in proc.stdout) != sequential
+
+
+def ratio_values(run_dir, name, min_learning_steps):
+    s = scalars(run_dir)
+    steps = dict(s["pql/learning_steps"])
+    return [v for step, v in s[name] if steps.get(step, 0) >= min_learning_steps]
+
+
+def test_ratio_control_holds_on_a_short_run(tmp_path):
+    """Non-default ratios beta_a:v = 1:4, beta_p:v = 1:1, three processes: every logged ratio (from 25 learning steps
+    on) is within 10% of its target, and the run ends exactly on it."""
+    args = TOY_SMALL + ["--total-timesteps", str(32 * 100), "--beta-a-v", "0.25", "--beta-p-v", "1.0",
+                        "--log-freq", "2", "--no-cuda"]
+    run_script(args, tmp_path)
+    run_dir = only_run_dir(tmp_path)
+    summary = read_summary(run_dir)
+    assert summary["pql/ratio_a_v"] == 0.25 and summary["pql/ratio_p_v"] == 1.0
+    assert summary["pql/v_updates"] == 4 * 92
+    a_v, p_v = ratio_values(run_dir, "pql/ratio_a_v", 25), ratio_values(run_dir, "pql/ratio_p_v", 25)
+    assert len(a_v) >= 30
+    assert all(abs(v / 0.25 - 1) <= 0.1 for v in a_v), a_v
+    assert all(abs(v - 1) <= 0.1 for v in p_v), p_v
+
+
+LEARN = ["--env-id", "ToyChainContinuous-v0", "--toy.horizon", "50", "--total-timesteps", str(64 * 240),
+         "--eval-freq", "1000", "--no-progress-bar", "--no-cuda", "--num-threads", "1"]
+
+
+@pytest.mark.parametrize("sequential", [False, True])
+def test_toy_chain_learns_in_both_modes(tmp_path, sequential):
+    """ToyChainContinuous-v0 (H = 50, 10 blocks, p_prog = 0.5): a random policy almost never reaches the last block;
+    after 240 Actor steps of 64 envs both the parallel scheme and the sequential DDPG(n) baseline do."""
+    run_script(LEARN + (["--sequential"] if sequential else []), tmp_path, timeout=900)
+    summary = read_summary(only_run_dir(tmp_path))
+    first_eval = scalars(only_run_dir(tmp_path))["eval/success_at_end"][0][1]
+    assert first_eval < 0.2
+    assert summary["eval/success_at_end"] >= 0.8, summary
+    assert summary["eval/return"] > 17.0  # of at most 25 (0.5 per step)
+
+
+def test_maniskill_cpu_simulation_smoke(tmp_path):
+    """PickCube-v1 on CPU simulation (physx_cpu, 2 env worker processes) with the three processes."""
+    args = ["--env-id", "PickCube-v1", "--num-envs", "2", "--num-eval-envs", "1", "--horizon", "20",
+            "--total-timesteps", "120", "--warm-up-steps", "10", "--batch-size", "32", "--eval-freq", "25",
+            "--actor-hidden-dims", "64", "--critic-hidden-dims", "64", "--no-cuda", "--no-progress-bar"]
+    run_script(args, tmp_path, timeout=900)
+    run_dir = only_run_dir(tmp_path)
+    summary = read_summary(run_dir)
+    assert summary["global_step"] == 120 and summary["pql/learning_steps"] == 50
+    assert summary["pql/v_updates"] == 400 and summary["pql/ratio_a_v"] == 0.125
+    assert summary["eval/episode_len"] == 20 and "eval/success_once" in summary and "eval/return" in summary
+    assert "charts/episodic_return" in summary  # episodes of 20 steps ended during training
+    config = json.load(open(os.path.join(run_dir, "config.json")))
+    assert config["resolved_sim_backend"] == "physx_cpu" and config["norm_obs"] is True
+
+
+def test_save_model_then_evaluate_then_resume(tmp_path):
+    first = tmp_path / "first"
+    run_script(TOY_SMALL + ["--total-timesteps", str(32 * 40), "--save-model", "--no-cuda", "--distributional"], first)
+    run_dir = only_run_dir(first)
+    ckpts = sorted(os.path.basename(p) for p in glob.glob(os.path.join(run_dir, "*.pt")))
+    assert ckpts == ["ckpt_640.pt", "final_ckpt.pt"]
+    ckpt = torch.load(os.path.join(run_dir, "final_ckpt.pt"), weights_only=False)
+    assert set(ckpt) >= {"policy", "policy_optimizer", "critic", "critic_target", "critic_optimizer", "obs_rms",
+                         "rng", "args", "global_step", "actor_step"}
+    assert ckpt["global_step"] == 1280 and ckpt["policy_optimizer"]["state"] and ckpt["critic_optimizer"]["state"]
+    assert ckpt["critic"]["q1.0.weight"].shape == (64, 10 + 4) and ckpt["critic"]["q1.4.weight"].shape[0] == 51
+    trained = read_summary(run_dir)
+
+    second = tmp_path / "second"
+    proc = run_script(TOY_SMALL + ["--evaluate", "--no-cuda", "--distributional", "--checkpoint",
+                                   os.path.join(run_dir, "final_ckpt.pt")], second)
+    assert "eval/return=" in proc.stdout and "started: pid" not in proc.stdout  # no learner processes
+    evaluated = read_summary(only_run_dir(second))
+    assert evaluated["global_step"] == 1280 and "charts/SPS" not in evaluated
+    assert evaluated["eval/episode_len"] == 50 and 0.0 <= evaluated["eval/success_at_end"] <= 1.0
+    assert abs(evaluated["eval/return"]) <= 25.0 and "eval/return" in trained
+
+    third = tmp_path / "third"
+    proc = run_script(TOY_SMALL + ["--total-timesteps", str(32 * 60), "--no-cuda", "--distributional",
+                                   "--checkpoint", os.path.join(run_dir, "final_ckpt.pt")], third)
+    assert "resuming from" in proc.stdout
+    resumed = read_summary(only_run_dir(third))
+    assert resumed["global_step"] == 32 * 60 and resumed["actor_steps"] == 60
+
+    proc = run_script(TOY_SMALL + ["--evaluate", "--no-cuda", "--checkpoint", os.path.join(run_dir, "final_ckpt.pt")],
+                      tmp_path / "fourth", check=False)
+    assert proc.returncode == 2 and "does not fit these networks" in proc.stderr and "--distributional" in proc.stderr
+
+
+@pytest.mark.parametrize("role", ["v_learner", "p_learner"])
+def test_a_crashing_learner_ends_the_run_with_its_traceback(tmp_path, role):
+    start = time.time()
+    proc = run_script(TOY_SMALL + ["--total-timesteps", str(32 * 10**4), "--debug-crash", role, "--no-cuda"],
+                      tmp_path, check=False, timeout=300)
+    elapsed = time.time() - start
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    name = {"v_learner": "V-learner", "p_learner": "P-learner"}[role]
+    assert f"error: the {name} process failed" in proc.stderr
+    assert "Traceback" in proc.stderr and f"RuntimeError: --debug-crash {role}" in proc.stderr
+    assert elapsed < 120, elapsed  # it fails after 20 updates; a hang would run into the 300 s timeout
+    summary = read_summary(only_run_dir(tmp_path))
+    assert summary["failed"].startswith(f"the {name} process failed")
+    for pid in learner_pids(proc.stdout).values():
+        assert not pid_alive(pid)
+
+
+def start_long_run(tmp_path, extra=()):
+    proc = subprocess.Popen([sys.executable, SCRIPT, "--output-dir", str(tmp_path), *TOY_SMALL, "--no-cuda",
+                             "--total-timesteps", str(32 * 10**5), *extra], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    pids, lines = {}, []
+    deadline = time.time() + 120
+    while len(pids) < 2 and time.time() < deadline:
+        line = proc.stdout.readline()
+        lines.append(line)
+        pids.update(learner_pids(line))
+    assert len(pids) == 2, "".join(lines)
+    return proc, pids
+
+
+def wait_for_learning(tmp_path, timeout=120):
+    """Waits until the run has written a checkpoint after learning started (ckpt_640.pt: 20 steps of 32 envs)."""
+    deadline = time.time() + timeout
+    while time.time() < deadline and not glob.glob(os.path.join(str(tmp_path), "*", "ckpt_*.pt")):
+        time.sleep(0.2)
+
+
+def test_a_killed_learner_ends_the_run_within_seconds(tmp_path):
+    proc, pids = start_long_run(tmp_path, ["--save-model"])
+    wait_for_learning(tmp_path)
+    os.kill(pids["P-learner"], signal.SIGKILL)
+    start = time.time()
+    _, stderr = proc.communicate(timeout=60)
+    assert time.time() - start < 30
+    assert proc.returncode == 1
+    assert "the P-learner process" in stderr and "killed by signal 9" in stderr
+    assert not pid_alive(pids["V-learner"])
+
+
+def test_killing_the_actor_leaves_no_orphans(tmp_path):
+    proc, pids = start_long_run(tmp_path, ["--save-model"])
+    wait_for_learning(tmp_path)
+    proc.kill()  # SIGKILL: the Actor cannot clean up; the learners notice that their parent is gone
+    proc.communicate(timeout=30)
+    deadline = time.time() + 15
+    while time.time() < deadline and any(pid_alive(pid) for pid in pids.values()):
+        time.sleep(0.2)
+    assert not any(pid_alive(pid) for pid in pids.values())
+
+
+def test_ctrl_c_shuts_down_all_three_and_writes_the_summary_and_a_checkpoint(tmp_path):
+    proc, pids = start_long_run(tmp_path, ["--save-model"])
+    wait_for_learning(tmp_path)
+    time.sleep(1.0)
+    proc.send_signal(signal.SIGINT)
+    proc.communicate(timeout=90)
+    assert proc.returncode == 130
+    run_dir = only_run_dir(tmp_path)
+    summary = read_summary(run_dir)
+    assert summary["interrupted"] is True and summary["global_step"] > 0
+    ckpt = torch.load(os.path.join(run_dir, "final_ckpt.pt"), weights_only=False)
+    assert ckpt["global_step"] == summary["global_step"] and {"policy", "critic_optimizer"} <= set(ckpt)
+    assert not glob.glob(os.path.join(run_dir, "*.tmp"))
+    assert not any(pid_alive(pid) for pid in pids.values())
+
+
+def test_bad_flag_exits_early_with_a_message_and_writes_nothing(tmp_path):
+    proc = run_script(["--env-id", "ToyChain-v0"], tmp_path, check=False)
+    assert proc.returncode == 2
+    assert "use --env-id ToyChainContinuous-v0" in proc.stderr
+    assert os.listdir(tmp_path) == []
