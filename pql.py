@@ -916,29 +916,44 @@ class Mailbox:
 
 class ParamBoard:
     """The latest published version of a flat vector (a network's parameters, or the normalizer's statistics): one
-    process publishes, others fetch when the version changed. A lock makes every fetch see one whole version."""
+    process publishes, others fetch when the version changed. A lock makes every fetch see one whole version.
+    `on_wait` (the Actor's liveness check) is called every second while the lock is busy: a process killed while it
+    held the lock must not hang the Actor."""
 
     def __init__(self, ctx, numel: int, device: torch.device):
         self.device = device
         self.flat = make_shared((numel,), torch.float32, device)
         self.version = ctx.Value("q", 0)  # its lock (recursive) guards `flat` too
 
-    def publish(self, vector: torch.Tensor) -> None:
-        with self.version.get_lock():
+    def _acquire(self, on_wait: Optional[Callable[[], None]]) -> None:
+        lock = self.version.get_lock()
+        while not lock.acquire(timeout=1.0):
+            if on_wait is not None:
+                on_wait()
+
+    def publish(self, vector: torch.Tensor, on_wait: Optional[Callable[[], None]] = None) -> None:
+        self._acquire(on_wait)
+        try:
             self.flat.copy_(vector)
             synchronize(self.device)
             synchronize(vector.device)
             self.version.value += 1
+        finally:
+            self.version.get_lock().release()
 
-    def fetch(self, since: int, device: torch.device) -> tuple[int, Optional[torch.Tensor]]:
+    def fetch(self, since: int, device: torch.device, on_wait: Optional[Callable[[], None]] = None
+              ) -> tuple[int, Optional[torch.Tensor]]:
         """(version, a copy on `device`) if a version newer than `since` was published, else (since, None)."""
         if self.version.value == since:
             return since, None
-        with self.version.get_lock():
+        self._acquire(on_wait)
+        try:
             out = self.flat.to(device, copy=True)
             synchronize(device)
             synchronize(self.device)
             return self.version.value, out
+        finally:
+            self.version.get_lock().release()
 
 
 # Per-learner statistics, written by the learner into a shared float64 CPU tensor and read by the Actor for logging.
@@ -1127,7 +1142,7 @@ class ParallelLearners:
         """Alg. 1: full transitions to the V-learner, states to the P-learner; the normalizer's statistics to both.
         Returns the seconds waited for a free slot."""
         if obs_stats is not None:
-            self.shared.obs_board.publish(obs_stats)
+            self.shared.obs_board.publish(obs_stats, on_wait=self.check)
         waited = 0.0
         for box, fields in ((self.shared.v_mailbox, None), (self.shared.p_mailbox, ("obs", "valid"))):
             waited += self.wait_until(box.has_room)
@@ -1139,7 +1154,8 @@ class ParallelLearners:
 
     def fetch_policy(self, policy: Policy) -> None:
         """Alg. 1: pi^a <- the P-learner's newest published policy."""
-        self.policy_version, flat = self.shared.policy_board.fetch(self.policy_version, next(policy.parameters()).device)
+        self.policy_version, flat = self.shared.policy_board.fetch(self.policy_version, next(policy.parameters()).device,
+                                                                  on_wait=self.check)
         if flat is not None:
             vector_to_parameters(flat, policy.parameters())
 
