@@ -9,7 +9,7 @@ these results as curves only (return vs wall-clock minutes), no table of times.
 Suites
   toy        ToyChainContinuous-v0 on the CPU (H = 50, 10 blocks, 64 envs): eval/return >= --threshold (default 20
              of at most 25). Runs: PQL (three processes, one torch thread each), --sequential with as many threads
-             as cores (torch's default), and --sequential with one thread.
+             as cores (torch's default), and (unless --no-one-thread-baseline) --sequential with one thread.
   maniskill  PickCube-v1 and PushCube-v1 with 4096 GPU-simulated envs (Table B.1 settings), all three processes on
              one GPU: eval/success_once >= --threshold (default 0.8). Needs CUDA. --fasttd3 adds a third run with
              FastTD3's published IsaacLab-manipulation settings (batch 32768, tau 0.1, noise std in [0.001, 0.4],
@@ -65,6 +65,8 @@ class Options:
     """seconds per run (default: none toy chain, 1800 ManiSkill)"""
     fasttd3: bool = False
     """maniskill: also run PQL with FastTD3's published manipulation settings"""
+    one_thread_baseline: bool = True
+    """toy: also run --sequential with one torch thread (the CPU share of one PQL process)"""
     smoke: bool = False
     """maniskill: a tiny CPU-simulation run of every variant, to check this script end to end"""
     extra: list[str] = field(default_factory=list)
@@ -78,7 +80,8 @@ def variants(options: Options) -> dict[str, list[str]]:
         return {
             "PQL (3 processes, 1 thread each)": [],
             "DDPG(n): --sequential (all cores)": ["--sequential"],
-            "DDPG(n): --sequential --num-threads 1": ["--sequential", "--num-threads", "1"],
+            **({"DDPG(n): --sequential --num-threads 1": ["--sequential", "--num-threads", "1"]}
+               if options.one_thread_baseline else {}),
         }
     out = {"PQL (3 processes, 1 GPU)": [], "DDPG(n): --sequential": ["--sequential"]}
     if options.fasttd3:
@@ -155,8 +158,7 @@ def fmt(x, digits=1) -> str:
 def write_report(options: Options, metric: str, threshold: float, results: dict, wall: float, out: Path) -> None:
     names = list(variants(options))
     lines = [f"# PQL vs DDPG(n) (--sequential): wall-clock time to {metric} >= {threshold:g}", ""]
-    lines += [f"Produced by `python benchmarks/pql_wallclock.py --suite {options.suite} --seeds {options.seeds}"
-              f"{' --smoke' if options.smoke else ''}{' --fasttd3' if options.fasttd3 else ''}` in {wall / 60:.1f} min "
+    lines += [f"Produced by `python benchmarks/pql_wallclock.py {' '.join(sys.argv[1:])}` in {wall / 60:.1f} min "
               f"on {platform.machine()} ({os.cpu_count()} CPU cores visible), run alone on the machine. "
               f"Medians over seeds; time from launching the run (process start-up, warm-up and evaluations "
               f"included, the same for every variant) to the first evaluation at or above the threshold.", ""]

@@ -499,19 +499,26 @@ def test_ratio_control_holds_on_a_short_run(tmp_path):
 
 
 LEARN = ["--env-id", "ToyChainContinuous-v0", "--toy.horizon", "50", "--total-timesteps", str(64 * 240),
-         "--eval-freq", "1000", "--no-progress-bar", "--no-cuda", "--num-threads", "1"]
+         "--eval-freq", "40", "--no-progress-bar", "--no-cuda", "--num-threads", "1"]
 
 
 @pytest.mark.parametrize("sequential", [False, True])
 def test_toy_chain_learns_in_both_modes(tmp_path, sequential):
-    """ToyChainContinuous-v0 (H = 50, 10 blocks, p_prog = 0.5): a random policy almost never reaches the last block;
-    after 240 Actor steps of 64 envs both the parallel scheme and the sequential DDPG(n) baseline do."""
+    """ToyChainContinuous-v0 (H = 50, 10 blocks, p_prog = 0.5, 4-d actions): the untrained policy (actions near 0)
+    scores about 14 of at most 25 per episode and ends in the last block in about a third of the episodes (lucky
+    gates); after 240 Actor steps of 64 envs both the parallel scheme and the sequential DDPG(n) baseline hit the
+    targets closely enough to master the blocks (measured: return about 20.5, success about 0.95 over the last
+    evaluations)."""
     run_script(LEARN + (["--sequential"] if sequential else []), tmp_path, timeout=900)
-    summary = read_summary(only_run_dir(tmp_path))
-    first_eval = scalars(only_run_dir(tmp_path))["eval/success_at_end"][0][1]
-    assert first_eval < 0.2
-    assert summary["eval/success_at_end"] >= 0.8, summary
-    assert summary["eval/return"] > 17.0  # of at most 25 (0.5 per step)
+    run_dir = only_run_dir(tmp_path)
+    s = scalars(run_dir)
+    returns, success = [v for _, v in s["eval/return"]], [v for _, v in s["eval/success_at_end"]]
+    assert len(returns) == 7  # Actor steps 0, 40, ..., 200 and the final evaluation
+    assert returns[0] < 16.0 and success[0] < 0.6, (returns, success)
+    assert np.mean(returns[-3:]) >= 19.0, returns
+    assert np.mean(success[-3:]) >= 0.75, success
+    summary = read_summary(run_dir)
+    assert summary["pql/ratio_a_v"] == 0.125 and summary["pql/ratio_p_v"] == 0.5
 
 
 def test_maniskill_cpu_simulation_smoke(tmp_path):
