@@ -1,0 +1,393 @@
+"""ppo_ver.py: sequences and packing, the packed LSTM, GAE over variable-length sequences, VER minibatches,
+importance weights, the preemption rule, the collector (VER, NoVER, sync, both autoreset modes, inflight actions),
+argument validation, and smoke runs as a user runs the script (ToyChain with heterogeneous step times, ManiSkill,
+Gymnasium envs, --recurrent, torchrun, worker crashes, Ctrl-C)."""
+
+import glob
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import replace
+
+import numpy as np
+import pytest
+import torch
+from conftest import DEVICES, ROOT
+
+import ppo_ver as ver
+from toy_chain_env import ToyChainConfig
+
+GAMMA, LAM = 0.9, 0.8
+
+
+@pytest.fixture(autouse=True)
+def one_torch_thread():
+    """Tiny networks: one thread is fastest, and robust on a machine shared with the env workers of the smoke runs."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Sequences, packing, the packed LSTM
+# ----------------------------------------------------------------------------------------------------------------------
+def test_build_sequences_groups_env_episodes_in_time_order():
+    env_ids = np.array([0, 1, 0, 1, 0, 2, 0, 1])
+    episode_ids = np.array([3, 5, 3, 6, 4, 0, 4, 6])
+    order, lengths = ver.build_sequences(env_ids, episode_ids)
+    # env 0 episode 3: steps 0, 2 | env 0 episode 4: 4, 6 | env 1 episode 5: 1 | env 1 episode 6: 3, 7 | env 2: 5
+    assert order.tolist() == [0, 2, 4, 6, 1, 3, 7, 5]
+    assert lengths.tolist() == [2, 2, 1, 2, 1]
+
+
+def test_pack_layout_hand_worked_and_matches_torch_pack_sequence():
+    lengths = np.array([2, 4, 1, 3])
+    select, batch_sizes, sorted_sequences = ver.pack_layout(lengths)
+    # flat: seq0 = 0,1 | seq1 = 2,3,4,5 | seq2 = 6 | seq3 = 7,8,9; by length: seq1, seq3, seq0, seq2
+    assert sorted_sequences.tolist() == [1, 3, 0, 2]
+    assert batch_sizes.tolist() == [4, 3, 2, 1]
+    assert select.tolist() == [2, 7, 0, 6, 3, 8, 1, 4, 9, 5]
+    rng = np.random.default_rng(0)
+    for _ in range(20):
+        lengths = rng.integers(1, 12, size=rng.integers(1, 9))
+        flat = torch.arange(int(lengths.sum()))
+        pieces = list(torch.split(flat, lengths.tolist()))
+        reference = torch.nn.utils.rnn.pack_sequence(pieces, enforce_sorted=False)
+        select, batch_sizes, _ = ver.pack_layout(lengths)
+        assert torch.equal(flat[select], reference.data)
+        assert batch_sizes.tolist() == reference.batch_sizes.tolist()
+
+
+def make_agent(obs_dim=3, act_dim=4, recurrent=True, continuous=False):
+    import gymnasium as gym
+
+    torch.manual_seed(0)
+    obs_space = gym.spaces.Box(-1, 1, (obs_dim,))
+    act_space = gym.spaces.Box(-1, 1, (act_dim,)) if continuous else gym.spaces.Discrete(act_dim)
+    return ver.Agent(obs_space, act_space, (16,), recurrent, lstm_hidden_size=8, lstm_layers=2, ent_coef=0.01,
+                     learned_ent_coef=False)
+
+
+@pytest.mark.parametrize("continuous", [False, True])
+@pytest.mark.parametrize("device", DEVICES)
+def test_packed_forward_equals_step_by_step_with_resets_at_episode_starts(device, continuous):
+    """Fig. 3C: running pieces of sequences as one PackedSequence, each from its stored state, gives exactly the
+    step-by-step outputs of an LSTM whose state is zeroed at episode starts (habitat-lab's test of the same)."""
+    agent = make_agent(continuous=continuous).to(device).double()
+    rng = np.random.default_rng(1)
+    n_envs, steps = 5, 23
+    obs = torch.as_tensor(rng.normal(size=(steps, n_envs, 3)), device=device)
+    if continuous:
+        actions = torch.as_tensor(rng.normal(size=(steps, n_envs, 4)), device=device)
+    else:
+        actions = torch.as_tensor(rng.integers(0, 4, size=(steps, n_envs)), device=device)
+    starts = rng.random((steps, n_envs)) < 0.15
+    starts[0] = True
+    # Step by step: reset the state at episode starts; remember the state each step acted from.
+    state = agent.initial_state(n_envs, device)
+    state = (state[0].double(), state[1].double())
+    stored_h, stored_c, ref_logprob, ref_entropy, ref_value = [], [], [], [], []
+    with torch.no_grad():
+        for t in range(steps):
+            keep = torch.as_tensor(~starts[t], device=device, dtype=torch.float64).view(1, -1, 1)
+            state = (state[0] * keep, state[1] * keep)
+            stored_h.append(state[0].transpose(0, 1))
+            stored_c.append(state[1].transpose(0, 1))
+            dist, value, state = agent._step(obs[t], state)
+            logprob, entropy = agent._log_prob_entropy(dist, actions[t])
+            ref_logprob.append(logprob), ref_entropy.append(entropy), ref_value.append(value)
+    ref = [torch.stack(x) for x in (ref_logprob, ref_entropy, ref_value)]  # (steps, n_envs)
+    stored_h, stored_c = torch.stack(stored_h), torch.stack(stored_c)  # (steps, n_envs, layers, hidden)
+
+    # Pieces: split every env's stream at episode starts and at random cuts (as minibatch cuts split sequences).
+    cuts = starts | (rng.random((steps, n_envs)) < 0.1)
+    pieces = []
+    for e in range(n_envs):
+        begin = 0
+        for t in range(1, steps + 1):
+            if t == steps or cuts[t, e]:
+                pieces.append([(u, e) for u in range(begin, t)])
+                begin = t
+    rng.shuffle(pieces)
+    flat = [step for piece in pieces for step in piece]
+    t_idx = torch.tensor([t for t, _ in flat], device=device)
+    e_idx = torch.tensor([e for _, e in flat], device=device)
+    first = [piece[0] for piece in pieces]
+    state0 = tuple(s[[t for t, _ in first], [e for _, e in first]].transpose(0, 1) for s in (stored_h, stored_c))
+    with torch.no_grad():
+        logprob, entropy, value = agent.evaluate(obs[t_idx, e_idx], actions[t_idx, e_idx], state0,
+                                                 np.array([len(p) for p in pieces]))
+    for got, expected in zip((logprob, entropy, value), ref):
+        torch.testing.assert_close(got, expected[t_idx, e_idx], rtol=1e-9, atol=1e-9)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# GAE over variable-length sequences
+# ----------------------------------------------------------------------------------------------------------------------
+def reference_gae_per_env(rewards, values, next_values, terminated, done, gamma, lam):
+    """Independent reference on one env's steps in time order (one rollout): sum (gamma lam)^l delta_{t+l} until
+    the episode or the rollout ends."""
+    n = len(rewards)
+    adv = np.zeros(n)
+    for t in range(n):
+        total, coef = 0.0, 1.0
+        for u in range(t, n):
+            total += coef * (rewards[u] + gamma * (0.0 if terminated[u] else next_values[u]) - values[u])
+            if done[u]:
+                break
+            coef *= gamma * lam
+        adv[t] = total
+    return adv
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2, 3])
+def test_gae_on_variable_length_sequences_equals_a_per_env_reference(seed):
+    """A VER rollout: envs with different numbers of steps, interleaved in collection order, episodes ending by
+    termination or truncation anywhere; sequences -> packed GAE -> back, against a per-env loop."""
+    rng = np.random.default_rng(seed)
+    n_envs = 6
+    steps_per_env = rng.integers(1, 25, size=n_envs)  # no per-env constraint (Sec. 2.2)
+    env_ids = rng.permutation(np.repeat(np.arange(n_envs), steps_per_env))  # collection order
+    n = len(env_ids)
+    rewards, values, next_values = rng.normal(size=n), rng.normal(size=n), rng.normal(size=n)
+    terminated = rng.random(n) < 0.08
+    truncated = (rng.random(n) < 0.08) & ~terminated
+    done = terminated | truncated
+    episode_ids = np.zeros(n, dtype=np.int64)
+    for e in range(n_envs):  # the episode counter of each env goes up after each of its episode ends
+        rows = np.flatnonzero(env_ids == e)
+        episode_ids[rows] = np.concatenate([[0], np.cumsum(done[rows])[:-1]])
+    expected = np.zeros(n)
+    for e in range(n_envs):
+        rows = np.flatnonzero(env_ids == e)
+        expected[rows] = reference_gae_per_env(rewards[rows], values[rows], next_values[rows], terminated[rows],
+                                               done[rows], GAMMA, LAM)
+
+    order, lengths = ver.build_sequences(env_ids, episode_ids)
+    select, batch_sizes, _ = ver.pack_layout(lengths)
+    t = lambda x: torch.as_tensor(x[order][select], dtype=torch.float64)  # noqa: E731
+    packed = ver.compute_gae_packed(t(rewards), t(values), t(next_values), torch.as_tensor(terminated[order][select]),
+                                    batch_sizes, GAMMA, LAM)
+    advantages = torch.empty_like(packed)
+    advantages[torch.as_tensor(select)] = packed  # back to sequence order
+    got = np.empty(n)
+    got[order] = advantages.numpy()
+    np.testing.assert_allclose(got, expected, rtol=1e-10, atol=1e-10)
+
+
+def test_gae_packed_hand_worked():
+    # Two sequences: A = [r 1, 2] ends by termination; B = [r 3] cut by the rollout end, bootstrap V' = 2.5.
+    # Packed: t0: A0, B0 | t1: A1. V = [0.5, 1.0 | 1.5].
+    select, batch_sizes, _ = ver.pack_layout(np.array([2, 1]))
+    assert select.tolist() == [0, 2, 1]
+    f = lambda *x: torch.tensor(x, dtype=torch.float64)  # noqa: E731
+    adv = ver.compute_gae_packed(f(1, 3, 2), f(0.5, 1.5, 1.0), f(1.0, 2.5, 7.0), torch.tensor([False, False, True]),
+                                 batch_sizes, GAMMA, LAM)
+    # A1 = 2 - 1 = 1 (terminal); A0 = (1 + .9*1 - .5) + .72*1 = 2.12; B0 = 3 + .9*2.5 - 1.5 = 3.75
+    np.testing.assert_allclose(adv.numpy(), [2.12, 3.75, 1.0])
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Minibatches, importance weights, preemption, filling
+# ----------------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("seed", range(5))
+def test_minibatches_cover_every_step_once_in_equal_sizes_and_split_sequences_only_at_cuts(seed):
+    rng = np.random.default_rng(seed)
+    num_minibatches = int(rng.integers(1, 6))
+    lengths = rng.integers(1, 30, size=int(rng.integers(3, 40)))
+    lengths[-1] += (-lengths.sum()) % num_minibatches  # total divisible by the number of minibatches
+    total = int(lengths.sum())
+    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
+    sequence_of = np.repeat(np.arange(len(lengths)), lengths)
+    minibatches = ver.make_minibatches(lengths, num_minibatches, rng)
+    assert len(minibatches) == num_minibatches
+    seen = np.concatenate([idx for idx, _ in minibatches])
+    assert sorted(seen.tolist()) == list(range(total))  # every step exactly once per epoch
+    assert {len(idx) for idx, _ in minibatches} == {total // num_minibatches}  # equal sizes
+    n_pieces = 0
+    for idx, piece_lengths in minibatches:
+        assert piece_lengths.sum() == len(idx) and (piece_lengths > 0).all()
+        for piece in np.split(idx, np.cumsum(piece_lengths)[:-1]):
+            # a piece is a contiguous run of one sequence, in time order
+            assert len(set(sequence_of[piece])) == 1 and (np.diff(piece) == 1).all()
+            n_pieces += 1
+    # Sequences are split only where a cut falls inside them: at most num_minibatches - 1 extra pieces.
+    cuts_inside = 0
+    for idx, _ in minibatches[1:]:
+        first = idx[0]
+        cuts_inside += first != starts[sequence_of[first]]
+    assert n_pieces == len(lengths) + cuts_inside <= len(lengths) + num_minibatches - 1
+    # Shuffled: another seed orders the sequences differently.
+    other = ver.make_minibatches(lengths, num_minibatches, np.random.default_rng(seed + 100))
+    assert not np.array_equal(np.concatenate([i for i, _ in other]), seen)
+
+
+def test_minibatches_reject_a_batch_that_does_not_split_evenly():
+    with pytest.raises(ValueError, match="equal minibatches"):
+        ver.make_minibatches(np.array([3, 4]), 2, np.random.default_rng(0))
+
+
+def test_importance_weights_hand_worked():
+    # T = 4 steps per env expected; env 0 gave 8 (w = 0.5), env 1 gave 4 (w = 1), env 2 gave 2 (T/n = 2, clipped to 1).
+    env_ids = torch.tensor([0] * 8 + [1] * 4 + [2] * 2)
+    w = ver.importance_weights(env_ids, num_envs=3, num_steps=4, clip_max=1.0)
+    assert w.tolist() == [0.5] * 8 + [1.0] * 4 + [1.0] * 2
+    w = ver.importance_weights(env_ids, num_envs=3, num_steps=4, clip_max=1.5)
+    assert w.tolist() == [0.5] * 8 + [1.0] * 4 + [1.5] * 2
+    # NoVER / sync: T steps from every env, all weights 1.
+    assert ver.importance_weights(torch.arange(3).repeat(4), 3, 4).tolist() == [1.0] * 12
+
+
+def test_preemption_rule_hand_worked():
+    # Two ranks with one env each, steps of 1 s and 2 s, T x N = 4 per rank, LT = 2 s:
+    # S(t) = min(4, t) + min(4, t // 2): S/(t+2) = 1/3, 3/4, 4/5, 6/6, 7/8, 8/10 at t = 1, 2, 3, 4, 6, 8.
+    t_star, steps, t_full = ver.optimal_preemption_time(np.array([[1.0], [2.0]]), 4, None, 2.0)
+    assert (t_star, steps, t_full) == (4.0, 6, 8.0)
+    # A long learning phase makes waiting for the straggler worth it.
+    t_star, steps, t_full = ver.optimal_preemption_time(np.array([[1.0], [2.0]]), 4, None, 100.0)
+    assert (t_star, steps) == (8.0, 8)
+    # One rank: S(t) / (t + LT) grows until the batch is full, so VER on one GPU is never preempted.
+    rng = np.random.default_rng(0)
+    t_star, steps, t_full = ver.optimal_preemption_time(rng.uniform(0.01, 0.05, size=(1, 8)), 64, None, 0.5)
+    assert t_star == t_full and steps == 64
+    # NoVER (T per env): env 0 steps every 1 s, env 1 every 3 s, T = 2, LT = 1: S(t) = min(2, t) + min(2, t // 3),
+    # S/(t+1) = 1/2, 2/3, 3/4, 3/5, 3/6, 4/7 at t = 1..6: stop at t = 3 with 3 of the 4 steps.
+    t_star, steps, t_full = ver.optimal_preemption_time(np.array([[1.0, 3.0]]), 4, 2, 1.0)
+    assert (t_star, steps, t_full) == (3.0, 3, 6.0)
+
+
+def test_fill_from_previous_tops_up_with_whole_old_sequences_cut_to_size():
+    def batch(lengths, tag):
+        n = int(np.sum(lengths))
+        x = torch.arange(n, dtype=torch.float32) + tag
+        return ver.Batch(obs=x, actions=x, logprobs=x, values=x, advantages=x, returns=x, weights=x, hidden_h=None,
+                         hidden_c=None, lengths=np.array(lengths), versions=np.full(n, tag), env_ids=np.zeros(n, int))
+
+    fresh, old = batch([3, 2], 100), batch([4, 4, 4], 0)
+    filled = ver.fill_from_previous(fresh, old, 12, np.random.default_rng(0))
+    assert len(filled) == 12 and filled.lengths[:2].tolist() == [3, 2] and filled.lengths.sum() == 12
+    assert filled.obs[:5].tolist() == [100, 101, 102, 103, 104]
+    old_part = filled.obs[5:].long().tolist()  # 7 old steps: one whole sequence of 4, then 3 of another
+    assert filled.lengths[2:].tolist() == [4, 3] and old_part[0] % 4 == 0 and old_part[4] % 4 == 0
+    assert old_part[:4] == list(range(old_part[0], old_part[0] + 4))
+    assert (filled.versions[5:] == 0).all()
+    assert ver.fill_from_previous(fresh, old, 5, np.random.default_rng(0)) is fresh
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# The collector, with the env workers simulated in this process (arrivals in a seeded random order)
+# ----------------------------------------------------------------------------------------------------------------------
+class FakeWorkers:
+    """Stands in for EnvWorkers: the envs step in this process when poll() lets them arrive, each stepping env
+    arriving with its own probability per poll (heterogeneous speeds, action-level randomness). Logs every
+    transition: (obs, action, reward, terminated, truncated, true next obs)."""
+
+    def __init__(self, args, slots, arrive_prob, seed=0):
+        self.envs = [ver.make_env(args) for _ in range(args.num_envs)]
+        self.slots, self.p, self.rng = slots, np.asarray(arrive_prob), np.random.default_rng(seed)
+        self.log = {e: [] for e in range(args.num_envs)}
+        self.current = {}
+        self.initial = list(range(args.num_envs))
+        self.stepping = []
+        for e, env in enumerate(self.envs):
+            self.current[e] = env.reset(seed=seed + e)
+            slots.obs[e] = torch.as_tensor(self.current[e])
+
+    def send_step(self, envs):
+        assert not set(envs) & set(self.stepping)  # never an action for an env that is still stepping
+        self.stepping += [int(e) for e in envs]
+
+    def poll(self, timeout):
+        if self.initial:
+            arrived, self.initial = self.initial, []
+            return arrived
+        if not self.stepping:
+            return []
+        chosen = [e for e in self.stepping if self.rng.random() < self.p[e]] or [self.stepping[0]]
+        for e in chosen:
+            self.stepping.remove(e)
+            action = self.slots.action[e].numpy().copy()
+            obs, reward, terminated, truncated, final, success = self.envs[e].step(action)
+            self.log[e].append((self.current[e], action, reward, terminated, truncated, obs if final is None else final))
+            s = self.slots
+            s.obs[e], s.reward[e], s.terminated[e], s.truncated[e] = torch.as_tensor(obs), reward, terminated, truncated
+            s.has_final_obs[e], s.success[e], s.busy_time[e] = final is not None, success, 0.001
+            if final is not None:
+                s.final_obs[e] = torch.as_tensor(final)
+            self.current[e] = obs
+        return chosen
+
+
+@pytest.mark.parametrize("mode", ["ver", "nover", "sync"])
+@pytest.mark.parametrize("autoreset", ["next_step", "same_step"])
+def test_collector_rollouts_bootstrap_and_gae_match_a_reference_on_the_logged_trajectories(mode, autoreset):
+    """Rollouts of T x N steps (VER: any env; NoVER/sync: T each), no step lost or repeated across rollouts
+    (inflight actions carried over), and advantages equal a per-env GAE reference computed from the envs' own
+    transitions with V of the true next observation (zero at terminations)."""
+    T, N = 6, 4
+    toy = ToyChainConfig(horizon=8, block_length=2, num_actions=3, progression_prob=0.5, terminal_horizon=False,
+                         autoreset_mode=autoreset)
+    args = ver.resolve_args(ver.Args(env_id="ToyChain-v0", num_envs=N, num_steps=T, toy=toy, num_minibatches=1,
+                                     variable_experience=mode == "ver", sync=mode == "sync", cuda=False,
+                                     inference_max_wait_ms=0.0 if mode != "sync" else None,
+                                     inference_min_batch=1 if mode != "sync" else None), world_size=1)
+    spec = ver.EnvSpec.of(ver.make_env(args))
+    torch.manual_seed(0)
+    agent = ver.make_agent(args, spec)
+    slots = ver.SharedSlots.allocate(N, spec)
+    workers = FakeWorkers(args, slots, arrive_prob=[0.9, 0.6, 0.3, 0.15])
+    collector = ver.Collector(args, workers, slots, agent, spec, None, torch.device("cpu"))
+    collector.wait_until_ready()
+    batches, carried, unequal = [], 0, False
+    for _ in range(12):
+        stats = collector.collect()
+        assert stats.collected == T * N and not stats.preempted
+        steps = collector.steps_in_rollout.copy()
+        if mode == "ver":
+            unequal |= steps.min() != steps.max()
+        else:
+            assert (steps == T).all()  # NoVER and sync: exactly T steps from every env
+        batch = collector.build_batch(GAMMA, LAM, 1.0)
+        assert len(batch) == T * N
+        collector.start_next_rollout()
+        carried += collector.stats.carried
+        batches.append(batch)
+    if mode == "ver":
+        assert unequal and carried > 0  # fast envs contribute more; inflight actions are carried over
+    else:
+        assert carried == 0
+    if mode == "sync":
+        assert all(size == N for size in collector.stats.batch_sizes) or autoreset == "next_step"
+
+    def value(o):
+        with torch.no_grad():
+            return float(agent.get_value(torch.as_tensor(np.array([o])), None)[0])
+
+    for e in range(N):
+        # The env's trainable transitions (next-step mode: not the reset step after an episode end), in order.
+        transitions, stale = [], False
+        for tr in workers.log[e]:
+            if not stale:
+                transitions.append(tr)
+            stale = autoreset == "next_step" and (tr[3] or tr[4])
+        position = 0
+        for batch in batches:
+            mine = np.flatnonzero(batch.env_ids == e)  # this rollout's steps of env e, in time order
+            segment = transitions[position:position + len(mine)]
+            position += len(mine)
+            assert [int(o) for o, *_ in segment] == batch.obs[mine].tolist()
+            assert [int(a) for _, a, *_ in segment] == batch.actions[mine].tolist()
+            rewards = np.array([r for _, _, r, *_ in segment])
+            terminated = np.array([te for *_, te, _, _ in segment])
+            done = np.array([te or tr for *_, te, tr, _ in segment])
+            values = np.array([value(o) for o, *_ in segment])
+            next_values = np.array([value(n) for *_, n in segment])
+            expected = reference_gae_per_env(rewards, values, next_values, terminated, done, GAMMA, LAM)
+            np.testing.assert_allclose(batch.advantages[mine].numpy(), expected, rtol=1e-5, atol=1e-5)
+            np.testing.assert_allclose(batch.returns[mine].numpy(), expected + values, rtol=1e-5, atol=1e-5)
+        assert position > 0
