@@ -1927,6 +1927,10 @@ def train(ctx: dict, start_iteration: int, global_step: int) -> None:
             run_evaluation(ctx, global_step, iteration, final=False)
     if progress is not None:
         progress.close()
+    if world.world_size > 1:  # DD-PPO keeps the ranks' weights identical: check it (summary.json)
+        flat = torch.cat([p.detach().reshape(-1).float() for p in agent.parameters()])
+        gathered = world.all_gather(flat)
+        summary["ddp/max_weight_difference"] = float((gathered - gathered[0]).abs().max())
     if world.is_main:
         run_evaluation(ctx, global_step, iteration, final=True)
 

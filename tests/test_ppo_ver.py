@@ -391,3 +391,295 @@ def test_collector_rollouts_bootstrap_and_gae_match_a_reference_on_the_logged_tr
             np.testing.assert_allclose(batch.advantages[mine].numpy(), expected, rtol=1e-5, atol=1e-5)
             np.testing.assert_allclose(batch.returns[mine].numpy(), expected + values, rtol=1e-5, atol=1e-5)
         assert position > 0
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Argument validation (before any env or process starts)
+# ----------------------------------------------------------------------------------------------------------------------
+def test_sync_is_nover_with_the_whole_batch_and_defaults_follow_habitat_lab():
+    a = ver.resolve_args(ver.Args(num_envs=6, sync=True, cuda=False), world_size=1)
+    assert (a.variable_experience, a.inference_min_batch, a.inference_max_batch) == (False, 6, 6)
+    a = ver.resolve_args(ver.Args(num_envs=16, cuda=False), world_size=1)
+    assert (a.variable_experience, a.inference_min_batch, a.inference_max_batch) == (True, 10, 16)  # N / 1.5, N
+    a = ver.resolve_args(ver.Args(num_envs=8, num_steps=16, total_timesteps=10_000, cuda=False), world_size=2)
+    assert a.batch_size == 128 and a.num_iterations == 10_000 // 256
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(sync=True, inference_min_batch=2), "--sync steps all N envs"),
+        (dict(num_envs=6, envs_per_worker=4), "--envs-per-worker"),
+        (dict(num_envs=3, num_steps=7, num_minibatches=4), "--num-minibatches 4 equal minibatches"),
+        (dict(inference_min_batch=9, inference_max_batch=4, num_envs=8), "--inference-min-batch"),
+        (dict(horizon=10), "--toy.horizon"),
+        (dict(learned_ent_coef=True, ent_coef=0.0), "--learned-ent-coef"),
+        (dict(is_clip_max=0.0), "--is-clip-max"),
+        (dict(toy=ToyChainConfig(step_time_mean=-1.0)), "--toy.step-time-mean"),
+        (dict(env_id="NoSuchEnv-v9"), "NoSuchEnv-v9"),
+        (dict(evaluate=True), "--evaluate needs --checkpoint"),
+        (dict(total_timesteps=10), "less than one rollout"),
+        (dict(dist_backend="nccl", cuda=False), "nccl needs CUDA"),
+        (dict(env_id="CartPole-v1", capture_video=True), "--capture-video"),
+    ],
+)
+def test_bad_flag_combinations_are_rejected_with_the_flag_named(kwargs, message):
+    with pytest.raises(ver.ArgsError, match=message):
+        ver.resolve_args(ver.Args(cuda=kwargs.pop("cuda", False), **kwargs), world_size=1)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Smoke tests: the script as a user runs it, asserting on what it wrote
+# ----------------------------------------------------------------------------------------------------------------------
+SCRIPT = os.path.join(ROOT, "ppo_ver.py")
+HETEROGENEOUS_TOY = ["--env-id", "ToyChain-v0", "--num-envs", "4", "--num-steps", "16", "--toy.horizon", "20",
+                     "--toy.step-time-mean", "0.002", "--toy.step-time-spread", "1.0", "--toy.step-time-jitter", "0.3",
+                     "--num-eval-episodes", "4", "--no-progress-bar", "--no-cuda"]
+
+
+def run_script(args, tmp_path, timeout=600, check=True, launcher=None):
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    command = (launcher or [sys.executable]) + [SCRIPT, "--output-dir", str(tmp_path), *args]
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
+    if check:
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return proc
+
+
+def only_run_dir(tmp_path, pattern="*"):
+    dirs = [d for d in glob.glob(os.path.join(str(tmp_path), pattern)) if os.path.isdir(d)]
+    assert len(dirs) == 1, dirs
+    return dirs[0]
+
+
+def load_summary(run_dir):
+    return json.load(open(os.path.join(run_dir, "summary.json")))
+
+
+def scalars(run_dir):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(run_dir, size_guidance={"scalars": 0})
+    acc.Reload()
+    return {tag: [e.value for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+
+
+@pytest.mark.parametrize("mode, autoreset", [("ver", "next_step"), ("nover", "same_step"), ("sync", "same_step")])
+def test_toy_chain_with_heterogeneous_step_times(tmp_path, mode, autoreset):
+    """VER, NoVER and SyncOnRL from the same script on ToyChain with episode- and action-level stragglers."""
+    flag = {"ver": [], "nover": ["--no-variable-experience"], "sync": ["--sync"]}[mode]
+    run_script(HETEROGENEOUS_TOY + ["--total-timesteps", "640", "--eval-freq", "5", "--toy.autoreset-mode", autoreset]
+               + flag, tmp_path)
+    run_dir = only_run_dir(tmp_path)
+    summary, config = load_summary(run_dir), json.load(open(os.path.join(run_dir, "config.json")))
+    assert config["variable_experience"] == (mode == "ver") and config["sync"] == (mode == "sync")
+    if autoreset == "same_step":
+        assert summary["global_step"] == 640 and summary["iteration"] == 10
+    else:  # the ignored reset steps of next-step mode are env steps too, but not learned from
+        assert summary["global_step"] > 640
+    assert summary["sps"] > 0 and summary["ideal_sps"] > 0 and summary["env_busy_time_s"] > 0
+    for key in ("eval/return", "eval/success_at_end", "charts/episodic_return", "losses/value_loss", "toy/accuracy",
+                "time/collect", "time/learn", "time/inference", "time/wait", "time/env_step", "ver/env_utilization"):
+        assert key in summary, key
+    s = scalars(run_dir)
+    assert s["ver/steps_per_env_mean"] == [16.0] * len(s["charts/SPS"])  # T x N steps per rollout
+    steps_min, steps_max = s["ver/steps_per_env_min"], s["ver/steps_per_env_max"]
+    if mode == "ver":  # no per-env constraint: fast envs give more; some steps come from the previous policy
+        assert max(b - a for a, b in zip(steps_min, steps_max)) > 0
+        assert min(s["ver/importance_weight_min"]) < 1.0 and max(s["ver/importance_weight_max"]) == 1.0
+        assert max(s["ver/stale_fraction"]) > 0 and max(s["ver/policy_version_gap_max"]) == 1.0
+    else:
+        assert steps_min == steps_max == [16.0] * len(steps_min)
+        assert set(s["ver/importance_weight_min"]) == {1.0} and set(s["ver/stale_fraction"]) == {0.0}
+    if mode == "sync":  # step all envs, wait for all of them, act on all
+        assert set(s["ver/inference_batch_size_min"]) == set(s["ver/inference_batch_size_max"]) == {4.0}
+    assert s["eval/return"] and len(s["eval/return"]) == 2  # at iteration 5 and at the end
+
+
+def test_recurrent_save_resume_and_evaluate(tmp_path):
+    first = tmp_path / "first"
+    common = HETEROGENEOUS_TOY + ["--recurrent", "--eval-freq", "2", "--toy.step-time-mean", "0.001",
+                                  "--toy.autoreset-mode", "same_step"]
+    run_script(common + ["--total-timesteps", "256", "--save-model"], first)
+    run_dir = only_run_dir(first)
+    assert sorted(os.path.basename(p) for p in glob.glob(os.path.join(run_dir, "*.pt"))) == \
+        ["ckpt_128.pt", "final_ckpt.pt"]
+    ckpt = torch.load(os.path.join(run_dir, "final_ckpt.pt"), weights_only=False)
+    assert ckpt["global_step"] == 256 and ckpt["policy_version"] == ckpt["iteration"] == 4
+    assert any(k.startswith("lstm.") for k in ckpt["agent"]) and ckpt["optimizer"]["state"]
+
+    second = tmp_path / "second"
+    proc = run_script(common + ["--total-timesteps", "512", "--checkpoint", os.path.join(run_dir, "final_ckpt.pt")],
+                      second)
+    assert "resuming from" in proc.stdout
+    resumed = load_summary(only_run_dir(second))
+    assert resumed["global_step"] == 512 and resumed["iteration"] == 8
+    assert scalars(only_run_dir(second))["charts/SPS"] and len(scalars(only_run_dir(second))["charts/SPS"]) == 4
+
+    third = tmp_path / "third"
+    run_script(common + ["--evaluate", "--checkpoint", os.path.join(run_dir, "final_ckpt.pt")], third)
+    evaluated = load_summary(only_run_dir(third))
+    assert evaluated["global_step"] == ckpt["global_step"] and "eval/return" in evaluated
+    assert "charts/SPS" not in evaluated
+
+
+def test_cartpole_learns(tmp_path):
+    """Any Gymnasium env id through the same workers: CartPole-v1 (same-step autoreset in the workers)."""
+    run_script(["--env-id", "CartPole-v1", "--num-envs", "4", "--total-timesteps", "40960", "--eval-freq", "0",
+                "--num-eval-episodes", "4", "--no-progress-bar", "--no-cuda"], tmp_path)
+    summary = load_summary(only_run_dir(tmp_path))
+    returns = scalars(only_run_dir(tmp_path))["charts/episodic_return"]
+    assert summary["global_step"] == 40960
+    assert np.mean(returns[-5:]) > 3 * np.mean(returns[:3])  # random play lasts about 20 steps
+    assert summary["eval/return"] > 60
+
+
+def test_pendulum_recurrent_continuous_actions(tmp_path):
+    run_script(["--env-id", "Pendulum-v1", "--num-envs", "2", "--num-steps", "100", "--total-timesteps", "800",
+                "--recurrent", "--learned-ent-coef", "--eval-freq", "0", "--num-eval-episodes", "2",
+                "--no-progress-bar", "--no-cuda"], tmp_path)
+    summary = load_summary(only_run_dir(tmp_path))
+    assert summary["global_step"] == 800 and summary["eval/episode_len"] == 200  # Pendulum's time limit
+    assert math.isfinite(summary["losses/value_loss"]) and summary["losses/ent_coef"] != 0.01  # alpha was learned
+
+
+def test_maniskill_cpu_task_with_two_workers(tmp_path):
+    """A ManiSkill3 task on CPU simulation, one physx_cpu env per worker process, with an evaluation video."""
+    run_script(["--env-id", "PickCube-v1", "--num-envs", "2", "--num-steps", "20", "--num-minibatches", "2",
+                "--horizon", "20", "--total-timesteps", "120", "--eval-freq", "0", "--num-eval-episodes", "1",
+                "--capture-video", "--no-progress-bar", "--no-cuda"], tmp_path, timeout=900)
+    run_dir = only_run_dir(tmp_path)
+    summary = load_summary(run_dir)
+    assert summary["global_step"] == 120 and summary["eval/episode_len"] == 20
+    assert {"eval/success_once", "eval/success_at_end", "charts/episodic_return"} <= set(summary)
+    assert json.load(open(os.path.join(run_dir, "config.json")))["norm_obs"] is True
+    assert glob.glob(os.path.join(run_dir, "videos", "**", "*.mp4"), recursive=True)
+
+
+def test_torchrun_two_ranks_with_gloo(tmp_path):
+    """DD-PPO: torchrun --nproc_per_node 2 on the CPU (gloo): gradients all-reduced, weights identical at the end,
+    the straggler preemption rule active from the second rollout on."""
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    run_script(HETEROGENEOUS_TOY + ["--total-timesteps", "1280", "--eval-freq", "0", "--toy.step-time-spread", "1.5"],
+               tmp_path, launcher=launcher)
+    run_dir = only_run_dir(tmp_path)  # one run directory (rank 0's)
+    summary = load_summary(run_dir)
+    assert summary["global_step"] >= 1280 and summary["ddp/max_weight_difference"] == 0.0
+    assert json.load(open(os.path.join(run_dir, "config.json")))["world_size"] == 2
+    s = scalars(run_dir)
+    assert len(s["ver/preemption_time"]) == len(s["charts/SPS"]) - 1 and min(s["ver/preemption_time"]) > 0
+    assert all(0.0 <= f < 1.0 for f in s["ver/filled_fraction"]) and set(s["ver/preempted_ranks"]) <= {0.0, 1.0, 2.0}
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Reliability: crashes, killed workers, Ctrl-C; no hang, no orphan processes
+# ----------------------------------------------------------------------------------------------------------------------
+def process_tree(pid):
+    """(descendant pid, depth) pairs of a process, read from /proc."""
+    children = {}
+    for path in glob.glob("/proc/[0-9]*/stat"):
+        try:
+            content = open(path).read()
+        except OSError:
+            continue
+        fields = content[content.rindex(")") + 2:].split()
+        children.setdefault(int(fields[1]), []).append(int(content.split()[0]))
+    out, stack = [], [(pid, 0)]
+    while stack:
+        parent, depth = stack.pop()
+        for child in children.get(parent, []):
+            out.append((child, depth + 1))
+            stack.append((child, depth + 1))
+    return out
+
+
+def alive(pid):
+    try:
+        content = open(f"/proc/{pid}/stat").read()
+    except OSError:
+        return False
+    return content[content.rindex(")") + 2] != "Z"
+
+
+class Watched:
+    """The script in a subprocess, with every descendant process it ever had recorded."""
+
+    def __init__(self, args, tmp_path):
+        self.proc = subprocess.Popen([sys.executable, SCRIPT, "--output-dir", str(tmp_path), *args], cwd=ROOT,
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                     env=dict(os.environ, PYTHONUNBUFFERED="1"))
+        self.seen = {}
+        self.start = time.time()
+
+    def watch(self):
+        self.seen.update(process_tree(self.proc.pid))
+
+    def workers(self):
+        return [pid for pid, depth in process_tree(self.proc.pid) if depth == 2]  # forkserver children
+
+    def wait(self, timeout):
+        while self.proc.poll() is None and time.time() - self.start < timeout:
+            self.watch()
+            time.sleep(0.1)
+        out, err = self.proc.communicate(timeout=30)
+        return self.proc.returncode, out, err, time.time() - self.start
+
+    def assert_nothing_left(self):
+        deadline = time.time() + 15
+        while time.time() < deadline and any(alive(p) for p in self.seen):
+            time.sleep(0.2)
+        assert self.seen and not [p for p in self.seen if alive(p)]
+
+
+def test_a_crashing_worker_ends_the_run_with_its_traceback(tmp_path):
+    run = Watched(HETEROGENEOUS_TOY + ["--total-timesteps", "1000000", "--toy.crash-at-step", "40"], tmp_path)
+    code, _, err, elapsed = run.wait(timeout=120)
+    assert code == 1, err[-3000:]
+    assert "an env worker failed" in err and "Traceback" in err and "deliberate crash in step() call 40" in err
+    assert elapsed < 90  # no hang: the error surfaces as soon as the main process hears from the worker
+    run.assert_nothing_left()
+    summary = load_summary(only_run_dir(tmp_path))
+    assert "deliberate crash" in summary["error"] and summary["global_step"] < 1000000
+
+
+def test_a_killed_worker_ends_the_run_and_nothing_is_left_behind(tmp_path):
+    run = Watched(HETEROGENEOUS_TOY + ["--total-timesteps", "1000000", "--eval-freq", "0"], tmp_path)
+    deadline = time.time() + 120
+    while time.time() < deadline and len(run.workers()) < 4:
+        run.watch()
+        time.sleep(0.2)
+    time.sleep(2.0)
+    run.watch()
+    victim = run.workers()[1]
+    os.kill(victim, signal.SIGKILL)
+    killed_at = time.time()
+    code, _, err, _ = run.wait(timeout=120)
+    assert code == 1 and f"(pid {victim}) died with exit code -9" in err, err[-3000:]
+    assert run.proc.returncode is not None and time.time() - killed_at < 60
+    run.assert_nothing_left()
+
+
+def test_ctrl_c_writes_the_summary_and_a_checkpoint(tmp_path):
+    run = Watched(HETEROGENEOUS_TOY + ["--total-timesteps", "1000000", "--eval-freq", "2", "--save-model"], tmp_path)
+    deadline = time.time() + 120
+    while time.time() < deadline and not glob.glob(os.path.join(str(tmp_path), "*", "ckpt_*.pt")):
+        run.watch()
+        time.sleep(0.2)
+    time.sleep(1.0)
+    run.watch()
+    run.proc.send_signal(signal.SIGINT)
+    code, _, err, _ = run.wait(timeout=60)
+    assert code == 130, err[-3000:]
+    run.assert_nothing_left()
+    run_dir = only_run_dir(tmp_path)
+    summary = load_summary(run_dir)
+    assert summary["interrupted"] is True and summary["global_step"] > 0
+    ckpt = torch.load(os.path.join(run_dir, "final_ckpt.pt"), weights_only=False)
+    assert ckpt["global_step"] == summary["global_step"] and ckpt["iteration"] == summary["iteration"]
+    assert not glob.glob(os.path.join(run_dir, "*.tmp"))
+
+
+def test_bad_flags_exit_early_with_a_message_and_start_nothing(tmp_path):
+    proc = run_script(["--sync", "--inference-min-batch", "2"], tmp_path, check=False)
+    assert proc.returncode == 2 and "error: --sync steps all N envs" in proc.stderr
+    assert os.listdir(tmp_path) == []
