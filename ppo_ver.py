@@ -39,6 +39,7 @@ Examples
 
 from __future__ import annotations
 
+import copy
 import ctypes
 import glob
 import json
@@ -178,6 +179,9 @@ class Args:
     """truncation of the importance weights T / n_e that correct VER's biased sampling (Sec. 4: 1.0)"""
     importance_weights: bool = True
     """weight the losses by the truncated importance weights (--no-importance-weights to ablate)"""
+    overlap_learning: bool = False
+    """collect the next rollout while learning on this one (its experience is then one policy version old), as
+    habitat-lab's overlap_rollouts_and_learn; off by default, as in the paper (Sec. 2.1)"""
     worker_timeout: float = 300.0
     """seconds without any env worker answering before the run is stopped as hung"""
 
@@ -332,6 +336,9 @@ def resolve_args(args: Args, world_size: Optional[int] = None) -> Args:
         raise ArgsError(f"--inference-max-wait-ms must be >= 0, got {a.inference_max_wait_ms}")
     if a.is_clip_max <= 0:
         raise ArgsError(f"--is-clip-max must be > 0 (the paper uses 1.0), got {a.is_clip_max}")
+    if a.overlap_learning and a.world_size > 1 and a.straggler_preemption:
+        raise ArgsError("--overlap-learning collects while learning, so the straggler preemption of Sec. 2.3 "
+                        "(which ends collection to start learning) does not apply: add --no-straggler-preemption")
     if a.worker_timeout <= 0:
         raise ArgsError(f"--worker-timeout must be > 0 seconds, got {a.worker_timeout}")
     if a.ent_coef is None:
@@ -1080,6 +1087,7 @@ class RolloutStats:
     preempted: bool = False
     carried: int = 0  # steps in flight carried into the next rollout
     pending: int = 0  # envs waiting for an action at the end
+    duration: float = 0.0  # seconds from the start to the end of the rollout
 
 
 class Collector:
@@ -1191,6 +1199,7 @@ class Collector:
             self._step_batch(budget)
         self._bootstrap_waiting()
         self.stats.pending = len(self.pending) + len(self.held)
+        self.stats.duration = time.perf_counter() - self.rollout_start
         return self.stats
 
     def _wait_for_requests(self, deadline: float) -> None:
@@ -1380,6 +1389,32 @@ class Collector:
         with np.errstate(invalid="ignore", divide="ignore"):
             tau = self.interval_sum / self.interval_count
         return np.where(self.interval_count > 0, tau, duration)
+
+
+class BackgroundRollout:
+    """--overlap-learning: the next rollout is collected in a thread while the main thread learns (habitat-lab's
+    overlap_rollouts_and_learn; the paper's default does not overlap, Sec. 2.1 / App. A). Torch releases the GIL in
+    its kernels, so collection and learning proceed together; all of the rollout is then one policy version old."""
+
+    def __init__(self, collector: Collector):
+        import threading
+
+        self.error: Optional[BaseException] = None
+        self.stats: Optional[RolloutStats] = None
+        self.thread = threading.Thread(target=self._run, args=(collector,), name="ver-collector", daemon=True)
+        self.thread.start()
+
+    def _run(self, collector: Collector) -> None:
+        try:
+            self.stats = collector.collect()
+        except BaseException as error:  # handed to the main thread by result()
+            self.error = error
+
+    def result(self) -> RolloutStats:
+        self.thread.join()
+        if self.error is not None:
+            raise self.error
+        return self.stats
 
 
 # =====================================================================================================================
@@ -1750,7 +1785,8 @@ def run(args: Args, world: World) -> dict:
     start_global_step = global_step
     workers = None
     context = dict(args=args, world=world, agent=agent, optimizer=optimizer, obs_rms=obs_rms, logger=logger,
-                   run_dir=run_dir, eval_envs=eval_envs, summary=summary, totals=totals, spec=spec, device=device)
+                   run_dir=run_dir, eval_envs=eval_envs, summary=summary, totals=totals, spec=spec, device=device,
+                   policy_version=policy_version)
     try:
         if args.evaluate:
             metrics = evaluate(agent, eval_envs, obs_rms, args.num_eval_episodes, args.seed + 10_000, device)
@@ -1774,7 +1810,7 @@ def run(args: Args, world: World) -> dict:
             print("interrupted: writing summary.json" + (" and a checkpoint" if args.save_model else ""), file=sys.stderr)
             if args.save_model and "iteration" in summary and "collector" in context:
                 save_checkpoint(run_dir / "final_ckpt.pt", agent, optimizer, obs_rms, summary["global_step"],
-                                summary["iteration"], context["collector"].policy_version, args)
+                                summary["iteration"], context["policy_version"], args)
         raise
     finally:
         if workers is not None:
@@ -1806,6 +1842,11 @@ def train(ctx: dict, start_iteration: int, global_step: int) -> None:
         block_accuracy_history: list[np.ndarray] = []
     previous: Optional[Batch] = None
     learn_time = 0.0
+    version = ctx["policy_version"]  # updates made so far (the learner's policy version)
+    overlap = args.overlap_learning
+    background: Optional[BackgroundRollout] = None
+    if overlap:  # the collector acts with its own copy of the weights, refreshed after every update
+        collector.agent = copy.deepcopy(agent).requires_grad_(False)
     train_start = time.time()
     start_step = global_step
     progress = None
@@ -1829,8 +1870,15 @@ def train(ctx: dict, start_iteration: int, global_step: int) -> None:
         if world.world_size > 1 and args.straggler_preemption and previous is not None:
             deadline, t_star = preemption_deadline(collector, world, args, learn_time)
         collect_start = time.perf_counter()
-        stats = collector.collect(collect_start + deadline)
-        collect_time = time.perf_counter() - collect_start
+        if background is not None:  # --overlap-learning: the rollout collected while the last update ran
+            stats = background.result()
+            background = None
+            collector.agent.load_state_dict(agent.state_dict())
+            collector.policy_version = version
+        else:
+            stats = collector.collect(collect_start + deadline)
+        collect_time = time.perf_counter() - collect_start  # the time the learner waited for experience
+        sync_obs_rms(obs_rms, world)
 
         # ---- learning (Sec. 2.2, 4): returns over sequences, importance weights, PPO ------------------------------
         learn_start = time.perf_counter()
@@ -1842,13 +1890,7 @@ def train(ctx: dict, start_iteration: int, global_step: int) -> None:
         if fresh < args.batch_size:  # preempted (Sec. 2.3): fill up with the previous rollout's experience
             batch = fill_from_previous(batch, previous, args.batch_size, rng)
         previous = batch
-        version_gap = collector.policy_version - batch.versions
-        update_start = time.perf_counter()
-        losses = ppo_update(args, agent, optimizer, batch, world, rng)
-        update_time = time.perf_counter() - update_start
-        collector.policy_version += 1
-        sync_obs_rms(obs_rms, world)
-        learn_time = time.perf_counter() - learn_start
+        version_gap = version - batch.versions
 
         # ---- counters of all ranks ---------------------------------------------------------------------------------
         episodes = np.array(stats.episodes, dtype=np.float64).reshape(-1, 4)
@@ -1856,6 +1898,18 @@ def train(ctx: dict, start_iteration: int, global_step: int) -> None:
                               float(stats.preempted), args.batch_size - fresh], dtype=torch.float64)
         total = world.all_reduce_sum(local).tolist()
         global_step += int(total[0])
+
+        if overlap and global_step < args.total_timesteps:
+            background = BackgroundRollout(collector)  # collects the next rollout during this update
+        update_start = time.perf_counter()
+        losses = ppo_update(args, agent, optimizer, batch, world, rng)
+        update_time = time.perf_counter() - update_start
+        version += 1
+        ctx["policy_version"] = version
+        if not overlap:
+            collector.policy_version = version
+        learn_time = time.perf_counter() - learn_start
+
         if progress is not None:
             progress.update(int(total[0]))
         totals["collect_time_s"] += collect_time
@@ -1898,7 +1952,7 @@ def train(ctx: dict, start_iteration: int, global_step: int) -> None:
         log("ver/inflight_carried", stats.carried, global_step)
         log("ver/waiting_at_end", stats.pending, global_step)
         log("ver/num_sequences", len(batch.lengths), global_step)
-        log("ver/env_utilization", stats.env_busy / (args.num_envs * max(collect_time, 1e-9)), global_step)
+        log("ver/env_utilization", stats.env_busy / (args.num_envs * max(stats.duration, 1e-9)), global_step)
         log("ver/preempted_ranks", total[8], global_step)
         log("ver/filled_fraction", total[9] / (args.batch_size * world.world_size), global_step)
         if not math.isnan(t_star):
@@ -1946,7 +2000,7 @@ def run_evaluation(ctx: dict, global_step: int, iteration: int, final: bool) -> 
     if args.save_model:
         name = "final_ckpt.pt" if final else f"ckpt_{global_step}.pt"
         save_checkpoint(ctx["run_dir"] / name, ctx["agent"], ctx["optimizer"], ctx["obs_rms"], global_step, iteration,
-                        ctx["collector"].policy_version, args)
+                        ctx["policy_version"], args)
 
 
 if __name__ == "__main__":

@@ -464,15 +464,18 @@ def scalars(run_dir):
     return {tag: [e.value for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
 
 
-@pytest.mark.parametrize("mode, autoreset", [("ver", "next_step"), ("nover", "same_step"), ("sync", "same_step")])
+@pytest.mark.parametrize("mode, autoreset", [("ver", "next_step"), ("nover", "same_step"), ("sync", "same_step"),
+                                            ("overlap", "same_step")])
 def test_toy_chain_with_heterogeneous_step_times(tmp_path, mode, autoreset):
-    """VER, NoVER and SyncOnRL from the same script on ToyChain with episode- and action-level stragglers."""
-    flag = {"ver": [], "nover": ["--no-variable-experience"], "sync": ["--sync"]}[mode]
+    """VER, NoVER and SyncOnRL from the same script on ToyChain with episode- and action-level stragglers (and VER
+    with --overlap-learning)."""
+    flag = {"ver": [], "nover": ["--no-variable-experience"], "sync": ["--sync"], "overlap": ["--overlap-learning"]}[mode]
     run_script(HETEROGENEOUS_TOY + ["--total-timesteps", "640", "--eval-freq", "5", "--toy.autoreset-mode", autoreset]
                + flag, tmp_path)
     run_dir = only_run_dir(tmp_path)
     summary, config = load_summary(run_dir), json.load(open(os.path.join(run_dir, "config.json")))
-    assert config["variable_experience"] == (mode == "ver") and config["sync"] == (mode == "sync")
+    assert config["variable_experience"] == (mode in ("ver", "overlap")) and config["sync"] == (mode == "sync")
+    assert config["overlap_learning"] == (mode == "overlap")
     if autoreset == "same_step":
         assert summary["global_step"] == 640 and summary["iteration"] == 10
     else:  # the ignored reset steps of next-step mode are env steps too, but not learned from
@@ -484,10 +487,13 @@ def test_toy_chain_with_heterogeneous_step_times(tmp_path, mode, autoreset):
     s = scalars(run_dir)
     assert s["ver/steps_per_env_mean"] == [16.0] * len(s["charts/SPS"])  # T x N steps per rollout
     steps_min, steps_max = s["ver/steps_per_env_min"], s["ver/steps_per_env_max"]
-    if mode == "ver":  # no per-env constraint: fast envs give more; some steps come from the previous policy
+    if mode in ("ver", "overlap"):  # no per-env constraint: fast envs give more; inflight actions are carried over
         assert max(b - a for a, b in zip(steps_min, steps_max)) > 0
         assert min(s["ver/importance_weight_min"]) < 1.0 and max(s["ver/importance_weight_max"]) == 1.0
-        assert max(s["ver/stale_fraction"]) > 0 and max(s["ver/policy_version_gap_max"]) == 1.0
+    if mode == "ver":  # carried-over steps come from the previous policy
+        assert 0 < max(s["ver/stale_fraction"]) < 1 and max(s["ver/policy_version_gap_max"]) == 1.0
+    elif mode == "overlap":  # collected during the previous update: all one version old, carried ones two
+        assert set(s["ver/stale_fraction"][1:]) == {1.0} and max(s["ver/policy_version_gap_max"]) == 2.0
     else:
         assert steps_min == steps_max == [16.0] * len(steps_min)
         assert set(s["ver/importance_weight_min"]) == {1.0} and set(s["ver/stale_fraction"]) == {0.0}
