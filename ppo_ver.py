@@ -165,8 +165,7 @@ class Args:
 
     # ---- VER (Sec. 2) ----------------------------------------------------------------------------------------------
     variable_experience: bool = True
-    """variable experience rollout: T x N steps per rollout from any envs (Sec. 2.2); --no-variable-experience is
-    NoVER: the same workers and dynamic batching, but exactly T steps from every env"""
+    """variable experience rollout: T x N steps per rollout from any envs (Sec. 2.2); --no-variable-experience is NoVER: the same workers and dynamic batching, but exactly T steps from every env"""
     sync: bool = False
     """SyncOnRL (DD-PPO's collection): step all envs, wait for all of them, then act; implies NoVER"""
     inference_min_batch: Optional[int] = None
@@ -180,15 +179,13 @@ class Args:
     importance_weights: bool = True
     """weight the losses by the truncated importance weights (--no-importance-weights to ablate)"""
     overlap_learning: bool = False
-    """collect the next rollout while learning on this one (its experience is then one policy version old), as
-    habitat-lab's overlap_rollouts_and_learn; off by default, as in the paper (Sec. 2.1)"""
+    """collect the next rollout while learning on this one (its experience is then one policy version old), as habitat-lab's overlap_rollouts_and_learn; off by default, as in the paper (Sec. 2.1)"""
     worker_timeout: float = 300.0
     """seconds without any env worker answering before the run is stopped as hung"""
 
     # ---- DD-PPO (Sec. 2.3), launched with torchrun ----------------------------------------------------------------
     straggler_preemption: bool = True
-    """with torchrun (world size > 1): end each rollout at the S that maximizes S / (Time(S) + LT) (Sec. 2.3) and
-    fill preempted ranks' batches with experience from the previous rollout"""
+    """with torchrun (world size > 1): end each rollout at the S that maximizes S / (Time(S) + LT) (Sec. 2.3) and fill preempted ranks' batches with experience from the previous rollout"""
     dist_backend: Literal["auto", "nccl", "gloo"] = "auto"
     """torch.distributed backend (auto: NCCL with CUDA, gloo on CPU)"""
 
@@ -1674,8 +1671,9 @@ def evaluate(agent: Agent, envs: list[EnvAdapter], obs_rms: Optional[RunningMean
         success_once, success_end = np.zeros(k, dtype=bool), np.zeros(k, dtype=bool)
         while active.any():
             x = torch.as_tensor(obs, device=device)
+            x = x.float() if x.is_floating_point() else x
             if obs_rms is not None:
-                x = obs_rms.normalize(x.float())
+                x = obs_rms.normalize(x)
             action, state = agent.deterministic_action(x, state)
             action = action.cpu().numpy()
             for i in np.flatnonzero(active):
@@ -1741,9 +1739,23 @@ def run(args: Args, world: World) -> dict:
     torch.manual_seed(args.seed)  # the same initial weights on every rank (broadcast below as well)
     torch.backends.cudnn.deterministic = args.torch_deterministic
 
-    # Evaluation envs (rank 0) also tell the spaces; other ranks build one env to read them. No process starts yet.
+    # One env tells the spaces (rank 0 keeps it as its first evaluation env); then the network and the checkpoint.
+    # Anything wrong so far is reported before a file is written or a process is started.
     probe = make_env(args, evaluation=True)
     spec = EnvSpec.of(probe)
+    agent = make_agent(args, spec).to(device)
+    optimizer = torch.optim.Adam(agent.parameters(), lr=args.learning_rate, eps=1e-5)
+    obs_rms = RunningMeanStd(spec.obs_shape, device) if args.norm_obs and spec.obs_dtype == torch.float32 else None
+    start_iteration, global_step, policy_version = 1, 0, 0
+    if args.checkpoint:
+        ckpt = load_checkpoint(args.checkpoint, agent, None if args.evaluate else optimizer, obs_rms)
+        start_iteration, global_step = ckpt["iteration"] + 1, ckpt["global_step"]
+        policy_version = ckpt.get("policy_version", 0)
+        if not args.evaluate:
+            restore_rng(ckpt["rng"])
+            if world.is_main:
+                print(f"resuming from {args.checkpoint} at iteration {start_iteration}, global step {global_step}")
+
     run_name = run_dir = logger = None
     if world.is_main:
         run_name, run_dir = make_run_dir(args)
@@ -1758,19 +1770,6 @@ def run(args: Args, world: World) -> dict:
         eval_envs = [probe] + [make_env(args, evaluation=True) for _ in range(args.num_eval_envs - 1)]
     else:
         probe.close()
-
-    agent = make_agent(args, spec).to(device)
-    optimizer = torch.optim.Adam(agent.parameters(), lr=args.learning_rate, eps=1e-5)
-    obs_rms = RunningMeanStd(spec.obs_shape, device) if args.norm_obs and spec.obs_dtype == torch.float32 else None
-    start_iteration, global_step, policy_version = 1, 0, 0
-    if args.checkpoint:
-        ckpt = load_checkpoint(args.checkpoint, agent, None if args.evaluate else optimizer, obs_rms)
-        start_iteration, global_step = ckpt["iteration"] + 1, ckpt["global_step"]
-        policy_version = ckpt.get("policy_version", 0)
-        if not args.evaluate:
-            restore_rng(ckpt["rng"])
-            if world.is_main:
-                print(f"resuming from {args.checkpoint} at iteration {start_iteration}, global step {global_step}")
     if world.world_size > 1:
         for tensor in agent.state_dict().values():
             if tensor.is_floating_point():
