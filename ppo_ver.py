@@ -1762,14 +1762,6 @@ def run(args: Args, world: World) -> dict:
         (run_dir / "config.json").write_text(json.dumps(asdict(args), indent=2))
         logger = Logger(run_dir, args, run_name)
     run_name = world.broadcast_object(run_name)
-    eval_envs: list[EnvAdapter] = []
-    if world.is_main:
-        if args.capture_video:
-            probe.close()
-            probe = make_env(args, evaluation=True, video_dir=str(run_dir / "videos"))
-        eval_envs = [probe] + [make_env(args, evaluation=True) for _ in range(args.num_eval_envs - 1)]
-    else:
-        probe.close()
     if world.world_size > 1:
         for tensor in agent.state_dict().values():
             if tensor.is_floating_point():
@@ -1784,9 +1776,20 @@ def run(args: Args, world: World) -> dict:
     start_global_step = global_step
     workers = None
     context = dict(args=args, world=world, agent=agent, optimizer=optimizer, obs_rms=obs_rms, logger=logger,
-                   run_dir=run_dir, eval_envs=eval_envs, summary=summary, totals=totals, spec=spec, device=device,
+                   run_dir=run_dir, eval_envs=[], summary=summary, totals=totals, spec=spec, device=device,
                    policy_version=policy_version)
+    eval_envs: list[EnvAdapter] = [probe]
     try:
+        if world.is_main:
+            if args.capture_video:
+                eval_envs = []
+                probe.close()
+                eval_envs = [make_env(args, evaluation=True, video_dir=str(run_dir / "videos"))]
+            eval_envs += [make_env(args, evaluation=True) for _ in range(args.num_eval_envs - 1)]
+            context["eval_envs"] = eval_envs
+        else:
+            eval_envs = []
+            probe.close()
         if args.evaluate:
             metrics = evaluate(agent, eval_envs, obs_rms, args.num_eval_episodes, args.seed + 10_000, device)
             for k, v in metrics.items():
