@@ -48,6 +48,7 @@ import os
 import random
 import signal
 import sys
+import threading
 import time
 import traceback
 from collections import deque
@@ -1394,8 +1395,6 @@ class BackgroundRollout:
     its kernels, so collection and learning proceed together; all of the rollout is then one policy version old."""
 
     def __init__(self, collector: Collector):
-        import threading
-
         self.error: Optional[BaseException] = None
         self.stats: Optional[RolloutStats] = None
         self.thread = threading.Thread(target=self._run, args=(collector,), name="ver-collector", daemon=True)
@@ -1714,7 +1713,7 @@ def _terminate(signum, frame):
 # =====================================================================================================================
 def main(args: Args) -> dict:
     args = resolve_args(args)
-    if threading_is_main():
+    if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, _terminate)
     world = init_world(args)
     try:
@@ -1722,12 +1721,6 @@ def main(args: Args) -> dict:
     finally:
         if world.world_size > 1 and dist.is_initialized():
             dist.destroy_process_group()
-
-
-def threading_is_main() -> bool:
-    import threading
-
-    return threading.current_thread() is threading.main_thread()
 
 
 def run(args: Args, world: World) -> dict:

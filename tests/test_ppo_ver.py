@@ -502,10 +502,12 @@ def test_toy_chain_with_heterogeneous_step_times(tmp_path, mode, autoreset):
     assert s["eval/return"] and len(s["eval/return"]) == 2  # at iteration 5 and at the end
 
 
-def test_recurrent_save_resume_and_evaluate(tmp_path):
+@pytest.mark.parametrize("device", DEVICES)
+def test_recurrent_save_resume_and_evaluate(tmp_path, device):
+    """--recurrent (LSTM over packed sequences; cuDNN on a GPU), checkpoints that resume and evaluate."""
     first = tmp_path / "first"
-    common = HETEROGENEOUS_TOY + ["--recurrent", "--eval-freq", "2", "--toy.step-time-mean", "0.001",
-                                  "--toy.autoreset-mode", "same_step"]
+    common = HETEROGENEOUS_TOY[:-1] + ["--recurrent", "--eval-freq", "2", "--toy.step-time-mean", "0.001",
+                                       "--toy.autoreset-mode", "same_step", "--cuda" if device == "cuda" else "--no-cuda"]
     run_script(common + ["--total-timesteps", "256", "--save-model"], first)
     run_dir = only_run_dir(first)
     assert sorted(os.path.basename(p) for p in glob.glob(os.path.join(run_dir, "*.pt"))) == \
@@ -573,12 +575,15 @@ def test_maniskill_cpu_task_with_two_workers(tmp_path):
     assert glob.glob(os.path.join(run_dir, "videos", "**", "*.mp4"), recursive=True)
 
 
-def test_torchrun_two_ranks_with_gloo(tmp_path):
-    """DD-PPO: torchrun --nproc_per_node 2 on the CPU (gloo): gradients all-reduced, weights identical at the end,
-    the straggler preemption rule active from the second rollout on."""
+@pytest.mark.parametrize("backend", ["gloo", pytest.param("nccl", marks=pytest.mark.skipif(
+    torch.cuda.device_count() < 2, reason="NCCL with 2 ranks needs 2 GPUs"))])
+def test_torchrun_two_ranks(tmp_path, backend):
+    """DD-PPO: torchrun --nproc_per_node 2, gloo on the CPU (NCCL on 2 GPUs): gradients all-reduced, weights identical
+    at the end, the straggler preemption rule active from the second rollout on."""
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
-    run_script(HETEROGENEOUS_TOY + ["--total-timesteps", "1280", "--eval-freq", "0", "--toy.step-time-spread", "1.5"],
-               tmp_path, launcher=launcher)
+    device_flag = ["--cuda"] if backend == "nccl" else ["--no-cuda"]
+    run_script(HETEROGENEOUS_TOY[:-1] + device_flag + ["--total-timesteps", "1280", "--eval-freq", "0",
+                                                       "--toy.step-time-spread", "1.5"], tmp_path, launcher=launcher)
     run_dir = only_run_dir(tmp_path)  # one run directory (rank 0's)
     summary = load_summary(run_dir)
     assert summary["global_step"] >= 1280 and summary["ddp/max_weight_difference"] == 0.0
