@@ -1567,7 +1567,7 @@ def ppo_update(args: Args, agent: Agent, optimizer: torch.optim.Optimizer, batch
             break
     names = ("policy_loss", "value_loss", "entropy", "old_approx_kl", "approx_kl", "clipfrac", "grad_norm", "ent_coef")
     out = dict(zip(names, (totals / max(updates, 1)).tolist()))
-    out["ent_coef"] = float(agent.log_ent_coef.exp())
+    out["ent_coef"] = float(agent.log_ent_coef.detach().exp())
     out["minibatch_updates"] = updates
     with torch.no_grad():
         var_returns = batch.returns.var()

@@ -177,65 +177,78 @@ def median(rows: list[dict], key: str, **match) -> float:
     return float(np.median(values)) if values else float("nan")
 
 
-def write_report(o: Options, throughput: list[dict], efficiency: list[dict], minutes: float) -> None:
+def report_header(title: str, experiment: str, minutes: float) -> list[str]:
+    return [f"# ppo_ver.py: {title}", "",
+            f"Produced by `python benchmarks/ver_throughput.py --experiment {experiment}` in {minutes:.1f} min "
+            f"on {os.cpu_count()} CPU core(s) ({platform.processor() or platform.machine()}), no GPU: envs, "
+            f"inference and learning all on the CPU."]
+
+
+def write_throughput_report(o: Options, throughput: list[dict], minutes: float) -> None:
+    """benchmarks/results/ver_throughput.{md,json,png}."""
     out = Path(o.output)
-    lines = ["# ppo_ver.py: VER vs NoVER vs SyncOnRL (VER paper, Table 1 and Sec. 5)", ""]
-    lines.append(f"Produced by `python benchmarks/ver_throughput.py --experiment {o.experiment}` in {minutes:.0f} min "
-                 f"on {os.cpu_count()} CPU core(s) ({platform.processor() or platform.machine()}), no GPU: envs, "
-                 f"inference and learning all on the CPU.")
-    if throughput:
-        lines += ["", "## Throughput", "",
-                  f"ToyChain (H=200), N={o.num_envs} env workers, T={o.num_steps}, {o.iterations} rollouts per run, "
-                  f"mean simulation time {o.step_time_ms:g} ms per step (slept in the worker), per-step jitter "
-                  f"sigma={o.jitter} (action-level stragglers) and a per-episode speed factor with sigma = spread "
-                  f"(episode-level stragglers). SPS = env steps / (collection + learning time) over rollouts 2.., "
-                  f"median of {o.repeats} repeats; in brackets the run's ideal = every env simulating all the time: "
-                  f"total env busy time / N (learning time not counted, so no method can reach it; VER's is higher "
-                  f"because it takes more of the fast steps). Env utilization = busy time / (N x collection time).", "",
-                  "| spread (sigma) | VER SPS (ideal) | NoVER SPS (ideal) | sync SPS (ideal) | VER/NoVER | VER/sync | "
-                  "env utilization VER / NoVER / sync |",
-                  "|---|---|---|---|---|---|---|"]
-        for spread in o.spreads:
-            sps = {m: median(throughput, "sps", mode=m, spread=spread) for m in MODES}
-            ideal = {m: median(throughput, "ideal_sps", mode=m, spread=spread) for m in MODES}
-            util = {m: median(throughput, "env_utilization", mode=m, spread=spread) for m in MODES}
-            lines.append(f"| {spread:g} | " + " | ".join(f"{sps[m]:.0f} ({ideal[m]:.0f})" for m in MODES) +
-                         f" | {sps['ver'] / sps['nover']:.2f} | {sps['ver'] / sps['sync']:.2f} | "
-                         f"{util['ver']:.2f} / {util['nover']:.2f} / {util['sync']:.2f} |")
-        p = PAPER_1GPU
-        lines.append(f"| paper, Table 1 (1 GPU, Habitat 2.0 open fridge; mean (max) SPS) | {p['ver']} (534) | "
-                     f"{p['nover']} (428) | {p['sync']} (442) | {p['ver'] / p['nover']:.2f} | "
-                     f"{p['ver'] / p['sync']:.2f} | |")
-        lines += ["", "Learning time per rollout (median, all modes): "
-                  f"{median(throughput, 'learn_s'):.2f} s; collection: VER {median(throughput, 'collect_s', mode='ver'):.2f} s, "
-                  f"NoVER {median(throughput, 'collect_s', mode='nover'):.2f} s, sync "
-                  f"{median(throughput, 'collect_s', mode='sync'):.2f} s. Mean inference batch: VER "
-                  f"{median(throughput, 'batch_size_mean', mode='ver'):.1f}, NoVER "
-                  f"{median(throughput, 'batch_size_mean', mode='nover'):.1f}, sync "
-                  f"{median(throughput, 'batch_size_mean', mode='sync'):.1f} envs.", "", "![throughput](ver_throughput.png)"]
-        plot_throughput(o, throughput, out / "ver_throughput.png")
-    if efficiency:
-        lines += ["", "## Sample efficiency", "",
-                  f"ToyChain H={o.efficiency_horizon} (p_prog=0.5), N={o.num_envs}, T={o.num_steps}, "
-                  f"{o.efficiency_steps} env steps, step time 2 ms with spread 1.0 and jitter {o.jitter}: VER collects "
-                  f"unevenly from the envs (importance weights < 1) where NoVER takes T steps from each. Evaluation "
-                  f"success (32 deterministic episodes) every 5 rollouts; {o.seeds} seeds. Paper (Sec. 5.2, Fig. 5): VER "
-                  f"has similar sample efficiency as DD-PPO (slightly worse on 1 GPU, the same on 2-4, better on 8).", "",
-                  "| method | env steps to success >= 0.9 (median over seeds) | final success (mean) | "
-                  "mean min. importance weight | mean (max - min) steps per env in a rollout |",
-                  "|---|---|---|---|---|"]
-        for mode in ("ver", "nover"):
-            rows = [r for r in efficiency if r["mode"] == mode]
-            reach = np.nanmedian([steps_to_reach(r["curve"], 0.9) for r in rows]) if rows else float("nan")
-            final = np.mean([r["curve"][-1][1] for r in rows])
-            lines.append(f"| {LABELS[mode]} | {reach:.0f} | {final:.2f} | "
-                         f"{np.mean([r['importance_weight_min'] for r in rows]):.2f} | "
-                         f"{np.mean([r['steps_per_env_spread'] for r in rows]):.1f} |")
-        lines += ["", "![sample efficiency](ver_efficiency.png)"]
-        plot_efficiency(o, efficiency, out / "ver_efficiency.png")
+    lines = report_header("VER vs NoVER vs SyncOnRL throughput (VER paper, Table 1)", "throughput", minutes)
+    lines += ["", "## Throughput", "",
+              f"ToyChain (H=200), N={o.num_envs} env workers, T={o.num_steps}, {o.iterations} rollouts per run, "
+              f"mean simulation time {o.step_time_ms:g} ms per step (slept in the worker), per-step jitter "
+              f"sigma={o.jitter} (action-level stragglers) and a per-episode speed factor with sigma = spread "
+              f"(episode-level stragglers). SPS = env steps / (collection + learning time) over rollouts 2.., "
+              f"median of {o.repeats} repeats; in brackets the run's ideal = every env simulating all the time: "
+              f"total env busy time / N (learning time not counted, so no method can reach it; VER's is higher "
+              f"because it takes more of the fast steps). Env utilization = busy time / (N x collection time).", "",
+              "| spread (sigma) | VER SPS (ideal) | NoVER SPS (ideal) | sync SPS (ideal) | VER/NoVER | VER/sync | "
+              "env utilization VER / NoVER / sync |",
+              "|---|---|---|---|---|---|---|"]
+    for spread in o.spreads:
+        sps = {m: median(throughput, "sps", mode=m, spread=spread) for m in MODES}
+        ideal = {m: median(throughput, "ideal_sps", mode=m, spread=spread) for m in MODES}
+        util = {m: median(throughput, "env_utilization", mode=m, spread=spread) for m in MODES}
+        lines.append(f"| {spread:g} | " + " | ".join(f"{sps[m]:.0f} ({ideal[m]:.0f})" for m in MODES) +
+                     f" | {sps['ver'] / sps['nover']:.2f} | {sps['ver'] / sps['sync']:.2f} | "
+                     f"{util['ver']:.2f} / {util['nover']:.2f} / {util['sync']:.2f} |")
+    p = PAPER_1GPU
+    lines.append(f"| paper, Table 1 (1 GPU, Habitat 2.0 open fridge; mean (max) SPS) | {p['ver']} (534) | "
+                 f"{p['nover']} (428) | {p['sync']} (442) | {p['ver'] / p['nover']:.2f} | "
+                 f"{p['ver'] / p['sync']:.2f} | |")
+    lines += ["", "Learning time per rollout (median, all modes): "
+              f"{median(throughput, 'learn_s'):.2f} s; collection: VER {median(throughput, 'collect_s', mode='ver'):.2f} s, "
+              f"NoVER {median(throughput, 'collect_s', mode='nover'):.2f} s, sync "
+              f"{median(throughput, 'collect_s', mode='sync'):.2f} s. Mean inference batch: VER "
+              f"{median(throughput, 'batch_size_mean', mode='ver'):.1f}, NoVER "
+              f"{median(throughput, 'batch_size_mean', mode='nover'):.1f}, sync "
+              f"{median(throughput, 'batch_size_mean', mode='sync'):.1f} envs.", "", "![throughput](ver_throughput.png)"]
+    plot_throughput(o, throughput, out / "ver_throughput.png")
     (out / "ver_throughput.md").write_text("\n".join(lines) + "\n")
     (out / "ver_throughput.json").write_text(json.dumps({"options": vars(o), "throughput": throughput,
-                                                         "efficiency": efficiency, "minutes": minutes}, indent=1))
+                                                         "minutes": minutes}, indent=1))
+    print("\n".join(lines))
+
+
+def write_efficiency_report(o: Options, efficiency: list[dict], minutes: float) -> None:
+    """benchmarks/results/ver_efficiency.{md,json,png}."""
+    out = Path(o.output)
+    lines = report_header("VER vs NoVER sample efficiency (VER paper, Sec. 5.2)", "efficiency", minutes)
+    lines += ["", "## Sample efficiency", "",
+              f"ToyChain H={o.efficiency_horizon} (p_prog=0.5), N={o.num_envs}, T={o.num_steps}, "
+              f"{o.efficiency_steps} env steps, step time 2 ms with spread 1.0 and jitter {o.jitter}: VER collects "
+              f"unevenly from the envs (importance weights < 1) where NoVER takes T steps from each. Evaluation "
+              f"success (32 deterministic episodes) every 5 rollouts; {o.seeds} seeds. Paper (Sec. 5.2, Fig. 5): VER "
+              f"has similar sample efficiency as DD-PPO (slightly worse on 1 GPU, the same on 2-4, better on 8).", "",
+              "| method | env steps to success >= 0.9 (median over seeds) | final success (mean) | "
+              "mean min. importance weight | mean (max - min) steps per env in a rollout |",
+              "|---|---|---|---|---|"]
+    for mode in ("ver", "nover"):
+        rows = [r for r in efficiency if r["mode"] == mode]
+        reach = np.nanmedian([steps_to_reach(r["curve"], 0.9) for r in rows]) if rows else float("nan")
+        final = np.mean([r["curve"][-1][1] for r in rows])
+        lines.append(f"| {LABELS[mode]} | {reach:.0f} | {final:.2f} | "
+                     f"{np.mean([r['importance_weight_min'] for r in rows]):.2f} | "
+                     f"{np.mean([r['steps_per_env_spread'] for r in rows]):.1f} |")
+    lines += ["", "![sample efficiency](ver_efficiency.png)"]
+    plot_efficiency(o, efficiency, out / "ver_efficiency.png")
+    (out / "ver_efficiency.md").write_text("\n".join(lines) + "\n")
+    (out / "ver_efficiency.json").write_text(json.dumps({"options": vars(o), "efficiency": efficiency,
+                                                         "minutes": minutes}, indent=1))
     print("\n".join(lines))
 
 
@@ -332,10 +345,14 @@ def main(o: Options) -> None:
         return
     if o.experiment not in ("all", "throughput", "efficiency"):
         raise SystemExit(f"--experiment must be all, throughput, efficiency or gpu, got {o.experiment!r}")
-    start = time.time()
-    throughput = run_throughput(o) if o.experiment in ("all", "throughput") else []
-    efficiency = run_efficiency(o) if o.experiment in ("all", "efficiency") else []
-    write_report(o, throughput, efficiency, (time.time() - start) / 60)
+    if o.experiment in ("all", "throughput"):
+        start = time.time()
+        throughput = run_throughput(o)
+        write_throughput_report(o, throughput, (time.time() - start) / 60)
+    if o.experiment in ("all", "efficiency"):
+        start = time.time()
+        efficiency = run_efficiency(o)
+        write_efficiency_report(o, efficiency, (time.time() - start) / 60)
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@ importance weights, the preemption rule, the collector (VER, NoVER, sync, both a
 argument validation, and smoke runs as a user runs the script (ToyChain with heterogeneous step times, ManiSkill,
 Gymnasium envs, --recurrent, torchrun, worker crashes, Ctrl-C)."""
 
+import copy
 import glob
 import json
 import math
@@ -241,6 +242,70 @@ def test_importance_weights_hand_worked():
     assert w.tolist() == [0.5] * 8 + [1.0] * 4 + [1.5] * 2
     # NoVER / sync: T steps from every env, all weights 1.
     assert ver.importance_weights(torch.arange(3).repeat(4), 3, 4).tolist() == [1.0] * 12
+
+
+def ppo_update_inputs(learned_ent_coef):
+    """A one-minibatch PPO update on a hand-made batch: an MLP agent, behaviour log-probabilities that differ from the
+    current policy (ratios != 1, some clipped) and importance weights that differ per step."""
+    import gymnasium as gym
+
+    torch.manual_seed(0)
+    agent = ver.Agent(gym.spaces.Box(-1, 1, (3,)), gym.spaces.Discrete(4), (16,), False, lstm_hidden_size=8,
+                      lstm_layers=1, ent_coef=0.5, learned_ent_coef=learned_ent_coef)
+    n = 10
+    obs, actions = torch.randn(n, 3), torch.randint(0, 4, (n,))
+    with torch.no_grad():
+        logprob, _, value = agent.evaluate(obs, actions)
+    x = torch.linspace(-1, 1, n)
+    batch = ver.Batch(obs=obs, actions=actions, logprobs=logprob + 0.3 * x, values=value + 0.1 * x,
+                      advantages=torch.randn(n), returns=value + torch.randn(n), weights=torch.linspace(0.2, 1.0, n),
+                      hidden_h=None, hidden_c=None, lengths=np.array([4, 6]), versions=np.zeros(n, int),
+                      env_ids=np.zeros(n, int))
+    args = replace(ver.Args(), update_epochs=1, num_minibatches=1, norm_adv=False, max_grad_norm=1e9,
+                   learned_ent_coef=learned_ent_coef, target_entropy=0.7, clip_coef=0.2, vf_coef=0.5)
+    return agent, batch, args
+
+
+@pytest.mark.parametrize("learned_ent_coef", [False, True])
+def test_ppo_update_gradient_equals_the_weighted_losses_of_sec_4(learned_ent_coef):
+    """The gradients of one PPO minibatch update equal those of the Sec. 4 loss written out independently: every term
+    weighted by the truncated importance weights w, the entropy bonus scaled by the stop-gradient alpha, and (learned
+    coefficient) alpha * ([H]_sg - lambda) as the only loss on log alpha."""
+    agent, batch, args = ppo_update_inputs(learned_ent_coef)
+    reference = copy.deepcopy(agent)
+    # Reference gradients, from the formulas (one minibatch, so the step order does not matter).
+    logprob, entropy, value = reference.evaluate(batch.obs, batch.actions)
+    ratio, w, adv = (logprob - batch.logprobs).exp(), batch.weights, batch.advantages
+    surrogate = torch.minimum(adv * ratio, adv * ratio.clamp(0.8, 1.2))
+    v_clipped = batch.values + (value - batch.values).clamp(-0.2, 0.2)
+    v_loss = 0.5 * torch.maximum((value - batch.returns) ** 2, (v_clipped - batch.returns) ** 2)
+    alpha = reference.log_ent_coef.exp()
+    h = (w * entropy).sum() / len(w)
+    loss = -(w * surrogate).sum() / len(w) + 0.5 * (w * v_loss).sum() / len(w) - alpha.detach() * h
+    if learned_ent_coef:
+        loss = loss + alpha * (h.detach() - 0.7)
+    loss.backward()
+
+    params = [p for p in agent.parameters()]
+    optimizer = torch.optim.SGD(params, lr=0.0)  # lr 0: the update leaves the weights, and its gradients, to compare
+    out = ver.ppo_update(args, agent, optimizer, batch, ver.World(), np.random.default_rng(0))
+    assert out["minibatch_updates"] == 1
+    for (name, p), p_ref in zip(agent.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, p_ref.grad, msg=name)
+    assert 0 < out["clipfrac"] < 1  # some ratios were clipped, so the clipped branch was exercised
+    if learned_ent_coef:  # d/d log(alpha) of alpha * (H - lambda) = alpha * (H - lambda)
+        torch.testing.assert_close(agent.log_ent_coef.grad, (0.5 * (h - 0.7)).detach())
+
+
+def test_learned_entropy_coefficient_moves_towards_the_target_entropy():
+    """alpha grows while the policy's entropy is below the target and shrinks while it is above (Sec. 4)."""
+    for target, direction in ((10.0, 1), (0.0, -1)):  # 4 actions: entropy <= log 4 = 1.39
+        agent, batch, args = ppo_update_inputs(True)
+        args = replace(args, target_entropy=target)
+        before = float(agent.log_ent_coef.detach())
+        optimizer = torch.optim.Adam(agent.parameters(), lr=0.01)
+        ver.ppo_update(args, agent, optimizer, batch, ver.World(), np.random.default_rng(0))
+        assert direction * (float(agent.log_ent_coef.detach()) - before) == pytest.approx(0.01, rel=1e-3)  # Adam's first step
 
 
 def test_preemption_rule_hand_worked():
