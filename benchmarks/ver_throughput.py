@@ -16,7 +16,7 @@ over repeats. Writes benchmarks/results/ver_throughput.md, ver_throughput.json, 
 ver_efficiency.png (the gpu experiment: ver_gpu.md, ver_gpu.json).
 
   python benchmarks/ver_throughput.py                           # throughput + efficiency (about 45 min on 2 cores)
-  python benchmarks/ver_throughput.py --experiment throughput   # about 20 minutes
+  python benchmarks/ver_throughput.py --experiment throughput   # about 18 minutes
   python benchmarks/ver_throughput.py --experiment gpu          # on a CUDA machine
 """
 
