@@ -15,7 +15,7 @@ SPS is measured over the training loop (collection + learning, the first iterati
 over repeats. Writes benchmarks/results/ver_throughput.md, ver_throughput.json, ver_throughput.png,
 ver_efficiency.png (the gpu experiment: ver_gpu.md, ver_gpu.json).
 
-  python benchmarks/ver_throughput.py                           # throughput + efficiency (about 45 min on 2 cores)
+  python benchmarks/ver_throughput.py                           # throughput + efficiency (about 30 min on 2 cores)
   python benchmarks/ver_throughput.py --experiment throughput   # about 18 minutes
   python benchmarks/ver_throughput.py --experiment gpu          # on a CUDA machine
 """
