@@ -17,6 +17,7 @@ ver_efficiency.png (the gpu experiment: ver_gpu.md, ver_gpu.json).
 
   python benchmarks/ver_throughput.py                           # throughput + efficiency (about 30 min on 2 cores)
   python benchmarks/ver_throughput.py --experiment throughput   # about 18 minutes
+  python benchmarks/ver_throughput.py --experiment efficiency   # about 11 minutes
   python benchmarks/ver_throughput.py --experiment gpu          # on a CUDA machine
 """
 
