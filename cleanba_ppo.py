@@ -1239,7 +1239,8 @@ def log_update(logger: Logger, args: Args, row: dict, timing: dict, rollout_queu
     for name in ("rollout", "env_send", "env_recv", "inference", "storage"):
         log(f"time/{name}", timing[name], step)
     log("time/update", update_time, step)
-    logger.record({**row, "time": {**timing, "rollout_queue_get": rollout_queue_get_time, "update": update_time}})
+    logger.record({**row, "time": {**timing, "rollout_queue_get": rollout_queue_get_time, "update": update_time,
+                                   "elapsed": time.time() - train_start}})
 
 
 if __name__ == "__main__":
