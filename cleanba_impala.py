@@ -890,9 +890,11 @@ def gather_batch(rollouts: list[Rollout], device: torch.device) -> dict:
     batch is the same whatever the number of threads), moved to the learner device."""
     keys = ("obs", "actions", "logprobs", "rewards", "terminations", "truncations", "valid", "final_obs",
             "final_mask")
-    batch = {k: torch.cat([getattr(r, k) for r in rollouts], dim=1 if getattr(rollouts[0], k).dim() > 1 else 0)
-             .to(device, non_blocking=True) for k in keys}
-    batch["next_obs"] = torch.cat([r.next_obs for r in rollouts]).to(device, non_blocking=True)
+    def to_device(name: str, dim: int) -> torch.Tensor:  # from the pinned buffers (asynchronous on a GPU), then cat
+        return torch.cat([getattr(r, name).to(device, non_blocking=True) for r in rollouts], dim=dim)
+
+    batch = {k: to_device(k, 1 if getattr(rollouts[0], k).dim() > 1 else 0) for k in keys}
+    batch["next_obs"] = to_device("next_obs", 0)
     return batch
 
 

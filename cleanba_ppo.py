@@ -882,8 +882,11 @@ def gather_batch(rollouts: list[Rollout], device: torch.device) -> dict:
     batch is the same whatever the number of threads), moved to the learner device."""
     keys = ("obs", "actions", "logprobs", "values", "rewards", "terminations", "truncations", "valid",
             "final_values", "final_mask")
-    batch = {k: torch.cat([getattr(r, k) for r in rollouts], dim=1).to(device, non_blocking=True) for k in keys}
-    batch["last_value"] = torch.cat([r.last_value for r in rollouts]).to(device, non_blocking=True)
+    def to_device(name: str, dim: int) -> torch.Tensor:  # from the pinned buffers (asynchronous on a GPU), then cat
+        return torch.cat([getattr(r, name).to(device, non_blocking=True) for r in rollouts], dim=dim)
+
+    batch = {k: to_device(k, 1) for k in keys}
+    batch["last_value"] = to_device("last_value", 0)
     return batch
 
 

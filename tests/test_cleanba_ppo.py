@@ -307,7 +307,7 @@ def test_breakout_smoke(tmp_path):
     end (truncations) so that returns are logged."""
     args = ["--env-id", "Breakout-v5", "--local-num-envs", "4", "--num-steps", "32", "--total-timesteps", "256",
             "--max-episode-steps", "40", "--update-epochs", "1", "--num-eval-episodes", "2", "--no-cuda",
-            "--no-progress-bar"]
+            "--no-progress-bar", "--capture-video"]
     run_script(args, tmp_path)
     run_dir = only_run_dir(tmp_path)
     summary, rows = read_run(run_dir)
@@ -315,6 +315,7 @@ def test_breakout_smoke(tmp_path):
     assert summary["charts/episodic_length"] == 40 and "charts/episodic_return" in summary
     assert summary["eval/episode_len"] == 40 and summary["eval/episodes"] == 2
     assert all(np.isfinite(r["value_loss"]) for r in rows) and summary["time/env_recv"] > 0
+    assert os.path.getsize(os.path.join(run_dir, "eval.mp4")) > 1000  # the first evaluation episode
     config = json.load(open(os.path.join(run_dir, "config.json")))
     assert config["repeat_action_probability"] == 0.25 and config["full_action_space"] and not config["episodic_life"]
 
