@@ -43,6 +43,7 @@ Examples
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import math
 import os
@@ -53,7 +54,7 @@ import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Optional
 
 import numpy as np
 import torch
@@ -632,7 +633,7 @@ class ActorThread(threading.Thread):
         self.error: Optional[BaseException] = None
         self.first_env = thread_index * args.envs_per_thread
         self.envs = make_env(args, args.envs_per_thread, rank, self.first_env, start_update)
-        self.agent = _copy_module(template).to(device)
+        self.agent = copy.deepcopy(template).to(device)
         self.agent.eval()
         # Two rollout buffers used in turn: the actor writes D_{k+2} only after it got pi_{k+1} (concurrent) or
         # pi_{k+2} (synchronous), i.e. after the learner finished update k and with it every read of D_k.
@@ -763,12 +764,6 @@ class ActorThread(threading.Thread):
             if not self.put(self.rollout_queue, rollout):
                 return
             put_time = time.perf_counter() - t0  # reported with the next rollout
-
-
-def _copy_module(module: nn.Module) -> nn.Module:
-    import copy
-
-    return copy.deepcopy(module)
 
 
 # =====================================================================================================================
@@ -1033,6 +1028,8 @@ def setup_distributed() -> tuple[int, int, int]:
 def main(args: Args) -> dict:
     rank, world_size, local_rank = setup_distributed()
     args = resolve_args(args, world_size)
+    if args.torch_deterministic:  # before the first cuBLAS call
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     use_cuda = args.cuda and torch.cuda.is_available()
     if use_cuda:
         learner_index = args.learner_device_ids[local_rank] if args.learner_device_ids else local_rank
@@ -1047,7 +1044,6 @@ def main(args: Args) -> dict:
     if args.torch_threads:
         torch.set_num_threads(args.torch_threads)
     if args.torch_deterministic:
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
         torch.use_deterministic_algorithms(True, warn_only=True)
     random.seed(args.seed)
@@ -1145,8 +1141,9 @@ def publish_params(agent: nn.Module, actors: list[ActorThread], actor_devices, v
     right, line 15). A fresh copy per actor device: the optimizer keeps changing the learner's own tensors."""
     snapshots = {dev: {k: v.detach().to(dev, copy=True) for k, v in agent.state_dict().items()}
                  for dev in set(actor_devices)}
-    if device.type == "cuda":
-        torch.cuda.current_stream(device).synchronize()  # copies done (and every read of the consumed batch)
+    if device.type == "cuda":  # copies done (and every read of the consumed batch) before an actor sees them
+        for dev in set(actor_devices) | {device}:
+            torch.cuda.synchronize(dev)
     for actor in actors:
         while True:
             try:
