@@ -296,8 +296,7 @@ def test_a_slower_learner_gives_bit_identical_losses_and_returns(tmp_path):
         assert without_timing(fast[1]) == without_timing(slow[1])  # every per-update loss, return, version
         assert any("episodic_return" in r for r in fast[1])
         assert fast[0]["eval/return"] == slow[0]["eval/return"]
-        assert slow[0]["wall_time_s"] > fast[0]["wall_time_s"] + 10 * 0.25 * 0.9  # it did sleep
-        # the actors waited for the slow learner: their params-queue waits grew
+        # the delay took effect: the actors waited for the slow learner (each wait includes its 0.25 s sleep)
         assert (np.mean([r["time"]["params_queue_get"] for r in slow[1][2:]]) >
                 np.mean([r["time"]["params_queue_get"] for r in fast[1][2:]]))
 
