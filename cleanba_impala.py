@@ -309,6 +309,8 @@ def resolve_args(args: Args, world_size: int = 1) -> Args:
         raise ArgsError("--repeat-action-probability must be in [0, 1] and --max-episode-steps >= 1")
     if a.evaluate and not a.checkpoint:
         raise ArgsError("--evaluate needs --checkpoint PATH")
+    if a.evaluate and a.num_eval_episodes < 1:
+        raise ArgsError("--evaluate needs --num-eval-episodes >= 1")
     if a.evaluate and world_size > 1:
         raise ArgsError("--evaluate runs in one process; start it with python, not torchrun")
     if a.checkpoint and not os.path.isfile(a.checkpoint):
