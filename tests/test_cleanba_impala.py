@@ -231,8 +231,8 @@ def test_toy_chain_smoke_in_both_autoreset_modes_and_the_data_version_invariant(
                 "time/inference", "time/storage", "time/update"):
         assert key in summary, key
     assert summary["charts/episodic_length"] == 20
-    # The first update learns on-policy data (rho = 1 up to float rounding); stale data gives rho != 1 later.
-    assert abs(rows[0]["rho_mean"] - 1.0) < 1e-4
+    # The first update starts on-policy (rho = 1 up to rounding; its second minibatch is one small step off).
+    assert abs(rows[0]["rho_mean"] - 1.0) < 1e-2
     s = scalars(run_dir)
     assert [v for _, v in s["cleanba/policy_lag"]] == [0.0] + [1.0 if concurrency else 0.0] * 19
 
