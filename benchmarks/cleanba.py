@@ -173,6 +173,8 @@ def reproducibility(opts: Options) -> dict:
 
         out[algo] = {
             "curves": {name: curve(r["rows"]) for name, r in runs.items()},
+            "value_loss_curves": {name: ([row["global_step"] for row in r["rows"]],
+                                         [row["value_loss"] for row in r["rows"]]) for name, r in runs.items()},
             "wall_s": {name: r["wall_s"] for name, r in runs.items()},
             "delay_identical": same("toy delay 0", "toy delay 0.05 s"),
             "breakout_threads": {f"1 vs {n}": {"identical": same("breakout 1 thread", f"breakout {n}"),
@@ -202,12 +204,13 @@ def plot(results: dict, output: Path) -> None:
                       ("actor threads (Breakout-v5)", ["breakout 1 thread", "breakout 2 threads",
                                                        "breakout 4 threads"], ["-", "--", ":"]))
             for ax, (title, names, styles) in zip(axes[i], panels):
+                breakout = names[0].startswith("breakout")  # too short for episodes: the per-update value loss
                 for name, style in zip(names, styles):
-                    x, y = curves[name]
+                    x, y = (rep[algo]["value_loss_curves"] if breakout else curves)[name]
                     ax.plot(x, y, style, label=name, alpha=0.8, linewidth=2 if style != "-" else 1.5)
                 ax.set_title(f"cleanba_{algo}.py: {title}")
                 ax.set_xlabel("global step")
-                ax.set_ylabel("episodic return")
+                ax.set_ylabel("value loss" if breakout else "episodic return")
                 ax.legend(fontsize=8)
         fig.tight_layout()
         fig.savefig(output / "cleanba_reproducibility.png", dpi=90)
