@@ -141,7 +141,7 @@ class Args:
     anneal_lr: bool = True
     """linearly decay the learning rate to 0 (Table 3)"""
     num_steps: Optional[int] = None
-    """rollout (unroll) length per env and update (default: 20, Table 3)"""
+    """rollout (unroll) length per env and update (default: 20 Atari, Table 3; 10 ToyChain)"""
     gamma: float = 0.99
     """discount factor (Table 3)"""
     vtrace_lambda: float = 1.0
