@@ -348,24 +348,33 @@ def resolve_args(args: Args) -> Args:
 # =====================================================================================================================
 # Environments
 # =====================================================================================================================
-def _make_maniskill_cpu_env(env_id: str, horizon: int, control_mode: Optional[str], reconfiguration_freq,
-                            video_dir: Optional[str]):
-    """One physx_cpu ManiSkill env for a worker process, with numpy outputs (ManiSkill's CPUGymWrapper)."""
+def make_maniskill_env(env_id: str, num_envs: int, backend: str, horizon: int, control_mode: Optional[str],
+                       reconfiguration_freq, video_dir: Optional[str]):
+    """A batched ManiSkill3 env (state observations, time limit H), with flattened multi-agent actions and, with
+    `video_dir`, ManiSkill's episode recorder."""
     import mani_skill.envs  # noqa: F401  (registers the tasks in this process)
-    from mani_skill.utils.wrappers.gymnasium import CPUGymWrapper
+    from mani_skill.utils.wrappers.flatten import FlattenActionSpaceWrapper
     from mani_skill.utils.wrappers.record import RecordEpisode
 
-    kwargs = dict(num_envs=1, obs_mode="state", sim_backend="physx_cpu", max_episode_steps=horizon,
+    kwargs = dict(num_envs=num_envs, obs_mode="state", sim_backend=backend, max_episode_steps=horizon,
                   reconfiguration_freq=reconfiguration_freq, render_mode="rgb_array" if video_dir else None)
     if control_mode:
         kwargs["control_mode"] = control_mode
     env = gym.make(env_id, **kwargs)
-    if isinstance(env.action_space, gym.spaces.Dict):
-        from mani_skill.utils.wrappers.flatten import FlattenActionSpaceWrapper
+    if isinstance(env.action_space, gym.spaces.Dict):  # e.g. TwoRobotPickCube-v1
         env = FlattenActionSpaceWrapper(env)
     if video_dir:
         env = RecordEpisode(env, video_dir, save_trajectory=False, max_steps_per_video=horizon, video_fps=30)
-    return CPUGymWrapper(env)
+    return env
+
+
+def make_maniskill_cpu_worker_env(env_id: str, horizon: int, control_mode: Optional[str], reconfiguration_freq,
+                                  video_dir: Optional[str]):
+    """One physx_cpu ManiSkill env for a worker process, with numpy outputs (ManiSkill's CPUGymWrapper)."""
+    from mani_skill.utils.wrappers.gymnasium import CPUGymWrapper
+
+    return CPUGymWrapper(make_maniskill_env(env_id, 1, "physx_cpu", horizon, control_mode, reconfiguration_freq,
+                                            video_dir))
 
 
 class ManiSkillVecEnv(gym.vector.VectorEnv):
@@ -389,24 +398,12 @@ class ManiSkillVecEnv(gym.vector.VectorEnv):
         self.num_envs, self.device, self.reset_on_termination = num_envs, device, reset_on_termination
         self.gpu = backend == "physx_cuda"
         if self.gpu:
-            import mani_skill.envs  # noqa: F401
-            from mani_skill.utils.wrappers.record import RecordEpisode
-
-            kwargs = dict(num_envs=num_envs, obs_mode="state", sim_backend="physx_cuda", max_episode_steps=horizon,
-                          reconfiguration_freq=reconfiguration_freq, render_mode="rgb_array" if video_dir else None)
-            if control_mode:
-                kwargs["control_mode"] = control_mode
-            env = gym.make(env_id, **kwargs)
-            if isinstance(env.action_space, gym.spaces.Dict):
-                from mani_skill.utils.wrappers.flatten import FlattenActionSpaceWrapper
-                env = FlattenActionSpaceWrapper(env)
-            if video_dir:
-                env = RecordEpisode(env, video_dir, save_trajectory=False, max_steps_per_video=horizon, video_fps=30)
-            self.env = env
-            self.single_observation_space = env.unwrapped.single_observation_space
-            self.single_action_space = env.unwrapped.single_action_space
+            self.env = make_maniskill_env(env_id, num_envs, backend, horizon, control_mode, reconfiguration_freq,
+                                          video_dir)
+            self.single_observation_space = self.env.unwrapped.single_observation_space
+            self.single_action_space = self.env.unwrapped.single_action_space
         else:
-            fns = [partial(_make_maniskill_cpu_env, env_id, horizon, control_mode, reconfiguration_freq,
+            fns = [partial(make_maniskill_cpu_worker_env, env_id, horizon, control_mode, reconfiguration_freq,
                            os.path.join(video_dir, f"env{i}") if video_dir else None) for i in range(num_envs)]
             # forkserver: the workers do not inherit this process's torch threads; autoreset is done here instead.
             self.env = gym.vector.AsyncVectorEnv(fns, context="forkserver",
@@ -573,6 +570,28 @@ def batch_temporal_stats(episode_steps: torch.Tensor, valid: torch.Tensor, horiz
 def forgetting_matrix(accuracy: np.ndarray) -> np.ndarray:
     """App. E.0.1: Forgetting(t, b) = max_{t' <= t} A(t', b) - A(t, b), for an accuracy matrix A of shape (T, B)."""
     return np.maximum.accumulate(accuracy, axis=0) - accuracy
+
+
+class EpisodeStats:
+    """Return, length and success of every env's current episode, counted over its trained-on (valid) steps."""
+
+    def __init__(self, num_envs: int, device):
+        self.ret = torch.zeros(num_envs, device=device)
+        self.len = torch.zeros(num_envs, dtype=torch.long, device=device)
+        self.success_once = torch.zeros(num_envs, dtype=torch.bool, device=device)
+
+    def step(self, reward, valid, success, episode_end) -> dict:
+        """Adds one step; returns (N,) tensors of the episode statistics, meaningful where `episode_end`, and
+        starts new episodes there."""
+        self.ret = self.ret + reward * valid
+        self.len = self.len + valid.long()
+        self.success_once = self.success_once | (success & valid)
+        ended = {"return": self.ret, "episode_len": self.len, "success_once": self.success_once,
+                 "success_at_end": success}
+        self.ret = torch.where(episode_end, 0.0, self.ret)
+        self.len = torch.where(episode_end, 0, self.len)
+        self.success_once = self.success_once & ~episode_end
+        return ended
 
 
 class RunningMeanStd:
@@ -829,7 +848,7 @@ def evaluate(agent, eval_envs, normalize: Callable, num_steps: int, seed: int, d
     obs, _ = eval_envs.reset(seed=seed)
     n = eval_envs.num_envs
     zeros = lambda dtype: torch.zeros(n, dtype=dtype, device=device)  # noqa: E731
-    ep_return, ep_len, success_once = zeros(torch.float32), zeros(torch.long), zeros(torch.bool)
+    stats = EpisodeStats(n, device)
     stale, waiting, episode_step = zeros(torch.bool), zeros(torch.bool), zeros(torch.long)
     ended: dict[str, list[torch.Tensor]] = {"return": [], "success_once": [], "success_at_end": [], "episode_len": []}
     next_step_mode = is_next_step(eval_envs)
@@ -845,15 +864,8 @@ def evaluate(agent, eval_envs, normalize: Callable, num_steps: int, seed: int, d
         ending_termination = terminated & (final_mask | next_step_mode)
         valid, episode_end, stale, waiting, episode_step = reset_bookkeeping(
             stale, waiting, ending_termination, truncated, final_mask, episode_step, next_step_mode, gate_mode=True)
-        ep_return += reward * valid
-        ep_len += valid.long()
-        success_once |= info["success"] & valid
-        for key, value in (("return", ep_return), ("success_once", success_once),
-                           ("success_at_end", info["success"]), ("episode_len", ep_len)):
+        for key, value in stats.step(reward, valid, info["success"], episode_end).items():
             ended[key].append(value[episode_end].float())
-        ep_return = torch.where(episode_end, 0.0, ep_return)
-        ep_len = torch.where(episode_end, 0, ep_len)
-        success_once = success_once & ~episode_end
     ended_all = {k: torch.cat(v) for k, v in ended.items()}
     return {k: v.mean().item() for k, v in ended_all.items() if v.numel() > 0}
 
@@ -1058,9 +1070,7 @@ def train(args: Args, envs, eval_envs, agent, optimizer, observe, obs_rms, logge
     advance_steps = stagger_start_steps(args.num_stagger_groups, args.stagger_step)[0] * N
     logger.scalar("stagger/advance_env_steps", advance_steps, global_step)
     summary["advance_env_steps"] = advance_steps
-    ep_return = torch.zeros(N, device=device)
-    ep_len = torch.zeros(N, dtype=torch.long, device=device)
-    success_once = torch.zeros(N, dtype=torch.bool, device=device)
+    episode_stats = EpisodeStats(N, device)
     # Episode statistics count only episodes that started during training (not the advanced first episodes).
     tracked = state["episode_step"] == 0
 
@@ -1090,7 +1100,8 @@ def train(args: Args, envs, eval_envs, agent, optimizer, observe, obs_rms, logge
         env_time = inference_time = 0.0
         final_mask_buf.zero_()
         n_episodes = torch.zeros((), device=device)
-        sum_return, sum_len, sum_success_once, sum_success_end = (torch.zeros((), device=device) for _ in range(4))
+        episode_sums = {k: torch.zeros((), device=device) for k in ("return", "episode_len", "success_once",
+                                                                     "success_at_end")}
         for step in range(K):
             obs_buf[step] = obs
             episode_step_buf[step] = state["episode_step"]
@@ -1122,17 +1133,9 @@ def train(args: Args, envs, eval_envs, agent, optimizer, observe, obs_rms, logge
             # episode statistics (unscaled reward), over the trained-on steps of each episode
             recorded = episode_end & tracked
             tracked = tracked | (state["episode_step"] == 0)
-            ep_return += reward * valid
-            ep_len += valid.long()
-            success_once |= info["success"] & valid
             n_episodes += recorded.sum()
-            sum_return += (ep_return * recorded).sum()
-            sum_len += (ep_len * recorded).sum()
-            sum_success_once += (success_once & recorded).sum()
-            sum_success_end += (info["success"] & recorded).sum()
-            ep_return = torch.where(episode_end, 0.0, ep_return)
-            ep_len = torch.where(episode_end, 0, ep_len)
-            success_once = success_once & ~episode_end
+            for key, value in episode_stats.step(reward, valid, info["success"], episode_end).items():
+                episode_sums[key] += (value * recorded).sum()
             obs = observe(raw_next, update=True)
         global_step += N * K
 
@@ -1191,10 +1194,9 @@ def train(args: Args, envs, eval_envs, agent, optimizer, observe, obs_rms, logge
         log("losses/minibatch_updates", num_updates, global_step)
         if n_episodes.item() > 0:
             n = n_episodes.item()
-            log("charts/episodic_return", sum_return.item() / n, global_step)
-            log("charts/episodic_length", sum_len.item() / n, global_step)
-            log("charts/success_rate", sum_success_once.item() / n, global_step)
-            log("train/success_at_end", sum_success_end.item() / n, global_step)
+            for key, name in (("return", "charts/episodic_return"), ("episode_len", "charts/episodic_length"),
+                              ("success_once", "charts/success_rate"), ("success_at_end", "train/success_at_end")):
+                log(name, episode_sums[key].item() / n, global_step)
         log("stagger/value_mse", value_mse.item(), global_step)
         log("stagger/policy_kl", policy_kl.item(), global_step)
         log("stagger/valid_fraction", valid_buf.float().mean().item(), global_step)

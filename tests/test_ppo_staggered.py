@@ -289,6 +289,19 @@ def test_running_mean_std_matches_numpy():
     np.testing.assert_allclose(rms.var.numpy(), data.var(0), rtol=1e-9)
 
 
+def test_episode_stats_count_only_trained_on_steps_and_restart_at_episode_ends():
+    stats = ppo.EpisodeStats(2, "cpu")
+    b = lambda *x: torch.tensor(x, dtype=torch.bool)  # noqa: E731
+    # env 0: rewards 1, 2 (ends, success), then 5; env 1: 1, (masked 10), 3 (ends, no success at the end)
+    stats.step(torch.tensor([1.0, 1.0]), b(1, 1), b(0, 1), b(0, 0))
+    ended = stats.step(torch.tensor([2.0, 10.0]), b(1, 0), b(1, 0), b(1, 0))
+    assert ended["return"][0] == 3.0 and ended["episode_len"][0] == 2 and ended["success_once"][0]
+    ended = stats.step(torch.tensor([5.0, 3.0]), b(1, 1), b(0, 0), b(0, 1))
+    assert ended["return"][1] == 4.0 and ended["episode_len"][1] == 2
+    assert ended["success_once"][1] and not ended["success_at_end"][1]  # success earlier in the episode only
+    assert stats.ret.tolist() == [5.0, 0.0] and stats.len.tolist() == [1, 0]
+
+
 def test_masked_mean():
     x = torch.tensor([1.0, 2.0, 3.0, 10.0])
     assert ppo.masked_mean(x, torch.tensor([True, True, True, False])).item() == 2.0
@@ -541,10 +554,12 @@ def test_ctrl_c_writes_the_summary_and_a_checkpoint(tmp_path):
     proc = subprocess.Popen([sys.executable, SCRIPT, "--output-dir", str(tmp_path), "--save-model", "--no-cuda",
                              *TOY_SMALL, "--total-timesteps", str(10**8)], cwd=ROOT, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
-    deadline = time.time() + 120
-    while time.time() < deadline and not glob.glob(os.path.join(str(tmp_path), "*", "ckpt_*.pt")):
+    deadline = time.time() + 300
+    trained = lambda: [p for p in glob.glob(os.path.join(str(tmp_path), "*", "ckpt_*.pt"))  # noqa: E731
+                       if not p.endswith("ckpt_0.pt")]  # a checkpoint written after some training
+    while time.time() < deadline and not trained():
         time.sleep(0.2)
-    time.sleep(1.0)
+    assert trained(), "no checkpoint after training started"
     proc.send_signal(signal.SIGINT)
     proc.communicate(timeout=60)
     assert proc.returncode == 130
