@@ -389,9 +389,11 @@ def test_a_failing_actor_ends_the_run_with_its_error(tmp_path, monkeypatch):
 
 
 def test_ctrl_c_writes_the_summary_and_a_checkpoint(tmp_path):
+    # SIGINT's default handler in the child, also when this test runs in a background job (which ignores SIGINT)
     proc = subprocess.Popen([sys.executable, SCRIPT, "--output-dir", str(tmp_path), "--save-model", "--no-cuda",
                              "--checkpoint-freq", "5", *TOY, "--total-timesteps", str(10**8)], cwd=ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.time() + 120
     while time.time() < deadline and not glob.glob(os.path.join(str(tmp_path), "*", "ckpt_*.pt")):
         time.sleep(0.2)
