@@ -250,6 +250,23 @@ def test_a_slower_learner_gives_bit_identical_losses_and_returns(tmp_path):
                                                                    for i in range(1, 13)]
 
 
+def test_envpool_atari_protocol():
+    """Sec. 5's protocol (Machado et al. 2018) as EnvPool is configured by this script's own make_env."""
+    from test_cleanba_ppo import ATARI_PROTOCOL
+
+    args = ci.resolve_args(ci.Args(env_id="Breakout-v5", max_episode_steps=10, local_num_envs=2, num_actor_threads=1,
+                                   num_minibatches=1))
+    assert ci.Args().max_episode_steps == 27000
+    pool = ci.make_env(args, 2, rank=0, first_env=0, start_update=1)
+    try:
+        assert {k: pool.pool.config[k] for k in ATARI_PROTOCOL} == ATARI_PROTOCOL and pool.num_actions == 18
+        pool.async_reset()
+        step = pool.recv()
+        assert step.obs.shape == (2, 4, 84, 84) and step.obs.dtype == torch.uint8
+    finally:
+        pool.close()
+
+
 def test_breakout_smoke(tmp_path):
     """Breakout-v5 through EnvPool's send/recv API, a few hundred steps on the CPU."""
     args = ["--env-id", "Breakout-v5", "--local-num-envs", "4", "--num-steps", "20", "--total-timesteps", "240",

@@ -143,13 +143,21 @@ def test_impala_resnet_shapes_and_size():
 # ----------------------------------------------------------------------------------------------------------------------
 # EnvPool's autoreset (1.2.x), as the script consumes it
 # ----------------------------------------------------------------------------------------------------------------------
+ATARI_PROTOCOL = dict(repeat_action_probability=0.25, full_action_space=True, episodic_life=False, img_height=84,
+                      img_width=84, gray_scale=True, stack_num=4, frame_skip=4, reward_clip=True, max_episode_steps=10)
+
+
 def test_envpool_atari_is_next_step_autoreset_with_time_limit_truncation():
+    assert cp.Args().max_episode_steps == 27000  # 108,000 frames (Sec. 5); 10 here to see a truncation
     args = cp.resolve_args(cp.Args(env_id="Breakout-v5", max_episode_steps=10, local_num_envs=2, num_actor_threads=1))
     pool = cp.make_env(args, 2, rank=0, first_env=0, start_update=1)
     try:
         pool.async_reset()
         step = pool.recv()
         assert step.obs.shape == (2, 4, 84, 84) and step.obs.dtype == torch.uint8 and pool.num_actions == 18
+        # Sec. 5's protocol (Machado et al. 2018) as EnvPool was configured: sticky actions, full action space, no
+        # life-loss signal, 84x84 grey, 4 stacked frames, frame skip 4, clipped rewards for learning
+        assert {k: pool.pool.config[k] for k in ATARI_PROTOCOL} == ATARI_PROTOCOL
         flags = []
         for _ in range(12):
             pool.send(np.zeros(2, dtype=np.int64))
