@@ -237,17 +237,26 @@ def test_toy_chain_smoke_in_both_autoreset_modes_and_the_data_version_invariant(
     assert [v for _, v in s["cleanba/policy_lag"]] == [0.0] + [1.0 if concurrency else 0.0] * 19
 
 
-def test_a_slower_learner_gives_bit_identical_losses_and_returns(tmp_path):
+@pytest.mark.parametrize("concurrency", [True, False])
+def test_a_slower_learner_gives_bit_identical_losses_and_returns(tmp_path, concurrency):
+    """Sec. 3-4: the learner sleeping after each update changes the wall clock only, in both architectures."""
     runs = {}
     for delay in ("0", "0.25"):
         out = tmp_path / delay
         run_script(TOY + ["--total-timesteps", "480", "--no-cuda", "--debug-learner-delay", delay,
-                          "--toy.progression-prob", "0.3"], out)
+                          "--toy.progression-prob", "0.3", "--concurrency" if concurrency else "--no-concurrency"],
+                   out)
         runs[delay] = read_run(only_run_dir(out))
-    assert without_timing(runs["0"][1]) == without_timing(runs["0.25"][1])
+    fast, slow = runs["0"][1], runs["0.25"][1]
+    assert without_timing(fast) == without_timing(slow)  # every per-update loss, return, version
+    assert any("episodic_return" in r for r in fast)
     assert runs["0"][0]["eval/return"] == runs["0.25"][0]["eval/return"]
-    assert [r["data_policy_version"] for r in runs["0.25"][1]] == [ci.expected_data_version(i, True)
-                                                                   for i in range(1, 13)]
+    assert [r["data_policy_version"] for r in slow] == [ci.expected_data_version(i, concurrency) for i in range(1, 13)]
+
+    def actor_wait(rows):  # the delay took effect: the actors waited for the slow learner
+        return np.mean([r["time"]["params_queue_get"] + r["time"]["rollout_queue_put"] for r in rows[3:]])
+
+    assert actor_wait(slow) > actor_wait(fast) + 0.1
 
 
 def test_envpool_atari_protocol():
