@@ -397,11 +397,13 @@ def test_a_failing_actor_ends_the_run_with_its_error(tmp_path, monkeypatch):
 
 
 def test_ctrl_c_writes_the_summary_and_a_checkpoint(tmp_path):
-    # SIGINT's default handler in the child, also when this test runs in a background job (which ignores SIGINT)
-    proc = subprocess.Popen([sys.executable, SCRIPT, "--output-dir", str(tmp_path), "--save-model", "--no-cuda",
-                             "--checkpoint-freq", "5", *TOY, "--total-timesteps", str(10**8)], cwd=ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    # A background job ignores SIGINT and its children inherit that, so the child restores Python's handler itself
+    # before running the script as __main__ (a preexec_fn would fork this multithreaded process: JAX is loaded).
+    launcher = ("import runpy, signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
+                "sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')")
+    proc = subprocess.Popen([sys.executable, "-c", launcher, SCRIPT, "--output-dir", str(tmp_path), "--save-model",
+                             "--no-cuda", "--checkpoint-freq", "5", *TOY, "--total-timesteps", str(10**8)], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 120
     while time.time() < deadline and not glob.glob(os.path.join(str(tmp_path), "*", "ckpt_*.pt")):
         time.sleep(0.2)
