@@ -43,12 +43,22 @@ Diagnostics for the scripts: `block` (N,) and `episode_step` (N,) are the curren
 steps taken in the current episode; info["correct"] says whether each env's action was its block's target (False
 on the ignored action of a next-step reset); `target_actions` (B,) holds a*_b.
 
+Simulation time (for VER, Wijmans et al. 2022, Sec. 2: heterogeneous environments). With step_time_mean > 0 every
+step() spends time.sleep() inside the call, as a CPU simulator would spend simulation time in the process that steps
+it: each chain's step takes step_time_mean * episode_factor * step_factor seconds, where episode_factor (drawn at each
+episode start, lognormal with sigma step_time_spread and mean 1) makes some episodes slow throughout (episode-level
+stragglers) and step_factor (drawn every step, lognormal with sigma step_time_jitter and mean 1) makes single actions
+slow (action-level stragglers); a step of N chains sleeps for the sum of their times (simulated one after another).
+These draws use their own random stream, so the task's dynamics are the same with or without delays.
+crash_at_step > 0 raises an error in that step() call (a test option for scripts' crash handling).
+
 Registered with Gymnasium as "ToyChain-v0" (vector entry point):
     envs = gymnasium.make_vec("ToyChain-v0", num_envs=512, config=ToyChainConfig(horizon=200), device="cpu")
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, fields, replace
 from typing import Any, Literal
 
@@ -80,6 +90,14 @@ class ToyChainConfig:
     """seed that draws the target action of each block: the task itself, the same whatever --seed is"""
     terminal_horizon: bool = False
     """end episodes at H with a termination, as App. B.2.1's wording has it (default: a time-limit truncation)"""
+    step_time_mean: float = 0.0
+    """mean simulation time of one chain's step in seconds, slept inside step() (0 = no delay); VER Sec. 2"""
+    step_time_spread: float = 0.0
+    """lognormal sigma of a per-episode speed factor (mean 1): episode-level stragglers (with --toy.step-time-mean)"""
+    step_time_jitter: float = 0.3
+    """lognormal sigma of a per-step speed factor (mean 1): action-level stragglers (with --toy.step-time-mean)"""
+    crash_at_step: int = 0
+    """raise an error in this step() call of the env (0 = never): a test option for crash handling"""
 
     @property
     def num_blocks(self) -> int:
@@ -108,6 +126,11 @@ class ToyChainConfig:
             raise ValueError(
                 f"--toy.autoreset-mode must be 'next_step' or 'same_step', got {self.autoreset_mode!r}"
             )
+        for name in ("step_time_mean", "step_time_spread", "step_time_jitter"):
+            if not getattr(self, name) >= 0.0:
+                raise ValueError(f"--toy.{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
+        if self.crash_at_step < 0:
+            raise ValueError(f"--toy.crash-at-step must be >= 0 (0 = never), got {self.crash_at_step}")
 
 
 def draw_target_actions(config: ToyChainConfig) -> torch.Tensor:
@@ -161,6 +184,10 @@ class ToyChainVectorEnv(VectorEnv):
         self.steps_in_block = zeros(torch.long)  # steps spent in the current block
         self.correct_in_block = zeros(torch.long)  # correct actions in the current block (for mastery)
         self._pending_reset = zeros(torch.bool)  # next_step mode: episode ended, reset on the next step()
+        # Simulation time (module docstring): per-chain episode speed factors, drawn from their own stream (CPU).
+        self._time_rng = np.random.default_rng()
+        self._episode_speed = np.ones(num_envs)
+        self._num_step_calls = 0
 
     # ----------------------------------------------------------------------------------------------------------
     def _start_episodes(self, mask: torch.Tensor) -> None:
@@ -175,11 +202,23 @@ class ToyChainVectorEnv(VectorEnv):
         self.steps_in_block = torch.where(mask, 0, self.steps_in_block)
         self.correct_in_block = torch.where(mask, 0, self.correct_in_block)
         self._pending_reset = self._pending_reset & ~mask
+        if self.config.step_time_mean > 0.0:  # episode-level stragglers: a new speed factor per episode
+            starting = mask.cpu().numpy()
+            self._episode_speed[starting] = self._lognormal_mean_one(self.config.step_time_spread, int(starting.sum()))
+
+    def _lognormal_mean_one(self, sigma: float, n: int) -> np.ndarray:
+        return np.exp(sigma * self._time_rng.standard_normal(n) - 0.5 * sigma**2)
+
+    def _simulation_time(self) -> float:
+        """Seconds this step() spends: the sum over chains of mean * episode factor * per-step factor."""
+        step_factor = self._lognormal_mean_one(self.config.step_time_jitter, self.num_envs)
+        return float(self.config.step_time_mean * (self._episode_speed * step_factor).sum())
 
     def reset(self, *, seed: int | None = None, options: dict | None = None):
         """Resets all envs, or only those in options["reset_mask"] (bool, shape (N,)); returns (obs, info)."""
         if seed is not None:
             self._generator.manual_seed(int(seed))
+            self._time_rng = np.random.default_rng([int(seed), 1])
         mask = torch.ones(self.num_envs, dtype=torch.bool, device=self.device)
         if options is not None and "reset_mask" in options:
             mask = torch.as_tensor(options["reset_mask"], device=self.device)
@@ -193,6 +232,12 @@ class ToyChainVectorEnv(VectorEnv):
 
     def step(self, actions):
         """One step of every env; returns (obs, reward, terminated, truncated, info) as torch tensors."""
+        self._num_step_calls += 1
+        if self.config.crash_at_step and self._num_step_calls == self.config.crash_at_step:
+            raise RuntimeError(f"ToyChain: deliberate crash in step() call {self._num_step_calls} "
+                               f"(--toy.crash-at-step {self.config.crash_at_step}, a test option)")
+        if self.config.step_time_mean > 0.0:
+            time.sleep(self._simulation_time())  # simulation time, spent in the process that steps the env
         actions = torch.as_tensor(actions, device=self.device).long().reshape(self.num_envs)
         # Next-step autoreset: envs whose episode ended on the previous call are reset now; their action is ignored.
         # (Masked updates instead of `if mask.any()`: no host synchronisation when the env lives on a GPU.)

@@ -237,3 +237,106 @@ def test_cpu_and_cuda_give_the_same_trajectories(mode):
 def test_bad_settings_name_the_flag(overrides, flag):
     with pytest.raises(ValueError, match=flag):
         ToyChainVectorEnv(2, ToyChainConfig(**overrides))
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Simulation time (VER's heterogeneous environments) and the crash option
+# ----------------------------------------------------------------------------------------------------------------------
+def record_sleeps(monkeypatch):
+    import toy_chain_env
+
+    slept = []
+    monkeypatch.setattr(toy_chain_env.time, "sleep", lambda seconds: slept.append(seconds))
+    return slept
+
+
+def test_no_delay_by_default(monkeypatch):
+    slept = record_sleeps(monkeypatch)
+    env = make(num_envs=3, horizon=20)
+    for _ in range(25):
+        env.step(correct_actions(env))
+    assert slept == []
+
+
+def test_step_time_without_spread_or_jitter_is_the_mean_per_chain(monkeypatch):
+    slept = record_sleeps(monkeypatch)
+    env = make(num_envs=3, horizon=20, step_time_mean=0.002, step_time_spread=0.0, step_time_jitter=0.0)
+    for _ in range(5):
+        env.step(correct_actions(env))
+    np.testing.assert_allclose(slept, [3 * 0.002] * 5)  # the chains of one step() are simulated one after another
+
+
+def test_episode_speed_factor_is_fixed_within_an_episode_and_lognormal_across_episodes(monkeypatch):
+    slept = record_sleeps(monkeypatch)
+    sigma, horizon = 0.8, 4
+    env = make(num_envs=1, horizon=horizon, block_length=2, autoreset_mode="same_step", step_time_mean=1.0,
+               step_time_spread=sigma, step_time_jitter=0.0)
+    env.reset(seed=5)
+    episodes = 3000
+    for _ in range(episodes * horizon):
+        env.step(correct_actions(env))
+    per_episode = np.array(slept).reshape(episodes, horizon)
+    assert np.ptp(per_episode, axis=1).max() < 1e-12  # one factor per episode (episode-level stragglers)
+    factors = per_episode[:, 0]
+    assert abs(np.log(factors).std() - sigma) < 0.05
+    assert abs(factors.mean() - 1.0) < 0.06  # mean-one factor: --toy.step-time-mean stays the mean step time
+
+
+def test_per_step_jitter_is_lognormal_with_mean_one(monkeypatch):
+    slept = record_sleeps(monkeypatch)
+    sigma = 0.5
+    env = make(num_envs=1, horizon=1000, step_time_mean=1.0, step_time_spread=0.0, step_time_jitter=sigma)
+    for _ in range(4000):
+        env.step(correct_actions(env))
+    factors = np.array(slept)
+    assert len(np.unique(factors)) == len(factors)  # a new factor every step (action-level stragglers)
+    assert abs(np.log(factors).std() - sigma) < 0.03 and abs(factors.mean() - 1.0) < 0.03
+
+
+@pytest.mark.parametrize("mode", ["next_step", "same_step"])
+def test_delays_leave_the_dynamics_unchanged(monkeypatch, mode):
+    record_sleeps(monkeypatch)
+
+    def rollout(**timing):
+        env = ToyChainVectorEnv(32, ToyChainConfig(horizon=20, progression_prob=0.5, reset_lambda=1.0,
+                                                   autoreset_mode=mode, **timing))
+        obs, _ = env.reset(seed=3)
+        gen = torch.Generator().manual_seed(0)
+        out = [obs]
+        for _ in range(50):
+            obs, reward, _, truncated, _ = env.step(torch.randint(0, 20, (32,), generator=gen))
+            out += [obs, reward.long(), truncated.long()]
+        return torch.stack(out)
+
+    assert torch.equal(rollout(), rollout(step_time_mean=0.01, step_time_spread=1.0, step_time_jitter=0.5))
+
+
+def test_step_time_is_spent_inside_step():
+    env = make(num_envs=1, horizon=20, step_time_mean=0.01, step_time_jitter=0.0)
+    import time
+
+    start = time.perf_counter()
+    env.step(correct_actions(env))
+    assert time.perf_counter() - start >= 0.0095  # time.sleep never returns early
+
+
+def test_crash_at_step_raises_in_that_call():
+    env = make(num_envs=2, horizon=20, crash_at_step=3)
+    env.step(correct_actions(env))
+    env.step(correct_actions(env))
+    with pytest.raises(RuntimeError, match="deliberate crash in step\\(\\) call 3"):
+        env.step(correct_actions(env))
+
+
+@pytest.mark.parametrize(
+    "overrides, flag",
+    [
+        (dict(step_time_mean=-0.1), "--toy.step-time-mean"),
+        (dict(step_time_spread=-1.0), "--toy.step-time-spread"),
+        (dict(step_time_jitter=float("nan")), "--toy.step-time-jitter"),
+        (dict(crash_at_step=-1), "--toy.crash-at-step"),
+    ],
+)
+def test_bad_timing_settings_name_the_flag(overrides, flag):
+    with pytest.raises(ValueError, match=flag):
+        ToyChainVectorEnv(2, ToyChainConfig(**overrides))

@@ -1,0 +1,772 @@
+"""ppo_ver.py: sequences and packing, the packed LSTM, GAE over variable-length sequences, VER minibatches,
+importance weights, the preemption rule, the collector (VER, NoVER, sync, both autoreset modes, inflight actions),
+argument validation, and smoke runs as a user runs the script (ToyChain with heterogeneous step times, ManiSkill,
+Gymnasium envs, --recurrent, torchrun, worker crashes, Ctrl-C)."""
+
+import copy
+import glob
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import replace
+
+import numpy as np
+import pytest
+import torch
+from conftest import DEVICES, ROOT
+
+import ppo_ver as ver
+from toy_chain_env import ToyChainConfig
+
+GAMMA, LAM = 0.9, 0.8
+
+
+@pytest.fixture(autouse=True)
+def one_torch_thread():
+    """Tiny networks: one thread is fastest, and robust on a machine shared with the env workers of the smoke runs."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Sequences, packing, the packed LSTM
+# ----------------------------------------------------------------------------------------------------------------------
+def test_build_sequences_groups_env_episodes_in_time_order():
+    env_ids = np.array([0, 1, 0, 1, 0, 2, 0, 1])
+    episode_ids = np.array([3, 5, 3, 6, 4, 0, 4, 6])
+    order, lengths = ver.build_sequences(env_ids, episode_ids)
+    # env 0 episode 3: steps 0, 2 | env 0 episode 4: 4, 6 | env 1 episode 5: 1 | env 1 episode 6: 3, 7 | env 2: 5
+    assert order.tolist() == [0, 2, 4, 6, 1, 3, 7, 5]
+    assert lengths.tolist() == [2, 2, 1, 2, 1]
+
+
+def test_pack_layout_hand_worked_and_matches_torch_pack_sequence():
+    lengths = np.array([2, 4, 1, 3])
+    select, batch_sizes, sorted_sequences = ver.pack_layout(lengths)
+    # flat: seq0 = 0,1 | seq1 = 2,3,4,5 | seq2 = 6 | seq3 = 7,8,9; by length: seq1, seq3, seq0, seq2
+    assert sorted_sequences.tolist() == [1, 3, 0, 2]
+    assert batch_sizes.tolist() == [4, 3, 2, 1]
+    assert select.tolist() == [2, 7, 0, 6, 3, 8, 1, 4, 9, 5]
+    rng = np.random.default_rng(0)
+    for _ in range(20):
+        lengths = rng.integers(1, 12, size=rng.integers(1, 9))
+        flat = torch.arange(int(lengths.sum()))
+        pieces = list(torch.split(flat, lengths.tolist()))
+        reference = torch.nn.utils.rnn.pack_sequence(pieces, enforce_sorted=False)
+        select, batch_sizes, _ = ver.pack_layout(lengths)
+        assert torch.equal(flat[select], reference.data)
+        assert batch_sizes.tolist() == reference.batch_sizes.tolist()
+
+
+def make_agent(obs_dim=3, act_dim=4, recurrent=True, continuous=False):
+    import gymnasium as gym
+
+    torch.manual_seed(0)
+    obs_space = gym.spaces.Box(-1, 1, (obs_dim,))
+    act_space = gym.spaces.Box(-1, 1, (act_dim,)) if continuous else gym.spaces.Discrete(act_dim)
+    return ver.Agent(obs_space, act_space, (16,), recurrent, lstm_hidden_size=8, lstm_layers=2, ent_coef=0.01,
+                     learned_ent_coef=False)
+
+
+@pytest.mark.parametrize("continuous", [False, True])
+@pytest.mark.parametrize("device", DEVICES)
+def test_packed_forward_equals_step_by_step_with_resets_at_episode_starts(device, continuous):
+    """Fig. 3C: running pieces of sequences as one PackedSequence, each from its stored state, gives exactly the
+    step-by-step outputs of an LSTM whose state is zeroed at episode starts (habitat-lab's test of the same)."""
+    agent = make_agent(continuous=continuous).to(device).double()
+    rng = np.random.default_rng(1)
+    n_envs, steps = 5, 23
+    obs = torch.as_tensor(rng.normal(size=(steps, n_envs, 3)), device=device)
+    if continuous:
+        actions = torch.as_tensor(rng.normal(size=(steps, n_envs, 4)), device=device)
+    else:
+        actions = torch.as_tensor(rng.integers(0, 4, size=(steps, n_envs)), device=device)
+    starts = rng.random((steps, n_envs)) < 0.15
+    starts[0] = True
+    # Step by step: reset the state at episode starts; remember the state each step acted from.
+    state = agent.initial_state(n_envs, device)
+    state = (state[0].double(), state[1].double())
+    stored_h, stored_c, ref_logprob, ref_entropy, ref_value = [], [], [], [], []
+    with torch.no_grad():
+        for t in range(steps):
+            keep = torch.as_tensor(~starts[t], device=device, dtype=torch.float64).view(1, -1, 1)
+            state = (state[0] * keep, state[1] * keep)
+            stored_h.append(state[0].transpose(0, 1))
+            stored_c.append(state[1].transpose(0, 1))
+            dist, value, state = agent._step(obs[t], state)
+            logprob, entropy = agent._log_prob_entropy(dist, actions[t])
+            ref_logprob.append(logprob), ref_entropy.append(entropy), ref_value.append(value)
+    ref = [torch.stack(x) for x in (ref_logprob, ref_entropy, ref_value)]  # (steps, n_envs)
+    stored_h, stored_c = torch.stack(stored_h), torch.stack(stored_c)  # (steps, n_envs, layers, hidden)
+
+    # Pieces: split every env's stream at episode starts and at random cuts (as minibatch cuts split sequences).
+    cuts = starts | (rng.random((steps, n_envs)) < 0.1)
+    pieces = []
+    for e in range(n_envs):
+        begin = 0
+        for t in range(1, steps + 1):
+            if t == steps or cuts[t, e]:
+                pieces.append([(u, e) for u in range(begin, t)])
+                begin = t
+    rng.shuffle(pieces)
+    flat = [step for piece in pieces for step in piece]
+    t_idx = torch.tensor([t for t, _ in flat], device=device)
+    e_idx = torch.tensor([e for _, e in flat], device=device)
+    first = [piece[0] for piece in pieces]
+    state0 = tuple(s[[t for t, _ in first], [e for _, e in first]].transpose(0, 1) for s in (stored_h, stored_c))
+    with torch.no_grad():
+        logprob, entropy, value = agent.evaluate(obs[t_idx, e_idx], actions[t_idx, e_idx], state0,
+                                                 np.array([len(p) for p in pieces]))
+    for got, expected in zip((logprob, entropy, value), ref):
+        torch.testing.assert_close(got, expected[t_idx, e_idx], rtol=1e-9, atol=1e-9)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# GAE over variable-length sequences
+# ----------------------------------------------------------------------------------------------------------------------
+def reference_gae_per_env(rewards, values, next_values, terminated, done, gamma, lam):
+    """Independent reference on one env's steps in time order (one rollout): sum (gamma lam)^l delta_{t+l} until
+    the episode or the rollout ends."""
+    n = len(rewards)
+    adv = np.zeros(n)
+    for t in range(n):
+        total, coef = 0.0, 1.0
+        for u in range(t, n):
+            total += coef * (rewards[u] + gamma * (0.0 if terminated[u] else next_values[u]) - values[u])
+            if done[u]:
+                break
+            coef *= gamma * lam
+        adv[t] = total
+    return adv
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2, 3])
+def test_gae_on_variable_length_sequences_equals_a_per_env_reference(seed):
+    """A VER rollout: envs with different numbers of steps, interleaved in collection order, episodes ending by
+    termination or truncation anywhere; sequences -> packed GAE -> back, against a per-env loop."""
+    rng = np.random.default_rng(seed)
+    n_envs = 6
+    steps_per_env = rng.integers(1, 25, size=n_envs)  # no per-env constraint (Sec. 2.2)
+    env_ids = rng.permutation(np.repeat(np.arange(n_envs), steps_per_env))  # collection order
+    n = len(env_ids)
+    rewards, values, next_values = rng.normal(size=n), rng.normal(size=n), rng.normal(size=n)
+    terminated = rng.random(n) < 0.08
+    truncated = (rng.random(n) < 0.08) & ~terminated
+    done = terminated | truncated
+    episode_ids = np.zeros(n, dtype=np.int64)
+    for e in range(n_envs):  # the episode counter of each env goes up after each of its episode ends
+        rows = np.flatnonzero(env_ids == e)
+        episode_ids[rows] = np.concatenate([[0], np.cumsum(done[rows])[:-1]])
+    expected = np.zeros(n)
+    for e in range(n_envs):
+        rows = np.flatnonzero(env_ids == e)
+        expected[rows] = reference_gae_per_env(rewards[rows], values[rows], next_values[rows], terminated[rows],
+                                               done[rows], GAMMA, LAM)
+
+    order, lengths = ver.build_sequences(env_ids, episode_ids)
+    select, batch_sizes, _ = ver.pack_layout(lengths)
+    t = lambda x: torch.as_tensor(x[order][select], dtype=torch.float64)  # noqa: E731
+    packed = ver.compute_gae_packed(t(rewards), t(values), t(next_values), torch.as_tensor(terminated[order][select]),
+                                    batch_sizes, GAMMA, LAM)
+    advantages = torch.empty_like(packed)
+    advantages[torch.as_tensor(select)] = packed  # back to sequence order
+    got = np.empty(n)
+    got[order] = advantages.numpy()
+    np.testing.assert_allclose(got, expected, rtol=1e-10, atol=1e-10)
+
+
+def test_gae_packed_hand_worked():
+    # Two sequences: A = [r 1, 2] ends by termination; B = [r 3] cut by the rollout end, bootstrap V' = 2.5.
+    # Packed: t0: A0, B0 | t1: A1. V = [0.5, 1.0 | 1.5].
+    select, batch_sizes, _ = ver.pack_layout(np.array([2, 1]))
+    assert select.tolist() == [0, 2, 1]
+    f = lambda *x: torch.tensor(x, dtype=torch.float64)  # noqa: E731
+    adv = ver.compute_gae_packed(f(1, 3, 2), f(0.5, 1.5, 1.0), f(1.0, 2.5, 7.0), torch.tensor([False, False, True]),
+                                 batch_sizes, GAMMA, LAM)
+    # A1 = 2 - 1 = 1 (terminal); A0 = (1 + .9*1 - .5) + .72*1 = 2.12; B0 = 3 + .9*2.5 - 1.5 = 3.75
+    np.testing.assert_allclose(adv.numpy(), [2.12, 3.75, 1.0])
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Minibatches, importance weights, preemption, filling
+# ----------------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("seed", range(5))
+def test_minibatches_cover_every_step_once_in_equal_sizes_and_split_sequences_only_at_cuts(seed):
+    rng = np.random.default_rng(seed)
+    num_minibatches = int(rng.integers(1, 6))
+    lengths = rng.integers(1, 30, size=int(rng.integers(3, 40)))
+    lengths[-1] += (-lengths.sum()) % num_minibatches  # total divisible by the number of minibatches
+    total = int(lengths.sum())
+    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
+    sequence_of = np.repeat(np.arange(len(lengths)), lengths)
+    minibatches = ver.make_minibatches(lengths, num_minibatches, rng)
+    assert len(minibatches) == num_minibatches
+    seen = np.concatenate([idx for idx, _ in minibatches])
+    assert sorted(seen.tolist()) == list(range(total))  # every step exactly once per epoch
+    assert {len(idx) for idx, _ in minibatches} == {total // num_minibatches}  # equal sizes
+    n_pieces = 0
+    for idx, piece_lengths in minibatches:
+        assert piece_lengths.sum() == len(idx) and (piece_lengths > 0).all()
+        for piece in np.split(idx, np.cumsum(piece_lengths)[:-1]):
+            # a piece is a contiguous run of one sequence, in time order
+            assert len(set(sequence_of[piece])) == 1 and (np.diff(piece) == 1).all()
+            n_pieces += 1
+    # Sequences are split only where a cut falls inside them: at most num_minibatches - 1 extra pieces.
+    cuts_inside = 0
+    for idx, _ in minibatches[1:]:
+        first = idx[0]
+        cuts_inside += first != starts[sequence_of[first]]
+    assert n_pieces == len(lengths) + cuts_inside <= len(lengths) + num_minibatches - 1
+    # Shuffled: another seed orders the sequences differently.
+    other = ver.make_minibatches(lengths, num_minibatches, np.random.default_rng(seed + 100))
+    assert not np.array_equal(np.concatenate([i for i, _ in other]), seen)
+
+
+def test_minibatches_reject_a_batch_that_does_not_split_evenly():
+    with pytest.raises(ValueError, match="equal minibatches"):
+        ver.make_minibatches(np.array([3, 4]), 2, np.random.default_rng(0))
+
+
+def test_importance_weights_hand_worked():
+    # T = 4 steps per env expected; env 0 gave 8 (w = 0.5), env 1 gave 4 (w = 1), env 2 gave 2 (T/n = 2, clipped to 1).
+    env_ids = torch.tensor([0] * 8 + [1] * 4 + [2] * 2)
+    w = ver.importance_weights(env_ids, num_envs=3, num_steps=4, clip_max=1.0)
+    assert w.tolist() == [0.5] * 8 + [1.0] * 4 + [1.0] * 2
+    w = ver.importance_weights(env_ids, num_envs=3, num_steps=4, clip_max=1.5)
+    assert w.tolist() == [0.5] * 8 + [1.0] * 4 + [1.5] * 2
+    # NoVER / sync: T steps from every env, all weights 1.
+    assert ver.importance_weights(torch.arange(3).repeat(4), 3, 4).tolist() == [1.0] * 12
+
+
+def ppo_update_inputs(learned_ent_coef):
+    """A one-minibatch PPO update on a hand-made batch: an MLP agent, behaviour log-probabilities that differ from the
+    current policy (ratios != 1, some clipped) and importance weights that differ per step."""
+    import gymnasium as gym
+
+    torch.manual_seed(0)
+    agent = ver.Agent(gym.spaces.Box(-1, 1, (3,)), gym.spaces.Discrete(4), (16,), False, lstm_hidden_size=8,
+                      lstm_layers=1, ent_coef=0.5, learned_ent_coef=learned_ent_coef)
+    n = 10
+    obs, actions = torch.randn(n, 3), torch.randint(0, 4, (n,))
+    with torch.no_grad():
+        logprob, _, value = agent.evaluate(obs, actions)
+    x = torch.linspace(-1, 1, n)
+    batch = ver.Batch(obs=obs, actions=actions, logprobs=logprob + 0.3 * x, values=value + 0.1 * x,
+                      advantages=torch.randn(n), returns=value + torch.randn(n), weights=torch.linspace(0.2, 1.0, n),
+                      hidden_h=None, hidden_c=None, lengths=np.array([4, 6]), versions=np.zeros(n, int),
+                      env_ids=np.zeros(n, int))
+    args = replace(ver.Args(), update_epochs=1, num_minibatches=1, norm_adv=False, max_grad_norm=1e9,
+                   learned_ent_coef=learned_ent_coef, target_entropy=0.7, clip_coef=0.2, vf_coef=0.5)
+    return agent, batch, args
+
+
+@pytest.mark.parametrize("learned_ent_coef", [False, True])
+def test_ppo_update_gradient_equals_the_weighted_losses_of_sec_4(learned_ent_coef):
+    """The gradients of one PPO minibatch update equal those of the Sec. 4 loss written out independently: every term
+    weighted by the truncated importance weights w, the entropy bonus scaled by the stop-gradient alpha, and (learned
+    coefficient) alpha * ([H]_sg - lambda) as the only loss on log alpha."""
+    agent, batch, args = ppo_update_inputs(learned_ent_coef)
+    reference = copy.deepcopy(agent)
+    # Reference gradients, from the formulas (one minibatch, so the step order does not matter).
+    logprob, entropy, value = reference.evaluate(batch.obs, batch.actions)
+    ratio, w, adv = (logprob - batch.logprobs).exp(), batch.weights, batch.advantages
+    surrogate = torch.minimum(adv * ratio, adv * ratio.clamp(0.8, 1.2))
+    v_clipped = batch.values + (value - batch.values).clamp(-0.2, 0.2)
+    v_loss = 0.5 * torch.maximum((value - batch.returns) ** 2, (v_clipped - batch.returns) ** 2)
+    alpha = reference.log_ent_coef.exp()
+    h = (w * entropy).sum() / len(w)
+    loss = -(w * surrogate).sum() / len(w) + 0.5 * (w * v_loss).sum() / len(w) - alpha.detach() * h
+    if learned_ent_coef:
+        loss = loss + alpha * (h.detach() - 0.7)
+    loss.backward()
+
+    params = [p for p in agent.parameters()]
+    optimizer = torch.optim.SGD(params, lr=0.0)  # lr 0: the update leaves the weights, and its gradients, to compare
+    out = ver.ppo_update(args, agent, optimizer, batch, ver.World(), np.random.default_rng(0))
+    assert out["minibatch_updates"] == 1
+    for (name, p), p_ref in zip(agent.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, p_ref.grad, msg=name)
+    assert 0 < out["clipfrac"] < 1  # some ratios were clipped, so the clipped branch was exercised
+    if learned_ent_coef:  # d/d log(alpha) of alpha * (H - lambda) = alpha * (H - lambda)
+        torch.testing.assert_close(agent.log_ent_coef.grad, (0.5 * (h - 0.7)).detach())
+
+
+def test_learned_entropy_coefficient_moves_towards_the_target_entropy():
+    """alpha grows while the policy's entropy is below the target and shrinks while it is above (Sec. 4)."""
+    for target, direction in ((10.0, 1), (0.0, -1)):  # 4 actions: entropy <= log 4 = 1.39
+        agent, batch, args = ppo_update_inputs(True)
+        args = replace(args, target_entropy=target)
+        before = float(agent.log_ent_coef.detach())
+        optimizer = torch.optim.Adam(agent.parameters(), lr=0.01)
+        ver.ppo_update(args, agent, optimizer, batch, ver.World(), np.random.default_rng(0))
+        assert direction * (float(agent.log_ent_coef.detach()) - before) == pytest.approx(0.01, rel=1e-3)  # Adam's first step
+
+
+def test_preemption_rule_hand_worked():
+    # Two ranks with one env each, steps of 1 s and 2 s, T x N = 4 per rank, LT = 2 s:
+    # S(t) = min(4, t) + min(4, t // 2): S/(t+2) = 1/3, 3/4, 4/5, 6/6, 7/8, 8/10 at t = 1, 2, 3, 4, 6, 8.
+    t_star, steps, t_full = ver.optimal_preemption_time(np.array([[1.0], [2.0]]), 4, None, 2.0)
+    assert (t_star, steps, t_full) == (4.0, 6, 8.0)
+    # A long learning phase makes waiting for the straggler worth it.
+    t_star, steps, t_full = ver.optimal_preemption_time(np.array([[1.0], [2.0]]), 4, None, 100.0)
+    assert (t_star, steps) == (8.0, 8)
+    # One rank: S(t) / (t + LT) grows until the batch is full, so VER on one GPU is never preempted.
+    rng = np.random.default_rng(0)
+    t_star, steps, t_full = ver.optimal_preemption_time(rng.uniform(0.01, 0.05, size=(1, 8)), 64, None, 0.5)
+    assert t_star == t_full and steps == 64
+    # NoVER (T per env): env 0 steps every 1 s, env 1 every 3 s, T = 2, LT = 1: S(t) = min(2, t) + min(2, t // 3),
+    # S/(t+1) = 1/2, 2/3, 3/4, 3/5, 3/6, 4/7 at t = 1..6: stop at t = 3 with 3 of the 4 steps.
+    t_star, steps, t_full = ver.optimal_preemption_time(np.array([[1.0, 3.0]]), 4, 2, 1.0)
+    assert (t_star, steps, t_full) == (3.0, 3, 6.0)
+
+
+def test_fill_from_previous_tops_up_with_whole_old_sequences_cut_to_size():
+    def batch(lengths, tag):
+        n = int(np.sum(lengths))
+        x = torch.arange(n, dtype=torch.float32) + tag
+        return ver.Batch(obs=x, actions=x, logprobs=x, values=x, advantages=x, returns=x, weights=x, hidden_h=None,
+                         hidden_c=None, lengths=np.array(lengths), versions=np.full(n, tag), env_ids=np.zeros(n, int))
+
+    fresh, old = batch([3, 2], 100), batch([4, 4, 4], 0)
+    filled = ver.fill_from_previous(fresh, old, 12, np.random.default_rng(0))
+    assert len(filled) == 12 and filled.lengths[:2].tolist() == [3, 2] and filled.lengths.sum() == 12
+    assert filled.obs[:5].tolist() == [100, 101, 102, 103, 104]
+    old_part = filled.obs[5:].long().tolist()  # 7 old steps: one whole sequence of 4, then 3 of another
+    assert filled.lengths[2:].tolist() == [4, 3] and old_part[0] % 4 == 0 and old_part[4] % 4 == 0
+    assert old_part[:4] == list(range(old_part[0], old_part[0] + 4))
+    assert (filled.versions[5:] == 0).all()
+    assert ver.fill_from_previous(fresh, old, 5, np.random.default_rng(0)) is fresh
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# The collector, with the env workers simulated in this process (arrivals in a seeded random order)
+# ----------------------------------------------------------------------------------------------------------------------
+class FakeWorkers:
+    """Stands in for EnvWorkers: the envs step in this process when poll() lets them arrive, each stepping env
+    arriving with its own probability per poll (heterogeneous speeds, action-level randomness). Logs every
+    transition: (obs, action, reward, terminated, truncated, true next obs)."""
+
+    def __init__(self, args, slots, arrive_prob, seed=0):
+        self.envs = [ver.make_env(args) for _ in range(args.num_envs)]
+        self.slots, self.p, self.rng = slots, np.asarray(arrive_prob), np.random.default_rng(seed)
+        self.log = {e: [] for e in range(args.num_envs)}
+        self.current = {}
+        self.initial = list(range(args.num_envs))
+        self.stepping = []
+        for e, env in enumerate(self.envs):
+            self.current[e] = env.reset(seed=seed + e)
+            slots.obs[e] = torch.as_tensor(self.current[e])
+
+    def send_step(self, envs):
+        assert not set(envs) & set(self.stepping)  # never an action for an env that is still stepping
+        self.stepping += [int(e) for e in envs]
+
+    def poll(self, timeout):
+        if self.initial:
+            arrived, self.initial = self.initial, []
+            return arrived
+        if not self.stepping:
+            return []
+        chosen = [e for e in self.stepping if self.rng.random() < self.p[e]] or [self.stepping[0]]
+        for e in chosen:
+            self.stepping.remove(e)
+            action = self.slots.action[e].numpy().copy()
+            obs, reward, terminated, truncated, final, success = self.envs[e].step(action)
+            self.log[e].append((self.current[e], action, reward, terminated, truncated, obs if final is None else final))
+            s = self.slots
+            s.obs[e], s.reward[e], s.terminated[e], s.truncated[e] = torch.as_tensor(obs), reward, terminated, truncated
+            s.has_final_obs[e], s.success[e], s.busy_time[e] = final is not None, success, 0.001
+            if final is not None:
+                s.final_obs[e] = torch.as_tensor(final)
+            self.current[e] = obs
+        return chosen
+
+
+@pytest.mark.parametrize("mode", ["ver", "nover", "sync"])
+@pytest.mark.parametrize("autoreset", ["next_step", "same_step"])
+def test_collector_rollouts_bootstrap_and_gae_match_a_reference_on_the_logged_trajectories(mode, autoreset):
+    """Rollouts of T x N steps (VER: any env; NoVER/sync: T each), no step lost or repeated across rollouts
+    (inflight actions carried over), and advantages equal a per-env GAE reference computed from the envs' own
+    transitions with V of the true next observation (zero at terminations)."""
+    T, N = 6, 4
+    toy = ToyChainConfig(horizon=8, block_length=2, num_actions=3, progression_prob=0.5, terminal_horizon=False,
+                         autoreset_mode=autoreset)
+    args = ver.resolve_args(ver.Args(env_id="ToyChain-v0", num_envs=N, num_steps=T, toy=toy, num_minibatches=1,
+                                     variable_experience=mode == "ver", sync=mode == "sync", cuda=False,
+                                     inference_max_wait_ms=0.0 if mode != "sync" else None,
+                                     inference_min_batch=1 if mode != "sync" else None), world_size=1)
+    spec = ver.EnvSpec.of(ver.make_env(args))
+    torch.manual_seed(0)
+    agent = ver.make_agent(args, spec)
+    slots = ver.SharedSlots.allocate(N, spec)
+    workers = FakeWorkers(args, slots, arrive_prob=[0.9, 0.6, 0.3, 0.15])
+    collector = ver.Collector(args, workers, slots, agent, spec, None, torch.device("cpu"))
+    collector.wait_until_ready()
+    batches, carried, unequal = [], 0, False
+    for _ in range(12):
+        stats = collector.collect()
+        assert stats.collected == T * N and not stats.preempted
+        steps = collector.steps_in_rollout.copy()
+        if mode == "ver":
+            unequal |= steps.min() != steps.max()
+        else:
+            assert (steps == T).all()  # NoVER and sync: exactly T steps from every env
+        batch = collector.build_batch(GAMMA, LAM, 1.0)
+        assert len(batch) == T * N
+        collector.start_next_rollout()
+        carried += collector.stats.carried
+        batches.append(batch)
+    if mode == "ver":
+        assert unequal and carried > 0  # fast envs contribute more; inflight actions are carried over
+    else:
+        assert carried == 0
+    if mode == "sync":
+        assert all(size == N for size in collector.stats.batch_sizes) or autoreset == "next_step"
+
+    def value(o):
+        with torch.no_grad():
+            return float(agent.get_value(torch.as_tensor(np.array([o])), None)[0])
+
+    for e in range(N):
+        # The env's trainable transitions (next-step mode: not the reset step after an episode end), in order.
+        transitions, stale = [], False
+        for tr in workers.log[e]:
+            if not stale:
+                transitions.append(tr)
+            stale = autoreset == "next_step" and (tr[3] or tr[4])
+        position = 0
+        for batch in batches:
+            mine = np.flatnonzero(batch.env_ids == e)  # this rollout's steps of env e, in time order
+            segment = transitions[position:position + len(mine)]
+            position += len(mine)
+            assert [int(o) for o, *_ in segment] == batch.obs[mine].tolist()
+            assert [int(a) for _, a, *_ in segment] == batch.actions[mine].tolist()
+            rewards = np.array([r for _, _, r, *_ in segment])
+            terminated = np.array([te for *_, te, _, _ in segment])
+            done = np.array([te or tr for *_, te, tr, _ in segment])
+            values = np.array([value(o) for o, *_ in segment])
+            next_values = np.array([value(n) for *_, n in segment])
+            expected = reference_gae_per_env(rewards, values, next_values, terminated, done, GAMMA, LAM)
+            np.testing.assert_allclose(batch.advantages[mine].numpy(), expected, rtol=1e-5, atol=1e-5)
+            np.testing.assert_allclose(batch.returns[mine].numpy(), expected + values, rtol=1e-5, atol=1e-5)
+        assert position > 0
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Argument validation (before any env or process starts)
+# ----------------------------------------------------------------------------------------------------------------------
+def test_sync_is_nover_with_the_whole_batch_and_defaults_follow_habitat_lab():
+    a = ver.resolve_args(ver.Args(num_envs=6, sync=True, cuda=False), world_size=1)
+    assert (a.variable_experience, a.inference_min_batch, a.inference_max_batch) == (False, 6, 6)
+    a = ver.resolve_args(ver.Args(num_envs=16, cuda=False), world_size=1)
+    assert (a.variable_experience, a.inference_min_batch, a.inference_max_batch) == (True, 10, 16)  # N / 1.5, N
+    a = ver.resolve_args(ver.Args(num_envs=8, num_steps=16, total_timesteps=10_000, cuda=False), world_size=2)
+    assert a.batch_size == 128 and a.num_iterations == 10_000 // 256
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(sync=True, inference_min_batch=2), "--sync steps all N envs"),
+        (dict(num_envs=6, envs_per_worker=4), "--envs-per-worker"),
+        (dict(num_envs=3, num_steps=7, num_minibatches=4), "--num-minibatches 4 equal minibatches"),
+        (dict(inference_min_batch=9, inference_max_batch=4, num_envs=8), "--inference-min-batch"),
+        (dict(horizon=10), "--toy.horizon"),
+        (dict(learned_ent_coef=True, ent_coef=0.0), "--learned-ent-coef"),
+        (dict(is_clip_max=0.0), "--is-clip-max"),
+        (dict(toy=ToyChainConfig(step_time_mean=-1.0)), "--toy.step-time-mean"),
+        (dict(env_id="NoSuchEnv-v9"), "NoSuchEnv-v9"),
+        (dict(evaluate=True), "--evaluate needs --checkpoint"),
+        (dict(total_timesteps=10), "less than one rollout"),
+        (dict(dist_backend="nccl", cuda=False), "nccl needs CUDA"),
+        (dict(env_id="CartPole-v1", capture_video=True), "--capture-video"),
+    ],
+)
+def test_bad_flag_combinations_are_rejected_with_the_flag_named(kwargs, message):
+    with pytest.raises(ver.ArgsError, match=message):
+        ver.resolve_args(ver.Args(cuda=kwargs.pop("cuda", False), **kwargs), world_size=1)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Smoke tests: the script as a user runs it, asserting on what it wrote
+# ----------------------------------------------------------------------------------------------------------------------
+SCRIPT = os.path.join(ROOT, "ppo_ver.py")
+HETEROGENEOUS_TOY = ["--env-id", "ToyChain-v0", "--num-envs", "4", "--num-steps", "16", "--toy.horizon", "20",
+                     "--toy.step-time-mean", "0.002", "--toy.step-time-spread", "1.0", "--toy.step-time-jitter", "0.3",
+                     "--num-eval-episodes", "4", "--no-progress-bar", "--no-cuda"]
+
+
+def run_script(args, tmp_path, timeout=600, check=True, launcher=None):
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    command = (launcher or [sys.executable]) + [SCRIPT, "--output-dir", str(tmp_path), *args]
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
+    if check:
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return proc
+
+
+def only_run_dir(tmp_path, pattern="*"):
+    dirs = [d for d in glob.glob(os.path.join(str(tmp_path), pattern)) if os.path.isdir(d)]
+    assert len(dirs) == 1, dirs
+    return dirs[0]
+
+
+def load_summary(run_dir):
+    return json.load(open(os.path.join(run_dir, "summary.json")))
+
+
+def scalars(run_dir):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(run_dir, size_guidance={"scalars": 0})
+    acc.Reload()
+    return {tag: [e.value for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+
+
+@pytest.mark.parametrize("mode, autoreset", [("ver", "next_step"), ("nover", "same_step"), ("sync", "same_step"),
+                                            ("overlap", "same_step")])
+def test_toy_chain_with_heterogeneous_step_times(tmp_path, mode, autoreset):
+    """VER, NoVER and SyncOnRL from the same script on ToyChain with episode- and action-level stragglers (and VER
+    with --overlap-learning)."""
+    flag = {"ver": [], "nover": ["--no-variable-experience"], "sync": ["--sync"], "overlap": ["--overlap-learning"]}[mode]
+    run_script(HETEROGENEOUS_TOY + ["--total-timesteps", "640", "--eval-freq", "5", "--toy.autoreset-mode", autoreset]
+               + flag, tmp_path)
+    run_dir = only_run_dir(tmp_path)
+    summary, config = load_summary(run_dir), json.load(open(os.path.join(run_dir, "config.json")))
+    assert config["variable_experience"] == (mode in ("ver", "overlap")) and config["sync"] == (mode == "sync")
+    assert config["overlap_learning"] == (mode == "overlap")
+    if autoreset == "same_step":
+        assert summary["global_step"] == 640 and summary["iteration"] == 10
+    else:  # the ignored reset steps of next-step mode are env steps too, but not learned from
+        assert summary["global_step"] > 640
+    assert summary["sps"] > 0 and summary["ideal_sps"] > 0 and summary["env_busy_time_s"] > 0
+    for key in ("eval/return", "eval/success_at_end", "charts/episodic_return", "losses/value_loss", "toy/accuracy",
+                "time/collect", "time/learn", "time/inference", "time/wait", "time/env_step", "ver/env_utilization"):
+        assert key in summary, key
+    s = scalars(run_dir)
+    assert s["ver/steps_per_env_mean"] == [16.0] * len(s["charts/SPS"])  # T x N steps per rollout
+    steps_min, steps_max = s["ver/steps_per_env_min"], s["ver/steps_per_env_max"]
+    if mode in ("ver", "overlap"):  # no per-env constraint: fast envs give more; inflight actions are carried over
+        assert max(b - a for a, b in zip(steps_min, steps_max)) > 0
+        assert min(s["ver/importance_weight_min"]) < 1.0 and max(s["ver/importance_weight_max"]) == 1.0
+    if mode == "ver":  # carried-over steps come from the previous policy
+        assert 0 < max(s["ver/stale_fraction"]) < 1 and max(s["ver/policy_version_gap_max"]) == 1.0
+    elif mode == "overlap":  # collected during the previous update: all one version old, carried ones two
+        assert set(s["ver/stale_fraction"][1:]) == {1.0} and max(s["ver/policy_version_gap_max"]) == 2.0
+    else:
+        assert steps_min == steps_max == [16.0] * len(steps_min)
+        assert set(s["ver/importance_weight_min"]) == {1.0} and set(s["ver/stale_fraction"]) == {0.0}
+    if mode == "sync":  # step all envs, wait for all of them, act on all
+        assert set(s["ver/inference_batch_size_min"]) == set(s["ver/inference_batch_size_max"]) == {4.0}
+    assert s["eval/return"] and len(s["eval/return"]) == 2  # at iteration 5 and at the end
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_recurrent_save_resume_and_evaluate(tmp_path, device):
+    """--recurrent (LSTM over packed sequences; cuDNN on a GPU), checkpoints that resume and evaluate."""
+    first = tmp_path / "first"
+    common = HETEROGENEOUS_TOY[:-1] + ["--recurrent", "--eval-freq", "2", "--toy.step-time-mean", "0.001",
+                                       "--toy.autoreset-mode", "same_step", "--cuda" if device == "cuda" else "--no-cuda"]
+    run_script(common + ["--total-timesteps", "256", "--save-model"], first)
+    run_dir = only_run_dir(first)
+    assert sorted(os.path.basename(p) for p in glob.glob(os.path.join(run_dir, "*.pt"))) == \
+        ["ckpt_128.pt", "final_ckpt.pt"]
+    ckpt = torch.load(os.path.join(run_dir, "final_ckpt.pt"), weights_only=False)
+    assert ckpt["global_step"] == 256 and ckpt["policy_version"] == ckpt["iteration"] == 4
+    assert any(k.startswith("lstm.") for k in ckpt["agent"]) and ckpt["optimizer"]["state"]
+
+    second = tmp_path / "second"
+    proc = run_script(common + ["--total-timesteps", "512", "--checkpoint", os.path.join(run_dir, "final_ckpt.pt")],
+                      second)
+    assert "resuming from" in proc.stdout
+    resumed = load_summary(only_run_dir(second))
+    assert resumed["global_step"] == 512 and resumed["iteration"] == 8
+    assert scalars(only_run_dir(second))["charts/SPS"] and len(scalars(only_run_dir(second))["charts/SPS"]) == 4
+
+    third = tmp_path / "third"
+    run_script(common + ["--evaluate", "--checkpoint", os.path.join(run_dir, "final_ckpt.pt")], third)
+    evaluated = load_summary(only_run_dir(third))
+    assert evaluated["global_step"] == ckpt["global_step"] and "eval/return" in evaluated
+    assert "charts/SPS" not in evaluated
+
+
+def test_ver_learns_the_toy_chain_with_heterogeneous_step_times(tmp_path):
+    """VER's uneven sampling, corrected by truncated importance weights, still solves the chain (H = 50)."""
+    run_script(["--env-id", "ToyChain-v0", "--num-envs", "8", "--num-steps", "32", "--total-timesteps", "20480",
+                "--toy.horizon", "50", "--toy.step-time-mean", "0.001", "--toy.step-time-spread", "1.0",
+                "--eval-freq", "0", "--num-eval-episodes", "32", "--no-progress-bar", "--no-cuda"], tmp_path)
+    run_dir = only_run_dir(tmp_path)
+    summary, s = load_summary(run_dir), scalars(run_dir)
+    assert min(s["ver/importance_weight_min"]) < 1.0 and s["toy/accuracy"][0] < 0.2  # 20 actions: ~0.05 at first
+    assert summary["eval/success_at_end"] >= 0.9 and summary["toy/accuracy"] > 0.9
+
+
+def test_cartpole_learns(tmp_path):
+    """Any Gymnasium env id through the same workers: CartPole-v1 (same-step autoreset in the workers)."""
+    run_script(["--env-id", "CartPole-v1", "--num-envs", "4", "--total-timesteps", "40960", "--eval-freq", "0",
+                "--num-eval-episodes", "4", "--no-progress-bar", "--no-cuda"], tmp_path)
+    summary = load_summary(only_run_dir(tmp_path))
+    returns = scalars(only_run_dir(tmp_path))["charts/episodic_return"]
+    assert summary["global_step"] == 40960
+    assert np.mean(returns[-5:]) > 3 * np.mean(returns[:3])  # random play lasts about 20 steps
+    assert summary["eval/return"] > 60
+
+
+def test_pendulum_recurrent_continuous_actions(tmp_path):
+    run_script(["--env-id", "Pendulum-v1", "--num-envs", "2", "--num-steps", "100", "--total-timesteps", "800",
+                "--recurrent", "--learned-ent-coef", "--eval-freq", "0", "--num-eval-episodes", "2",
+                "--no-progress-bar", "--no-cuda"], tmp_path)
+    summary = load_summary(only_run_dir(tmp_path))
+    assert summary["global_step"] == 800 and summary["eval/episode_len"] == 200  # Pendulum's time limit
+    assert math.isfinite(summary["losses/value_loss"]) and summary["losses/ent_coef"] != 0.01  # alpha was learned
+
+
+def test_maniskill_cpu_task_with_two_workers(tmp_path):
+    """A ManiSkill3 task on CPU simulation, one physx_cpu env per worker process, with an evaluation video."""
+    run_script(["--env-id", "PickCube-v1", "--num-envs", "2", "--num-steps", "20", "--num-minibatches", "2",
+                "--horizon", "20", "--total-timesteps", "120", "--eval-freq", "0", "--num-eval-episodes", "1",
+                "--capture-video", "--no-progress-bar", "--no-cuda"], tmp_path, timeout=900)
+    run_dir = only_run_dir(tmp_path)
+    summary = load_summary(run_dir)
+    assert summary["global_step"] == 120 and summary["eval/episode_len"] == 20
+    assert {"eval/success_once", "eval/success_at_end", "charts/episodic_return"} <= set(summary)
+    assert json.load(open(os.path.join(run_dir, "config.json")))["norm_obs"] is True
+    assert glob.glob(os.path.join(run_dir, "videos", "**", "*.mp4"), recursive=True)
+
+
+@pytest.mark.parametrize("backend", ["gloo", pytest.param("nccl", marks=pytest.mark.skipif(
+    torch.cuda.device_count() < 2, reason="NCCL with 2 ranks needs 2 GPUs"))])
+def test_torchrun_two_ranks(tmp_path, backend):
+    """DD-PPO: torchrun --nproc_per_node 2, gloo on the CPU (NCCL on 2 GPUs): gradients all-reduced, weights identical
+    at the end, the straggler preemption rule active from the second rollout on."""
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    device_flag = ["--cuda"] if backend == "nccl" else ["--no-cuda"]
+    run_script(HETEROGENEOUS_TOY[:-1] + device_flag + ["--total-timesteps", "1280", "--eval-freq", "0",
+                                                       "--toy.step-time-spread", "1.5"], tmp_path, launcher=launcher)
+    run_dir = only_run_dir(tmp_path)  # one run directory (rank 0's)
+    summary = load_summary(run_dir)
+    assert summary["global_step"] >= 1280 and summary["ddp/max_weight_difference"] == 0.0
+    assert json.load(open(os.path.join(run_dir, "config.json")))["world_size"] == 2
+    s = scalars(run_dir)
+    assert len(s["ver/preemption_time"]) == len(s["charts/SPS"]) - 1 and min(s["ver/preemption_time"]) > 0
+    assert all(0.0 <= f < 1.0 for f in s["ver/filled_fraction"]) and set(s["ver/preempted_ranks"]) <= {0.0, 1.0, 2.0}
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Reliability: crashes, killed workers, Ctrl-C; no hang, no orphan processes
+# ----------------------------------------------------------------------------------------------------------------------
+def process_tree(pid):
+    """(descendant pid, depth) pairs of a process, read from /proc."""
+    children = {}
+    for path in glob.glob("/proc/[0-9]*/stat"):
+        try:
+            content = open(path).read()
+        except OSError:
+            continue
+        fields = content[content.rindex(")") + 2:].split()
+        children.setdefault(int(fields[1]), []).append(int(content.split()[0]))
+    out, stack = [], [(pid, 0)]
+    while stack:
+        parent, depth = stack.pop()
+        for child in children.get(parent, []):
+            out.append((child, depth + 1))
+            stack.append((child, depth + 1))
+    return out
+
+
+def alive(pid):
+    try:
+        content = open(f"/proc/{pid}/stat").read()
+    except OSError:
+        return False
+    return content[content.rindex(")") + 2] != "Z"
+
+
+class Watched:
+    """The script in a subprocess, with every descendant process it ever had recorded."""
+
+    def __init__(self, args, tmp_path):
+        self.proc = subprocess.Popen([sys.executable, SCRIPT, "--output-dir", str(tmp_path), *args], cwd=ROOT,
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                     env=dict(os.environ, PYTHONUNBUFFERED="1"))
+        self.seen = {}
+        self.start = time.time()
+
+    def watch(self):
+        self.seen.update(process_tree(self.proc.pid))
+
+    def workers(self):
+        return [pid for pid, depth in process_tree(self.proc.pid) if depth == 2]  # forkserver children
+
+    def wait(self, timeout):
+        while self.proc.poll() is None and time.time() - self.start < timeout:
+            self.watch()
+            time.sleep(0.1)
+        out, err = self.proc.communicate(timeout=30)
+        return self.proc.returncode, out, err, time.time() - self.start
+
+    def assert_nothing_left(self):
+        deadline = time.time() + 15
+        while time.time() < deadline and any(alive(p) for p in self.seen):
+            time.sleep(0.2)
+        assert self.seen and not [p for p in self.seen if alive(p)]
+
+
+def test_a_crashing_worker_ends_the_run_with_its_traceback(tmp_path):
+    run = Watched(HETEROGENEOUS_TOY + ["--total-timesteps", "1000000", "--toy.crash-at-step", "40"], tmp_path)
+    code, _, err, elapsed = run.wait(timeout=120)
+    assert code == 1, err[-3000:]
+    assert "an env worker failed" in err and "Traceback" in err and "deliberate crash in step() call 40" in err
+    assert elapsed < 90  # no hang: the error surfaces as soon as the main process hears from the worker
+    run.assert_nothing_left()
+    summary = load_summary(only_run_dir(tmp_path))
+    assert "deliberate crash" in summary["error"] and summary["global_step"] < 1000000
+
+
+def test_a_killed_worker_ends_the_run_and_nothing_is_left_behind(tmp_path):
+    run = Watched(HETEROGENEOUS_TOY + ["--total-timesteps", "1000000", "--eval-freq", "0"], tmp_path)
+    deadline = time.time() + 120
+    while time.time() < deadline and len(run.workers()) < 4:
+        run.watch()
+        time.sleep(0.2)
+    time.sleep(2.0)
+    run.watch()
+    victim = run.workers()[1]
+    os.kill(victim, signal.SIGKILL)
+    killed_at = time.time()
+    code, _, err, _ = run.wait(timeout=120)
+    assert code == 1 and f"(pid {victim}) died with exit code -9" in err, err[-3000:]
+    assert run.proc.returncode is not None and time.time() - killed_at < 60
+    run.assert_nothing_left()
+
+
+def test_ctrl_c_writes_the_summary_and_a_checkpoint(tmp_path):
+    run = Watched(HETEROGENEOUS_TOY + ["--total-timesteps", "1000000", "--eval-freq", "2", "--save-model"], tmp_path)
+    deadline = time.time() + 120
+    while time.time() < deadline and not glob.glob(os.path.join(str(tmp_path), "*", "ckpt_*.pt")):
+        run.watch()
+        time.sleep(0.2)
+    time.sleep(1.0)
+    run.watch()
+    run.proc.send_signal(signal.SIGINT)
+    code, _, err, _ = run.wait(timeout=60)
+    assert code == 130, err[-3000:]
+    run.assert_nothing_left()
+    run_dir = only_run_dir(tmp_path)
+    summary = load_summary(run_dir)
+    assert summary["interrupted"] is True and summary["global_step"] > 0
+    ckpt = torch.load(os.path.join(run_dir, "final_ckpt.pt"), weights_only=False)
+    assert ckpt["global_step"] == summary["global_step"] and ckpt["iteration"] == summary["iteration"]
+    assert not glob.glob(os.path.join(run_dir, "*.tmp"))
+
+
+def test_bad_flags_exit_early_with_a_message_and_start_nothing(tmp_path):
+    proc = run_script(["--sync", "--inference-min-batch", "2"], tmp_path, check=False)
+    assert proc.returncode == 2 and "error: --sync steps all N envs" in proc.stderr
+    assert os.listdir(tmp_path) == []
