@@ -375,13 +375,13 @@ def resolve_args(args: Args) -> Args:
 # =====================================================================================================================
 # Environments
 # =====================================================================================================================
-def _make_maniskill_cpu_env(env_id: str, horizon: int, control_mode: Optional[str], video_dir: Optional[str]):
-    """One physx_cpu ManiSkill env for a worker process, with numpy outputs (ManiSkill's CPUGymWrapper)."""
+def _make_maniskill_env(env_id: str, num_envs: int, backend: str, horizon: int, control_mode: Optional[str],
+                        video_dir: Optional[str]):
+    """A state-observation ManiSkill env (flat action space; episode videos into video_dir when given)."""
     import mani_skill.envs  # noqa: F401  (registers the tasks in this process)
-    from mani_skill.utils.wrappers.gymnasium import CPUGymWrapper
     from mani_skill.utils.wrappers.record import RecordEpisode
 
-    kwargs = dict(num_envs=1, obs_mode="state", sim_backend="physx_cpu", max_episode_steps=horizon,
+    kwargs = dict(num_envs=num_envs, obs_mode="state", sim_backend=backend, max_episode_steps=horizon,
                   render_mode="rgb_array" if video_dir else None)
     if control_mode:
         kwargs["control_mode"] = control_mode
@@ -391,7 +391,14 @@ def _make_maniskill_cpu_env(env_id: str, horizon: int, control_mode: Optional[st
         env = FlattenActionSpaceWrapper(env)
     if video_dir:
         env = RecordEpisode(env, video_dir, save_trajectory=False, max_steps_per_video=horizon, video_fps=30)
-    return CPUGymWrapper(env)
+    return env
+
+
+def _make_maniskill_cpu_env(env_id: str, horizon: int, control_mode: Optional[str], video_dir: Optional[str]):
+    """One physx_cpu ManiSkill env for a worker process, with numpy outputs (ManiSkill's CPUGymWrapper)."""
+    from mani_skill.utils.wrappers.gymnasium import CPUGymWrapper
+
+    return CPUGymWrapper(_make_maniskill_env(env_id, 1, "physx_cpu", horizon, control_mode, video_dir))
 
 
 class ManiSkillVecEnv(gym.vector.VectorEnv):
@@ -413,19 +420,7 @@ class ManiSkillVecEnv(gym.vector.VectorEnv):
         self.num_envs, self.device, self.reset_on_termination = num_envs, device, reset_on_termination
         self.gpu = backend == "physx_cuda"
         if self.gpu:
-            import mani_skill.envs  # noqa: F401
-            from mani_skill.utils.wrappers.record import RecordEpisode
-
-            kwargs = dict(num_envs=num_envs, obs_mode="state", sim_backend="physx_cuda", max_episode_steps=horizon,
-                          render_mode="rgb_array" if video_dir else None)
-            if control_mode:
-                kwargs["control_mode"] = control_mode
-            env = gym.make(env_id, **kwargs)
-            if isinstance(env.action_space, gym.spaces.Dict):
-                from mani_skill.utils.wrappers.flatten import FlattenActionSpaceWrapper
-                env = FlattenActionSpaceWrapper(env)
-            if video_dir:
-                env = RecordEpisode(env, video_dir, save_trajectory=False, max_steps_per_video=horizon, video_fps=30)
+            env = _make_maniskill_env(env_id, num_envs, "physx_cuda", horizon, control_mode, video_dir)
             self.env = env
             self.single_observation_space = env.unwrapped.single_observation_space
             self.single_action_space = env.unwrapped.single_action_space
