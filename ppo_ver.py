@@ -14,7 +14,9 @@ collects and learns (DD-PPO), gradients are all-reduced, and stragglers among th
 
 Map from the paper to this file
   Sec. 2.1, Fig. 2   env_worker, SharedSlots, EnvWorkers (processes, shared CPU memory, pipes);
-                     Collector (the main process is the inference worker: dynamic batching, min/max batch size)
+                     Collector (the main process is the inference worker: dynamic batching, min/max batch size);
+                     --num-inference-workers K > 1: inference_worker, InferenceWorkers, SharedPolicy (K processes,
+                     each acting for its share of the env workers, writing into RolloutStorage in shared memory)
   Sec. 2.2 VER       Collector.collect (T x N steps per rollout, no per-env quota), Collector.start_next_rollout
                      (inflight actions carried over); --no-variable-experience (NoVER) and --sync (SyncOnRL)
   Sec. 2.2, Fig. 3B  build_sequences, make_minibatches (shuffle sequences, cut into equal-size minibatches)
@@ -32,6 +34,7 @@ Examples
   python ppo_ver.py                                                      # ToyChain-v0, 16 env workers, VER
   python ppo_ver.py --toy.step-time-mean 0.004 --toy.step-time-spread 1  # heterogeneous simulation time
   python ppo_ver.py --toy.step-time-mean 0.004 --toy.step-time-spread 1 --no-variable-experience   # NoVER
+  python ppo_ver.py --num-envs 32 --num-inference-workers 2              # 2 inference worker processes, 16 envs each
   python ppo_ver.py --env-id CartPole-v1 --recurrent                     # any Gymnasium env id, LSTM policy
   python ppo_ver.py --env-id PickCube-v1 --num-envs 8                    # ManiSkill3, one physx_cpu env per worker
   torchrun --standalone --nproc_per_node 2 ppo_ver.py --num-envs 8       # DD-PPO: 2 ranks (gloo on CPU, NCCL on GPUs)
@@ -183,6 +186,8 @@ class Args:
     """collect the next rollout while learning on this one (its experience is then one policy version old), as habitat-lab's overlap_rollouts_and_learn; off by default, as in the paper (Sec. 2.1)"""
     worker_timeout: float = 300.0
     """seconds without any env worker answering before the run is stopped as hung"""
+    num_inference_workers: int = 1
+    """K inference workers (Sec. 2.1, Fig. 2): 1 = the main process acts for all envs; K > 1 = K inference worker processes, each acting for its own share of the env workers (dynamic batching over its envs, a CPU copy of the policy refreshed after every update) while the main process only learns"""
 
     # ---- DD-PPO (Sec. 2.3), launched with torchrun ----------------------------------------------------------------
     straggler_preemption: bool = True
@@ -224,7 +229,11 @@ class ArgsError(ValueError):
 
 
 class WorkerError(RuntimeError):
-    """An env worker raised, died or stopped answering: the run ends with its message."""
+    """An env (or inference) worker raised, died or stopped answering: the run ends with its message."""
+
+    def __init__(self, message: str, who: str = "an env worker"):
+        super().__init__(message)
+        self.who = who
 
 
 # =====================================================================================================================
@@ -339,6 +348,16 @@ def resolve_args(args: Args, world_size: Optional[int] = None) -> Args:
                         "(which ends collection to start learning) does not apply: add --no-straggler-preemption")
     if a.worker_timeout <= 0:
         raise ArgsError(f"--worker-timeout must be > 0 seconds, got {a.worker_timeout}")
+    num_env_workers = N // a.envs_per_worker
+    if not 1 <= a.num_inference_workers <= num_env_workers:
+        raise ArgsError(f"--num-inference-workers must be between 1 and the number of env workers, --num-envs / "
+                        f"--envs-per-worker = {num_env_workers}, got {a.num_inference_workers}")
+    if a.num_inference_workers > 1 and a.sync:
+        raise ArgsError("--num-inference-workers > 1 is not supported with --sync (SyncOnRL acts on all N envs at "
+                        "once, in one process); drop one of them")
+    if a.num_inference_workers > 1 and a.overlap_learning:
+        raise ArgsError("--num-inference-workers > 1 is not supported with --overlap-learning (the inference workers "
+                        "refresh their weights between rollouts); drop one of them")
     if a.ent_coef is None:
         a.ent_coef = 0.01
     if a.ent_coef < 0:
@@ -568,27 +587,32 @@ def env_worker(worker_index: int, env_ids: list[int], args: Args, slots: SharedS
 
 
 class EnvWorkers:
-    """The env worker processes of this rank, a duplex pipe to each, and the shared slots.
+    """The env worker processes of this rank (or of one inference worker: those of `env_ids`), a duplex pipe to each,
+    and the shared slots.
 
     Processes start from a forkserver (fast: torch and gymnasium are imported once, and no CUDA or thread state is
     inherited). A worker's pipe doubles as its liveness signal: if a worker dies its pipe closes and poll() raises
     WorkerError; if the main process dies, the workers' pipes close and they exit."""
 
-    def __init__(self, args: Args, slots: SharedSlots, base_seed: int):
+    def __init__(self, args: Args, slots: SharedSlots, base_seed: int, env_ids: Optional[np.ndarray] = None):
         ctx = mp.get_context("forkserver")
         preload = ["torch", "gymnasium", "numpy", "toy_chain_env"]
         if args.env_kind == "maniskill":
             preload.append("mani_skill.envs")
         ctx.set_forkserver_preload(preload)
         k = args.envs_per_worker
+        env_ids = np.arange(args.num_envs) if env_ids is None else np.asarray(env_ids)  # this (inference) worker's envs
         self.num_envs = args.num_envs
         self.processes, self.conns = [], []
-        self.worker_of_env = np.repeat(np.arange(args.num_envs // k), k)
+        self.global_index = [int(e) // k for e in env_ids[::k]]  # the workers' numbers among all of the rank's
+        self.worker_of_env = np.full(args.num_envs, -1)
+        self.worker_of_env[env_ids] = np.repeat(np.arange(len(env_ids) // k), k)
         try:
-            for w in range(args.num_envs // k):
+            for w in range(len(env_ids) // k):
+                own = [int(e) for e in env_ids[w * k:(w + 1) * k]]
                 parent, child = ctx.Pipe(duplex=True)
-                p = ctx.Process(target=env_worker, args=(w, list(range(w * k, (w + 1) * k)), args, slots, child, base_seed),
-                                name=f"ver-env-worker-{w}", daemon=True)
+                p = ctx.Process(target=env_worker, args=(self.global_index[w], own, args, slots, child, base_seed),
+                                name=f"ver-env-worker-{self.global_index[w]}", daemon=True)
                 p.start()
                 child.close()
                 self.processes.append(p)
@@ -635,8 +659,8 @@ class EnvWorkers:
     def _raise_dead(self, w: int):
         p = self.processes[w]
         p.join(timeout=1.0)
-        raise WorkerError(f"env worker {w} (pid {p.pid}) died with exit code {p.exitcode} without a message "
-                          f"(killed, or crashed inside native code)")
+        raise WorkerError(f"env worker {self.global_index[w]} (pid {p.pid}) died with exit code {p.exitcode} without a "
+                          f"message (killed, or crashed inside native code)")
 
     def close(self, timeout: float = 3.0) -> None:
         """Asks every worker to exit, waits up to `timeout` seconds, then terminates (and kills) what is left."""
@@ -957,15 +981,29 @@ class RolloutStorage:
     """The steps of one rollout, one row per (env, step) in the order they were collected: a linear buffer, since
     VER has no (T, N) shape (Sec. 2.2). Tensors live on the training device; bookkeeping in numpy on the host.
     A row is written when the policy acts on an observation and completed when the env's next result (its reward
-    and flags) arrives; rows still waiting for that (actions in flight) are carried into the next rollout."""
+    and flags) arrives; rows still waiting for that (actions in flight) are carried into the next rollout.
+    shared=True (inference worker processes): everything in shared CPU memory, written by an inference worker and read
+    by the learner in the main process; its capacity is then fixed (shared_storage_capacity bounds a rollout)."""
 
-    def __init__(self, capacity: int, spec: EnvSpec, lstm_shape: Optional[tuple], device):
-        self.device, self.spec, self.lstm_shape = device, spec, lstm_shape
+    def __init__(self, capacity: int, spec: EnvSpec, lstm_shape: Optional[tuple], device, shared: bool = False):
+        self.device, self.spec, self.lstm_shape, self.shared = device, spec, lstm_shape, shared
         self.size = 0
         self._allocate(capacity)
 
+    def __getstate__(self) -> dict:  # pickled into an inference worker: the numpy arrays travel as shared tensors
+        state = {k: v for k, v in self.__dict__.items() if k not in self.ARRAYS}
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        for name, tensor in self.array_tensors.items():
+            setattr(self, name, tensor.numpy())
+
     def _allocate(self, capacity: int) -> None:
         d, s = self.device, self.spec
+        if self.shared and hasattr(self, "obs"):
+            raise RuntimeError(f"internal error: a rollout needed more than the {self.capacity} rows of its shared "
+                               f"storage")
         self.capacity = capacity
         self.obs = torch.zeros((capacity, *s.obs_shape), dtype=s.obs_dtype, device=d)
         self.actions = torch.zeros((capacity, *s.act_shape), dtype=s.act_dtype, device=d)
@@ -983,6 +1021,13 @@ class RolloutStorage:
         self.env_ids = np.zeros(capacity, dtype=np.int64)
         self.episode_ids = np.zeros(capacity, dtype=np.int64)
         self.versions = np.zeros(capacity, dtype=np.int64)  # policy version that acted
+        if self.shared:
+            for name in self.TENSORS:
+                if getattr(self, name) is not None:
+                    getattr(self, name).share_memory_()
+            self.array_tensors = {name: torch.from_numpy(getattr(self, name)).share_memory_() for name in self.ARRAYS}
+            for name, tensor in self.array_tensors.items():
+                setattr(self, name, tensor.numpy())
 
     TENSORS = ("obs", "actions", "logprobs", "values", "next_values", "hidden_h", "hidden_c")
     ARRAYS = ("rewards", "terminated", "complete", "trainable", "env_ids", "episode_ids", "versions")
@@ -1036,6 +1081,10 @@ class Batch:
     def __len__(self) -> int:
         return int(self.lengths.sum())
 
+    def to(self, device) -> "Batch":
+        return Batch(**{k: v.to(device) if torch.is_tensor(v) else v
+                        for k, v in ((k, getattr(self, k)) for k in Batch.__dataclass_fields__)})
+
     @staticmethod
     def concatenate(a: "Batch", b: "Batch") -> "Batch":
         def cat(x, y):
@@ -1073,6 +1122,37 @@ def fill_from_previous(batch: Batch, previous: Batch, size: int, rng: np.random.
     return Batch.concatenate(batch, filler)
 
 
+def batch_from_storage(st: RolloutStorage, num_envs: int, num_steps: int, gamma: float, gae_lambda: float,
+                       is_clip_max: float) -> Batch:
+    """The completed, trainable steps of a rollout storage as sequences, with GAE advantages and importance weights
+    (computed on the storage's device). GAE and the weights are per env, so storages holding disjoint sets of envs
+    (one per inference worker) give the batch of their union when their batches are concatenated."""
+    rows = np.flatnonzero(st.complete[: st.size] & st.trainable[: st.size])
+    order, lengths = build_sequences(st.env_ids[rows], st.episode_ids[rows])
+    rows = rows[order]
+    rows_t = torch.as_tensor(rows, device=st.device)
+    values, next_values = st.values[rows_t], st.next_values[rows_t]
+    if not bool(torch.isfinite(next_values).all()):
+        raise RuntimeError("internal error: a step of the rollout has no bootstrap value")
+    select, batch_sizes, _ = pack_layout(lengths)
+    sel = torch.as_tensor(select, device=st.device)
+    rewards = torch.as_tensor(st.rewards[rows], device=st.device)
+    terminated = torch.as_tensor(st.terminated[rows], device=st.device)
+    packed_adv = compute_gae_packed(rewards[sel], values[sel], next_values[sel], terminated[sel], batch_sizes,
+                                    gamma, gae_lambda)
+    advantages = torch.empty_like(packed_adv)
+    advantages[sel] = packed_adv
+    env_ids = st.env_ids[rows]
+    weights = importance_weights(torch.as_tensor(env_ids, device=st.device), num_envs, num_steps, is_clip_max)
+    return Batch(
+        obs=st.obs[rows_t], actions=st.actions[rows_t], logprobs=st.logprobs[rows_t], values=values,
+        advantages=advantages, returns=advantages + values, weights=weights,
+        hidden_h=None if st.hidden_h is None else st.hidden_h[rows_t],
+        hidden_c=None if st.hidden_c is None else st.hidden_c[rows_t],
+        lengths=lengths, versions=st.versions[rows], env_ids=env_ids,
+    )
+
+
 @dataclass
 class RolloutStats:
     env_steps: int = 0  # env steps completed (learned from or not)
@@ -1089,30 +1169,39 @@ class RolloutStats:
 
 
 class Collector:
-    """Experience collection of one rank (Sec. 2.1, 2.2). The main process is the inference worker: it waits for
-    env results (dynamic batching with a minimum and a maximum batch size, footnote 2), runs the policy on all of
-    the waiting observations at once, writes the experience into the rollout storage on the training device and
-    sends the actions back through shared memory.
+    """Experience collection of one rank (Sec. 2.1, 2.2). The main process (by default) is the inference worker: it
+    waits for env results (dynamic batching with a minimum and a maximum batch size, footnote 2), runs the policy on
+    all of the waiting observations at once, writes the experience into the rollout storage on the training device
+    and sends the actions back through shared memory.
 
     VER: a rollout ends once T x N steps have been collected, from whichever envs delivered them. At that point
     every env is in one of two states: its action is in flight (or its result has arrived but was not processed
     yet): that step is carried into the next rollout ("Inflight actions", Sec. 2.2); or its observation waits for
     an action: it gets one from the next policy, and its value under the current policy bootstraps the rollout.
     NoVER: the same, but an env stops (is held) once it has T steps, and the rollout ends when all have.
-    Sync (SyncOnRL): NoVER that acts on all envs at once and waits for all of them."""
+    Sync (SyncOnRL): NoVER that acts on all envs at once and waits for all of them.
+
+    In an inference worker process (--num-inference-workers > 1) a Collector serves only `env_ids` (its batch sizes
+    capped at their number), writes into a `storage` in shared memory, and VER's T x N stop rule counts the steps of
+    all inference workers in `shared_steps` (NoVER: T steps from each of its envs, as before)."""
 
     def __init__(self, args: Args, workers: EnvWorkers, slots: SharedSlots, agent: Agent, spec: EnvSpec,
-                 obs_rms: Optional[RunningMeanStd], device):
+                 obs_rms: Optional[RunningMeanStd], device, env_ids: Optional[np.ndarray] = None,
+                 storage: Optional[RolloutStorage] = None, shared_steps=None):
         self.args, self.workers, self.slots, self.agent, self.spec = args, workers, slots, agent, spec
         self.obs_rms, self.device = obs_rms, device
         N = self.N = args.num_envs
         self.T = args.num_steps
+        self.env_ids = np.arange(N) if env_ids is None else np.asarray(env_ids)
         self.quota = None if args.variable_experience else self.T  # NoVER and sync: T steps from every env
-        self.min_batch, self.max_batch = args.inference_min_batch, args.inference_max_batch
+        self.shared_steps = shared_steps if self.quota is None else None
+        self.budget = self.T * (N if self.shared_steps is not None else len(self.env_ids))
+        self.min_batch = min(args.inference_min_batch, len(self.env_ids))
+        self.max_batch = min(args.inference_max_batch, len(self.env_ids))
         self.fixed_wait = None if args.inference_max_wait_ms is None else args.inference_max_wait_ms / 1000.0
         self.policy_step_time = 0.02  # running mean of one inference, for the adaptive wait (starts at 10 ms)
         lstm_shape = agent.lstm_shape if agent.recurrent else None
-        self.storage = RolloutStorage((self.T + 2) * N, spec, lstm_shape, device)
+        self.storage = storage if storage is not None else RolloutStorage((self.T + 2) * N, spec, lstm_shape, device)
         self.state = agent.initial_state(N, device)  # recurrent state after each env's last observation
         self.policy_version = 0
         self.inflight = np.full(N, -1)  # row of the env's step whose result has not been processed yet
@@ -1124,7 +1213,7 @@ class Collector:
         self.arrived: deque = deque()  # envs whose result arrived, not processed yet
         self.pending: deque = deque()  # envs whose observation waits for an action
         self.held: list = []  # NoVER/sync: envs that have their T steps
-        self.num_stepping = N  # envs simulating now (the workers start by resetting every env)
+        self.num_stepping = len(self.env_ids)  # envs simulating now (the workers start by resetting every env)
         self.ep_return, self.ep_len = np.zeros(N), np.zeros(N, dtype=np.int64)
         self.ep_success = np.zeros(N, dtype=bool)
         self.last_arrival = np.full(N, -math.inf)
@@ -1185,8 +1274,7 @@ class Collector:
         self.rollout_start = time.perf_counter()
         self.pending.extend(self.held)
         self.held = []
-        budget = self.T * self.N
-        while self.stats.collected < budget:
+        while not self._rollout_full():
             if time.perf_counter() >= deadline:
                 self.stats.preempted = True
                 break
@@ -1194,15 +1282,34 @@ class Collector:
             if time.perf_counter() >= deadline:
                 self.stats.preempted = True
                 break
-            self._step_batch(budget)
+            self._step_batch()
         self._bootstrap_waiting()
         self.stats.pending = len(self.pending) + len(self.held)
         self.stats.duration = time.perf_counter() - self.rollout_start
         return self.stats
 
+    def _rollout_full(self) -> bool:
+        """The rollout has its steps: T x N (VER, counted over all inference workers), or T from each env (NoVER)."""
+        if self.shared_steps is None:
+            return self.stats.collected >= self.budget
+        return self.shared_steps.value >= self.budget
+
+    def _claim_step(self, e: int) -> bool:
+        """Whether env e's arrived result may be processed now: a step that counts towards the rollout is claimed
+        from the budget shared by all inference workers (atomically, so that together they collect exactly T x N)."""
+        row = self.inflight[e]
+        if self.shared_steps is None or row < 0 or not self.storage.trainable[row]:
+            return True
+        with self.shared_steps.get_lock():
+            if self.shared_steps.value >= self.budget:
+                return False
+            self.shared_steps.value += 1
+            return True
+
     def _wait_for_requests(self, deadline: float) -> None:
         """Dynamic batching (Sec. 2.1, footnote 2): returns once min_batch envs wait for an action, or every
-        stepping env has answered, or the first waiting env has waited max_wait (or at the deadline)."""
+        stepping env has answered, or the first waiting env has waited max_wait (or at the deadline). With other
+        inference workers it also returns within a few milliseconds of their filling the rollout."""
         first_wait = None
         max_wait = self.fixed_wait if self.fixed_wait is not None else 0.5 * self.policy_step_time
         if self.quota is not None and self.min_batch >= self.N:
@@ -1210,7 +1317,7 @@ class Collector:
         last_progress = time.perf_counter()
         while True:
             ready = len(self.pending) + len(self.arrived)
-            if ready >= self.min_batch or (ready > 0 and self.num_stepping == 0):
+            if ready >= self.min_batch or (ready > 0 and self.num_stepping == 0) or self._rollout_full():
                 return
             if self.num_stepping == 0:
                 raise RuntimeError("internal error: no env is stepping and none waits for an action")
@@ -1221,22 +1328,26 @@ class Collector:
                 timeout = min(timeout, max_wait - (now - first_wait))
             if timeout <= 0:
                 return
+            if self.shared_steps is not None:
+                timeout = min(timeout, 0.002)  # look at the shared step count now and then
             hang_timeout = self.args.worker_timeout - (now - last_progress)
             if hang_timeout <= 0:
-                stepping = sorted(set(range(self.N)) - set(self.arrived) - set(self.pending) - set(self.held))
+                stepping = sorted(set(self.env_ids.tolist()) - set(self.arrived) - set(self.pending) - set(self.held))
                 raise WorkerError(f"no env worker answered for {self.args.worker_timeout:.0f} s (--worker-timeout); "
                                   f"envs {stepping[:16]} were stepping")
             if self._poll(min(timeout, hang_timeout)):
                 last_progress = time.perf_counter()
             self.stats.wait_time += time.perf_counter() - now
 
-    def _step_batch(self, budget: int) -> None:
+    def _step_batch(self) -> None:
         """Processes the results that arrived and acts on up to max_batch waiting envs."""
         batch, final_rows, final_envs = [], [], []
-        while len(batch) < self.max_batch and self.stats.collected < budget and (self.pending or self.arrived):
+        while len(batch) < self.max_batch and not self._rollout_full() and (self.pending or self.arrived):
             if self.pending:
                 batch.append(self.pending.popleft())
                 continue
+            if not self._claim_step(self.arrived[0]):
+                break  # the other inference workers filled the rollout: this result is carried over
             e = self.arrived.popleft()
             self._complete(e, final_rows, final_envs)
             if self.quota is not None and self.steps_in_rollout[e] >= self.quota:
@@ -1249,7 +1360,7 @@ class Collector:
                 raw = self.slots.final_obs[torch.as_tensor(envs)]
                 values = self.agent.get_value(self._observe(raw, update=False), self._state_of(envs))
             self.storage.next_values[torch.as_tensor(final_rows, device=self.device)] = values
-        if self.stats.collected >= budget:
+        if self._rollout_full():
             self.pending.extendleft(reversed(batch))  # the rollout is complete: these act with the next policy
             return
         if batch:
@@ -1347,31 +1458,11 @@ class Collector:
     # ---- from the rollout to the learner's batch ---------------------------------------------------------------------
     def build_batch(self, gamma: float, gae_lambda: float, is_clip_max: float) -> Batch:
         """The completed, trainable steps of the rollout as sequences, with GAE advantages and importance weights."""
-        st = self.storage
-        rows = np.flatnonzero(st.complete[: st.size] & st.trainable[: st.size])
-        order, lengths = build_sequences(st.env_ids[rows], st.episode_ids[rows])
-        rows = rows[order]
-        rows_t = torch.as_tensor(rows, device=self.device)
-        values, next_values = st.values[rows_t], st.next_values[rows_t]
-        if not bool(torch.isfinite(next_values).all()):
-            raise RuntimeError("internal error: a step of the rollout has no bootstrap value")
-        select, batch_sizes, _ = pack_layout(lengths)
-        sel = torch.as_tensor(select, device=self.device)
-        rewards = torch.as_tensor(st.rewards[rows], device=self.device)
-        terminated = torch.as_tensor(st.terminated[rows], device=self.device)
-        packed_adv = compute_gae_packed(rewards[sel], values[sel], next_values[sel], terminated[sel], batch_sizes,
-                                        gamma, gae_lambda)
-        advantages = torch.empty_like(packed_adv)
-        advantages[sel] = packed_adv
-        env_ids = st.env_ids[rows]
-        weights = importance_weights(torch.as_tensor(env_ids, device=self.device), self.N, self.T, is_clip_max)
-        return Batch(
-            obs=st.obs[rows_t], actions=st.actions[rows_t], logprobs=st.logprobs[rows_t], values=values,
-            advantages=advantages, returns=advantages + values, weights=weights,
-            hidden_h=None if st.hidden_h is None else st.hidden_h[rows_t],
-            hidden_c=None if st.hidden_c is None else st.hidden_c[rows_t],
-            lengths=lengths, versions=st.versions[rows], env_ids=env_ids,
-        )
+        return batch_from_storage(self.storage, self.N, self.T, gamma, gae_lambda, is_clip_max)
+
+    def policy_updated(self, version: int) -> None:
+        """The learner made update number `version` (this collector acts with the learner's own network)."""
+        self.policy_version = version
 
     def start_next_rollout(self) -> None:
         """Carries the steps still in flight into the next rollout's storage ("Inflight actions", Sec. 2.2)."""
@@ -1411,6 +1502,262 @@ class BackgroundRollout:
         if self.error is not None:
             raise self.error
         return self.stats
+
+
+# =====================================================================================================================
+# Inference workers (Sec. 2.1, Fig. 2, --num-inference-workers K > 1): processes that each serve a share of the envs
+# =====================================================================================================================
+@dataclass
+class SharedPolicy:
+    """The learner's weights in shared CPU memory, and the policy version (updates made) that they are. The learner
+    publishes them after every update; an inference worker copies them into its own network before a rollout."""
+
+    network: nn.Module
+    version: torch.Tensor
+
+    @staticmethod
+    def of(agent: Agent) -> "SharedPolicy":
+        network = copy.deepcopy(agent).cpu().requires_grad_(False).share_memory()
+        return SharedPolicy(network, torch.zeros((), dtype=torch.int64).share_memory_())
+
+    def publish(self, agent: Agent, version: int) -> None:
+        self.network.load_state_dict(agent.state_dict())  # copies into the shared tensors in place
+        self.version.fill_(version)
+
+    def load_into(self, agent: Agent, version: int) -> None:
+        if int(self.version) != version:
+            raise RuntimeError(f"internal error: the shared policy is version {int(self.version)} but the learner "
+                               f"announced version {version}")
+        agent.load_state_dict(self.network.state_dict())
+
+
+def shared_storage_capacity(args: Args, num_envs: int, spec: EnvSpec) -> int:
+    """Rows an inference worker's shared rollout storage needs (it cannot grow): the steps carried in (one per env),
+    the counted steps (all T x N of the rollout with VER, T per env with NoVER), one action per env still to
+    complete, and in next-step autoreset mode one ignored reset step per finished episode (at most one per counted
+    or carried step)."""
+    counted = args.num_steps * (args.num_envs if args.variable_experience else num_envs)
+    rows = counted + 2 * num_envs
+    return 2 * rows if spec.next_step_mode else rows
+
+
+def combine_obs_rms(base: dict, results: list[dict]) -> dict:
+    """Observation statistics of K inference workers that all started a rollout from `base` and each merged its own
+    observations in: the statistics of `base` merged with all of their observations (exact: the K copies of `base`
+    are taken out of the summed counts and second moments)."""
+    extra = len(results) - 1
+    count = sum(r["count"] for r in results) - extra * base["count"]
+    mean = (sum(r["count"] * r["mean"] for r in results) - extra * base["count"] * base["mean"]) / count
+    second = (sum(r["count"] * (r["var"] + r["mean"].square()) for r in results)
+              - extra * base["count"] * (base["var"] + base["mean"].square())) / count
+    return {"mean": mean, "var": (second - mean.square()).clamp(min=0.0), "count": count}
+
+
+def merge_rollout_stats(parts: list[RolloutStats]) -> RolloutStats:
+    """One rank's rollout statistics from those of its inference workers (which collected at the same time)."""
+    return RolloutStats(
+        env_steps=sum(p.env_steps for p in parts), collected=sum(p.collected for p in parts),
+        env_busy=sum(p.env_busy for p in parts), inference_time=sum(p.inference_time for p in parts),
+        wait_time=sum(p.wait_time for p in parts), batch_sizes=[n for p in parts for n in p.batch_sizes],
+        episodes=[ep for p in parts for ep in p.episodes], preempted=any(p.preempted for p in parts),
+        pending=sum(p.pending for p in parts), duration=max(p.duration for p in parts),
+    )
+
+
+def inference_worker(index: int, env_ids: np.ndarray, args: Args, spec: EnvSpec, slots: SharedSlots,
+                     storage: RolloutStorage, policy: SharedPolicy, shared_steps, conn, base_seed: int,
+                     seed: int) -> None:
+    """An inference worker process (Sec. 2.1, Fig. 2): starts and owns the env workers of `env_ids`, and runs a
+    Collector over them with its own CPU copy of the policy, writing experience into `storage` (shared memory).
+    Per rollout the learner sends ("collect", seconds left, policy version, observation statistics); the worker
+    loads the published weights (checking their version), collects, and answers with its statistics; ("next",)
+    carries its inflight steps over. An error, its own or an env worker's, is sent with its traceback before it
+    exits; it exits as well when the main process is gone, closing its env workers either way."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the main process's to handle
+    signal.signal(signal.SIGTERM, _terminate)  # terminate(): unwind, so that the env workers are closed
+    torch.set_num_threads(1)
+    torch.manual_seed(seed)
+    workers = None
+    try:
+        agent = make_agent(args, spec).requires_grad_(False)
+        policy.load_into(agent, int(policy.version))
+        obs_rms = RunningMeanStd(spec.obs_shape, "cpu") if args.norm_obs and spec.obs_dtype == torch.float32 else None
+        workers = EnvWorkers(args, slots, base_seed, env_ids)
+        collector = Collector(args, workers, slots, agent, spec, obs_rms, torch.device("cpu"), env_ids=env_ids,
+                              storage=storage, shared_steps=shared_steps)
+        collector.wait_until_ready()
+        conn.send(("ready",))
+        while True:
+            command, *payload = conn.recv()
+            if command == "close":
+                break
+            if command == "next":
+                collector.start_next_rollout()
+                conn.send(("carried", collector.stats.carried))
+                continue
+            time_left, version, obs_stats = payload
+            policy.load_into(agent, version)
+            collector.policy_version = version
+            if obs_rms is not None:
+                obs_rms.load_state_dict(obs_stats)
+            stats = collector.collect(time.perf_counter() + time_left)
+            conn.send(("collected", stats, storage.size, collector.steps_in_rollout, collector.mean_step_times(),
+                       None if obs_rms is None else obs_rms.state_dict()))
+    except (EOFError, BrokenPipeError, ConnectionResetError, SystemExit):
+        pass  # the main process is gone or ends this worker: close the env workers and exit
+    except BaseException as error:
+        who, message = "an inference worker", f"inference worker {index} (pid {os.getpid()}):\n{traceback.format_exc()}"
+        if isinstance(error, WorkerError):  # one of its env workers failed: pass that on
+            who, message = error.who, str(error)
+        try:
+            conn.send(("error", who, message))
+        except OSError:
+            pass
+        sys.exit(1)
+    finally:
+        if workers is not None:
+            workers.close()
+
+
+class InferenceWorkers:
+    """--num-inference-workers K > 1: the K inference worker processes of this rank, seen by the learner through the
+    Collector's interface (collect, build_batch, start_next_rollout, ...). The env workers are split into K
+    contiguous groups; each inference worker batches the requests of its group with the same min/max batch sizes
+    (capped at the group's size), and together they collect exactly T x N steps per rollout (VER: a step counter in
+    shared memory; NoVER: T from every env), each carrying its own inflight steps over. The main process only learns:
+    it reads the K shared rollout storages into one batch and publishes the new weights after every update."""
+
+    def __init__(self, args: Args, spec: EnvSpec, agent: Agent, obs_rms: Optional[RunningMeanStd], device,
+                 base_seed: int, seed: int):
+        self.args, self.agent, self.obs_rms, self.device = args, agent, obs_rms, device
+        self.N, self.T = args.num_envs, args.num_steps
+        self.quota = None if args.variable_experience else self.T
+        k, K = args.envs_per_worker, args.num_inference_workers
+        self.env_ids = [np.concatenate([np.arange(w * k, (w + 1) * k) for w in group])
+                        for group in np.array_split(np.arange(self.N // k), K)]
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload(["torch", "gymnasium", "numpy", "toy_chain_env"]
+                                   + (["mani_skill.envs"] if args.env_kind == "maniskill" else []))
+        self.slots = SharedSlots.allocate(self.N, spec)
+        self.policy = SharedPolicy.of(agent)
+        self.policy_version = 0
+        self.shared_steps = ctx.Value("q", 0)
+        lstm_shape = agent.lstm_shape if agent.recurrent else None
+        self.storages = [RolloutStorage(shared_storage_capacity(args, len(ids), spec), spec, lstm_shape,
+                                        torch.device("cpu"), shared=True) for ids in self.env_ids]
+        self.steps_in_rollout = np.zeros(self.N, dtype=np.int64)
+        self.step_times = np.zeros(self.N)
+        self.stats = RolloutStats()
+        self.processes, self.conns = [], []
+        try:
+            for i, ids in enumerate(self.env_ids):
+                parent, child = ctx.Pipe(duplex=True)
+                p = ctx.Process(target=inference_worker, name=f"ver-inference-worker-{i}", daemon=False,
+                                args=(i, ids, args, spec, self.slots, self.storages[i], self.policy, self.shared_steps,
+                                      child, base_seed, seed + i + 1))  # not a daemon: it starts its env workers
+                p.start()
+                child.close()
+                self.processes.append(p)
+                self.conns.append(parent)
+        except BaseException:
+            self.close()
+            raise
+
+    def _send_all(self, message: tuple) -> None:
+        for i, conn in enumerate(self.conns):
+            try:
+                conn.send(message)
+            except (BrokenPipeError, ConnectionResetError):
+                self._raise_dead(i)
+
+    def _receive_all(self, kind: str) -> list[tuple]:
+        """One `kind` answer from every inference worker (in worker order). Raises WorkerError if one reports an
+        error or dies. (An inference worker detects hung env workers itself, --worker-timeout.)"""
+        answers: dict[int, tuple] = {}
+        sentinels = {p.sentinel: i for i, p in enumerate(self.processes)}
+        while len(answers) < len(self.conns):
+            waiting = [c for i, c in enumerate(self.conns) if i not in answers]
+            for obj in wait_for_connections(waiting + [s for s, i in sentinels.items() if i not in answers]):
+                i = sentinels[obj] if obj in sentinels else self.conns.index(obj)
+                if i in answers:
+                    continue
+                if not self.conns[i].poll():
+                    self._raise_dead(i)
+                try:
+                    message = self.conns[i].recv()
+                except (EOFError, ConnectionResetError):
+                    self._raise_dead(i)
+                if message[0] == "error":
+                    raise WorkerError(message[2], who=message[1])
+                if message[0] != kind:
+                    raise RuntimeError(f"internal error: inference worker {i} answered {message[0]!r}, not {kind!r}")
+                answers[i] = message[1:]
+        return [answers[i] for i in range(len(self.conns))]
+
+    def _raise_dead(self, i: int):
+        p = self.processes[i]
+        p.join(timeout=1.0)
+        raise WorkerError(f"inference worker {i} (pid {p.pid}) died with exit code {p.exitcode} without a message "
+                          f"(killed, or crashed inside native code)", who="an inference worker")
+
+    def wait_until_ready(self) -> None:
+        self._receive_all("ready")
+
+    def policy_updated(self, version: int) -> None:
+        """Publishes the learner's weights after update number `version` for the next rollout."""
+        self.policy.publish(self.agent, version)
+        self.policy_version = version
+
+    def collect(self, deadline: float = math.inf) -> RolloutStats:
+        self.shared_steps.value = 0
+        base = None if self.obs_rms is None else {k: v.cpu() for k, v in self.obs_rms.state_dict().items()}
+        self._send_all(("collect", deadline - time.perf_counter(), self.policy_version, base))
+        answers = self._receive_all("collected")
+        self.stats = merge_rollout_stats([a[0] for a in answers])
+        self.steps_in_rollout = sum(a[2] for a in answers)
+        for ids, (_, size, _, step_times, _) in zip(self.env_ids, answers):
+            self.step_times[ids] = step_times[ids]
+        for storage, answer in zip(self.storages, answers):
+            storage.size = answer[1]
+        if self.obs_rms is not None:
+            self.obs_rms.load_state_dict(combine_obs_rms(base, [a[4] for a in answers]))
+        return self.stats
+
+    def build_batch(self, gamma: float, gae_lambda: float, is_clip_max: float) -> Batch:
+        """The K storages' batches (disjoint envs) concatenated, on the training device."""
+        parts = [batch_from_storage(st, self.N, self.T, gamma, gae_lambda, is_clip_max) for st in self.storages]
+        batch = parts[0]
+        for part in parts[1:]:
+            batch = Batch.concatenate(batch, part)
+        return batch.to(self.device)
+
+    def start_next_rollout(self) -> None:
+        self._send_all(("next",))
+        self.stats.carried = sum(a[0] for a in self._receive_all("carried"))
+
+    def mean_step_times(self) -> np.ndarray:
+        return self.step_times
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Asks every inference worker to exit (each closes its env workers), then terminates what is left."""
+        for conn in self.conns:
+            try:
+                conn.send(("close",))
+            except OSError:
+                pass
+        deadline = time.monotonic() + timeout
+        for p in self.processes:
+            p.join(timeout=max(0.0, deadline - time.monotonic()))
+        for p in self.processes:
+            if p.is_alive():
+                p.terminate()
+                p.join(timeout=5.0)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=1.0)
+        for conn in self.conns:
+            conn.close()
+        self.processes, self.conns = [], []
 
 
 # =====================================================================================================================
@@ -1789,10 +2136,15 @@ def run(args: Args, world: World) -> dict:
                 logger.scalar(f"eval/{k}", v, global_step)
             print(" ".join(f"eval/{k}={v:.4f}" for k, v in metrics.items()))
             return summary
-        slots = SharedSlots.allocate(args.num_envs, spec)
-        workers = EnvWorkers(args, slots, base_seed=args.seed + world.rank * args.num_envs)
-        collector = Collector(args, workers, slots, agent, spec, obs_rms, device)
-        collector.policy_version = policy_version
+        base_seed = args.seed + world.rank * args.num_envs
+        if args.num_inference_workers > 1:
+            workers = collector = InferenceWorkers(args, spec, agent, obs_rms, device, base_seed,
+                                                   seed=args.seed + 1000 * world.rank + start_iteration)
+        else:
+            slots = SharedSlots.allocate(args.num_envs, spec)
+            workers = EnvWorkers(args, slots, base_seed)
+            collector = Collector(args, workers, slots, agent, spec, obs_rms, device)
+        collector.policy_updated(policy_version)
         collector.wait_until_ready()
         context["collector"] = collector
         train(context, start_iteration, global_step)
@@ -1902,7 +2254,7 @@ def train(ctx: dict, start_iteration: int, global_step: int) -> None:
         version += 1
         ctx["policy_version"] = version
         if not overlap:
-            collector.policy_version = version
+            collector.policy_updated(version)
         learn_time = time.perf_counter() - learn_start
 
         if progress is not None:
@@ -2006,7 +2358,7 @@ if __name__ == "__main__":
         print(f"error: {error}", file=sys.stderr)
         sys.exit(2)
     except WorkerError as error:
-        print(f"error: an env worker failed; the run was stopped.\n{error}", file=sys.stderr)
+        print(f"error: {error.who} failed; the run was stopped.\n{error}", file=sys.stderr)
         sys.exit(1)
     except KeyboardInterrupt:
         sys.exit(130)

@@ -486,11 +486,36 @@ def test_sync_is_nover_with_the_whole_batch_and_defaults_follow_habitat_lab():
         (dict(total_timesteps=10), "less than one rollout"),
         (dict(dist_backend="nccl", cuda=False), "nccl needs CUDA"),
         (dict(env_id="CartPole-v1", capture_video=True), "--capture-video"),
+        (dict(num_envs=4, num_inference_workers=5), "--num-inference-workers must be between 1 and .* = 4, got 5"),
+        (dict(num_envs=8, envs_per_worker=4, num_inference_workers=3), "--num-inference-workers .* = 2, got 3"),
+        (dict(num_inference_workers=0), "--num-inference-workers must be between 1"),
+        (dict(num_inference_workers=2, sync=True), "--num-inference-workers > 1 is not supported with --sync"),
+        (dict(num_inference_workers=2, overlap_learning=True), "not supported with --overlap-learning"),
     ],
 )
 def test_bad_flag_combinations_are_rejected_with_the_flag_named(kwargs, message):
     with pytest.raises(ver.ArgsError, match=message):
         ver.resolve_args(ver.Args(cuda=kwargs.pop("cuda", False), **kwargs), world_size=1)
+
+
+def test_combined_observation_statistics_of_inference_workers_equal_one_stream():
+    """K inference workers start from the same statistics and each merges its own observations: combining them
+    equals merging all of the observations into the starting statistics."""
+    g = torch.Generator().manual_seed(0)
+    start = ver.RunningMeanStd((3,), "cpu")
+    start.update(torch.randn(50, 3, generator=g) * 2 + 1)
+    parts = [torch.randn(n, 3, generator=g) * (i + 1) - i for i, n in enumerate([7, 30, 12])]
+    results = []
+    for x in parts:
+        worker = copy.deepcopy(start)
+        for chunk in x.split(5):
+            worker.update(chunk)
+        results.append(worker.state_dict())
+    reference = copy.deepcopy(start)
+    reference.update(torch.cat(parts))
+    combined = ver.combine_obs_rms(start.state_dict(), results)
+    for key in ("mean", "var", "count"):
+        torch.testing.assert_close(combined[key], reference.state_dict()[key], rtol=1e-4, atol=1e-4)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -565,6 +590,33 @@ def test_toy_chain_with_heterogeneous_step_times(tmp_path, mode, autoreset):
     if mode == "sync":  # step all envs, wait for all of them, act on all
         assert set(s["ver/inference_batch_size_min"]) == set(s["ver/inference_batch_size_max"]) == {4.0}
     assert s["eval/return"] and len(s["eval/return"]) == 2  # at iteration 5 and at the end
+
+
+@pytest.mark.parametrize("mode, autoreset", [("ver", "same_step"), ("nover", "next_step")])
+def test_two_inference_workers_collect_t_by_n_steps_per_rollout(tmp_path, mode, autoreset):
+    """--num-inference-workers 2: two inference processes, each serving 2 of the 4 env workers, collect exactly
+    T x N steps per rollout together (VER: from any envs, inflight actions carried over; NoVER: T from each)."""
+    flag = ["--recurrent"] if mode == "ver" else ["--no-variable-experience"]
+    run_script(HETEROGENEOUS_TOY + ["--total-timesteps", "640", "--eval-freq", "5", "--toy.autoreset-mode", autoreset,
+                                    "--num-inference-workers", "2"] + flag, tmp_path)
+    run_dir = only_run_dir(tmp_path)
+    summary = load_summary(run_dir)
+    config = json.load(open(os.path.join(run_dir, "config.json")))
+    assert summary["iteration"] == 10 and config["num_inference_workers"] == 2
+    if autoreset == "same_step":  # the K = 1 accounting: 10 rollouts of T x N = 64 steps
+        assert summary["global_step"] == 640
+    else:  # the ignored reset steps of next-step mode are env steps too, but not learned from
+        assert summary["global_step"] > 640
+    s = scalars(run_dir)
+    assert s["ver/steps_per_env_mean"] == [16.0] * 10  # T x N steps per rollout, over both inference workers
+    assert max(s["ver/inference_batch_size_max"]) <= 2  # each worker batches only its own 2 envs
+    assert min(s["ver/inference_batches"]) >= 64 / 2
+    if mode == "ver":
+        assert max(b - a for a, b in zip(s["ver/steps_per_env_min"], s["ver/steps_per_env_max"])) > 0
+        assert max(s["ver/inflight_carried"]) > 0 and 0 < max(s["ver/stale_fraction"]) < 1
+    else:
+        assert s["ver/steps_per_env_min"] == s["ver/steps_per_env_max"] == [16.0] * 10
+    assert summary["sps"] > 0 and "eval/return" in summary and "toy/accuracy" in summary
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -770,3 +822,35 @@ def test_bad_flags_exit_early_with_a_message_and_start_nothing(tmp_path):
     proc = run_script(["--sync", "--inference-min-batch", "2"], tmp_path, check=False)
     assert proc.returncode == 2 and "error: --sync steps all N envs" in proc.stderr
     assert os.listdir(tmp_path) == []
+
+
+def test_a_dead_inference_worker_ends_the_run_and_nothing_is_left_behind(tmp_path):
+    """--num-inference-workers 2: an inference worker killed mid-run stops the run at once (exit 1, naming it), and
+    its env workers, the other inference worker and its env workers all exit."""
+    run = Watched(HETEROGENEOUS_TOY + ["--total-timesteps", "1000000", "--eval-freq", "0",
+                                       "--num-inference-workers", "2"], tmp_path)
+    deadline = time.time() + 120
+    while time.time() < deadline and len([p for p, depth in process_tree(run.proc.pid) if depth == 4]) < 4:
+        run.watch()  # main -> forkserver -> inference workers -> their forkservers -> env workers
+        time.sleep(0.2)
+    time.sleep(2.0)
+    run.watch()
+    victim = run.workers()[0]  # depth 2: an inference worker
+    os.kill(victim, signal.SIGKILL)
+    killed_at = time.time()
+    code, _, err, _ = run.wait(timeout=120)
+    assert code == 1, err[-3000:]
+    assert "error: an inference worker failed" in err and f"(pid {victim}) died with exit code -9" in err, err[-3000:]
+    assert time.time() - killed_at < 30
+    run.assert_nothing_left()
+
+
+def test_a_crashing_env_worker_behind_an_inference_worker_ends_the_run_with_its_traceback(tmp_path):
+    run = Watched(HETEROGENEOUS_TOY + ["--total-timesteps", "1000000", "--toy.crash-at-step", "40",
+                                       "--num-inference-workers", "2"], tmp_path)
+    code, _, err, elapsed = run.wait(timeout=120)
+    assert code == 1, err[-3000:]
+    assert "an env worker failed" in err and "Traceback" in err and "deliberate crash in step() call 40" in err
+    assert elapsed < 60
+    run.assert_nothing_left()
+    assert "deliberate crash" in load_summary(only_run_dir(tmp_path))["error"]
