@@ -586,6 +586,15 @@ def env_worker(worker_index: int, env_ids: list[int], args: Args, slots: SharedS
                 pass
 
 
+def forkserver_context(args: Args):
+    """The start method of every worker process: a forkserver (fast: torch and gymnasium are imported once, and no CUDA
+    or thread state is inherited), with the env's modules preloaded."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "gymnasium", "numpy", "toy_chain_env"]
+                               + (["mani_skill.envs"] if args.env_kind == "maniskill" else []))
+    return ctx
+
+
 class EnvWorkers:
     """The env worker processes of this rank (or of one inference worker: those of `env_ids`), a duplex pipe to each,
     and the shared slots.
@@ -595,11 +604,7 @@ class EnvWorkers:
     WorkerError; if the main process dies, the workers' pipes close and they exit."""
 
     def __init__(self, args: Args, slots: SharedSlots, base_seed: int, env_ids: Optional[np.ndarray] = None):
-        ctx = mp.get_context("forkserver")
-        preload = ["torch", "gymnasium", "numpy", "toy_chain_env"]
-        if args.env_kind == "maniskill":
-            preload.append("mani_skill.envs")
-        ctx.set_forkserver_preload(preload)
+        ctx = forkserver_context(args)
         k = args.envs_per_worker
         env_ids = np.arange(args.num_envs) if env_ids is None else np.asarray(env_ids)  # this (inference) worker's envs
         self.num_envs = args.num_envs
@@ -1635,9 +1640,7 @@ class InferenceWorkers:
         k, K = args.envs_per_worker, args.num_inference_workers
         self.env_ids = [np.concatenate([np.arange(w * k, (w + 1) * k) for w in group])
                         for group in np.array_split(np.arange(self.N // k), K)]
-        ctx = mp.get_context("forkserver")
-        ctx.set_forkserver_preload(["torch", "gymnasium", "numpy", "toy_chain_env"]
-                                   + (["mani_skill.envs"] if args.env_kind == "maniskill" else []))
+        ctx = forkserver_context(args)
         self.slots = SharedSlots.allocate(self.N, spec)
         self.policy = SharedPolicy.of(agent)
         self.policy_version = 0
