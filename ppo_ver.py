@@ -586,6 +586,28 @@ def env_worker(worker_index: int, env_ids: list[int], args: Args, slots: SharedS
                 pass
 
 
+def shutdown_processes(processes, conns, close_message: tuple, timeout: float, terminate_grace: float) -> None:
+    """Sends `close_message` down every pipe, waits up to `timeout` seconds in all for the processes to exit, then
+    terminates (and, after `terminate_grace` seconds, kills) what is left, and closes the pipes: no orphans."""
+    for conn in conns:
+        try:
+            conn.send(close_message)
+        except OSError:
+            pass
+    deadline = time.monotonic() + timeout
+    for p in processes:
+        p.join(timeout=max(0.0, deadline - time.monotonic()))
+    for p in processes:
+        if p.is_alive():
+            p.terminate()
+            p.join(timeout=terminate_grace)
+        if p.is_alive():
+            p.kill()
+            p.join(timeout=1.0)
+    for conn in conns:
+        conn.close()
+
+
 def forkserver_context(args: Args):
     """The start method of every worker process: a forkserver (fast: torch and gymnasium are imported once, and no CUDA
     or thread state is inherited), with the env's modules preloaded."""
@@ -669,23 +691,7 @@ class EnvWorkers:
 
     def close(self, timeout: float = 3.0) -> None:
         """Asks every worker to exit, waits up to `timeout` seconds, then terminates (and kills) what is left."""
-        for c in self.conns:
-            try:
-                c.send(("close", -1))
-            except OSError:
-                pass
-        deadline = time.monotonic() + timeout
-        for p in self.processes:
-            p.join(timeout=max(0.0, deadline - time.monotonic()))
-        for p in self.processes:
-            if p.is_alive():
-                p.terminate()
-                p.join(timeout=1.0)
-            if p.is_alive():
-                p.kill()
-                p.join(timeout=1.0)
-        for c in self.conns:
-            c.close()
+        shutdown_processes(self.processes, self.conns, ("close", -1), timeout, terminate_grace=1.0)
         self.processes, self.conns = [], []
 
 
@@ -1743,23 +1749,7 @@ class InferenceWorkers:
 
     def close(self, timeout: float = 10.0) -> None:
         """Asks every inference worker to exit (each closes its env workers), then terminates what is left."""
-        for conn in self.conns:
-            try:
-                conn.send(("close",))
-            except OSError:
-                pass
-        deadline = time.monotonic() + timeout
-        for p in self.processes:
-            p.join(timeout=max(0.0, deadline - time.monotonic()))
-        for p in self.processes:
-            if p.is_alive():
-                p.terminate()
-                p.join(timeout=5.0)
-            if p.is_alive():
-                p.kill()
-                p.join(timeout=1.0)
-        for conn in self.conns:
-            conn.close()
+        shutdown_processes(self.processes, self.conns, ("close",), timeout, terminate_grace=5.0)
         self.processes, self.conns = [], []
 
 
