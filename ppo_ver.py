@@ -608,6 +608,18 @@ def shutdown_processes(processes, conns, close_message: tuple, timeout: float, t
         conn.close()
 
 
+def start_process(ctx, target, args_before_conn: tuple, args_after_conn: tuple, name: str, daemon: bool,
+                  processes: list, conns: list) -> None:
+    """Starts `target(*args_before_conn, conn, *args_after_conn)` in a new process with its end of a duplex pipe and
+    appends the process and this side's end to `processes` and `conns`."""
+    parent, child = ctx.Pipe(duplex=True)
+    p = ctx.Process(target=target, args=(*args_before_conn, child, *args_after_conn), name=name, daemon=daemon)
+    p.start()
+    child.close()
+    processes.append(p)
+    conns.append(parent)
+
+
 def forkserver_context(args: Args):
     """The start method of every worker process: a forkserver (fast: torch and gymnasium are imported once, and no CUDA
     or thread state is inherited), with the env's modules preloaded."""
@@ -637,13 +649,8 @@ class EnvWorkers:
         try:
             for w in range(len(env_ids) // k):
                 own = [int(e) for e in env_ids[w * k:(w + 1) * k]]
-                parent, child = ctx.Pipe(duplex=True)
-                p = ctx.Process(target=env_worker, args=(self.global_index[w], own, args, slots, child, base_seed),
-                                name=f"ver-env-worker-{self.global_index[w]}", daemon=True)
-                p.start()
-                child.close()
-                self.processes.append(p)
-                self.conns.append(parent)
+                start_process(ctx, env_worker, (self.global_index[w], own, args, slots), (base_seed,),
+                              f"ver-env-worker-{self.global_index[w]}", True, self.processes, self.conns)
         except BaseException:
             self.close()
             raise
@@ -1660,14 +1667,10 @@ class InferenceWorkers:
         self.processes, self.conns = [], []
         try:
             for i, ids in enumerate(self.env_ids):
-                parent, child = ctx.Pipe(duplex=True)
-                p = ctx.Process(target=inference_worker, name=f"ver-inference-worker-{i}", daemon=False,
-                                args=(i, ids, args, spec, self.slots, self.storages[i], self.policy, self.shared_steps,
-                                      child, base_seed, seed + i + 1))  # not a daemon: it starts its env workers
-                p.start()
-                child.close()
-                self.processes.append(p)
-                self.conns.append(parent)
+                # not a daemon: an inference worker starts its own env workers
+                start_process(ctx, inference_worker, (i, ids, args, spec, self.slots, self.storages[i], self.policy,
+                                                      self.shared_steps), (base_seed, seed + i + 1),
+                              f"ver-inference-worker-{i}", False, self.processes, self.conns)
         except BaseException:
             self.close()
             raise
