@@ -1,5 +1,6 @@
-"""ppo_staggered.py: GAE under both autoreset modes, reset bookkeeping (stale steps, reset gates), the stagger
-schedule, networks, argument validation, and smoke runs as a user runs the script."""
+"""ppo_staggered.py: GAE and bootstrapping, reset bookkeeping (stale steps, reset gates), the stagger schedule,
+networks, presets and argument checks; then the training loop as users run it, on a small ManiSkill-like env
+(early success terminations), on ToyChain, and on ManiSkill3's CPU simulation."""
 
 import glob
 import json
@@ -9,8 +10,6 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import replace
-from types import SimpleNamespace
 
 import gymnasium as gym
 import numpy as np
@@ -19,96 +18,55 @@ import torch
 from conftest import DEVICES, ROOT
 
 import ppo_staggered as ppo
-from toy_chain_env import ToyChainConfig, ToyChainVectorEnv
+from toy_chain_env import ToyChainConfig
 
 GAMMA, LAM = 0.9, 0.8
 
 
-# ----------------------------------------------------------------------------------------------------------------------
-# GAE and bootstrapping
-# ----------------------------------------------------------------------------------------------------------------------
+# ---- GAE and bootstrapping -------------------------------------------------------------------------------------------
 def col(*xs, dtype=torch.float32):
     return torch.tensor(xs, dtype=dtype).view(-1, 1)
 
 
-def test_gae_same_step_hand_worked():
-    # One env: s0 -> s1 terminates (reset to s0'), s0' -> s1' truncates (true last obs s2', reset to s0'').
-    rewards, values = col(1, 2, 3, 4), col(0.5, 1.0, 1.5, 2.0)
-    terms = col(0, 1, 0, 0, dtype=torch.bool)
-    dones = col(0, 1, 0, 1, dtype=torch.bool)
-    final_values, final_mask = col(0, 0, 0, 2.5), col(0, 0, 0, 1, dtype=torch.bool)  # V(s2') = 2.5
-    last_value = torch.tensor([3.0])  # V(s0''): must not be used for the truncated step
-    next_values = ppo.bootstrap_values(values, last_value, final_values, final_mask)
-    assert next_values.view(-1).tolist() == [1.0, 1.5, 2.0, 2.5]
+def test_gae_hand_worked_with_a_termination_and_a_truncation():
+    # One env: s0 -> s1 terminates, s0' -> s1' is truncated; next_values hold V of the true next states.
+    rewards, values, next_values = col(1, 2, 3, 4), col(0.5, 1.0, 1.5, 2.0), col(1.0, 1.5, 2.0, 2.5)
+    terms, dones = col(0, 1, 0, 0, dtype=torch.bool), col(0, 1, 0, 1, dtype=torch.bool)
     adv, ret = ppo.compute_gae(rewards, values, next_values, terms, dones, GAMMA, LAM)
     # deltas: 1+.9*1-.5 = 1.4 | 2-1 = 1.0 (terminal) | 3+.9*2-1.5 = 3.3 | 4+.9*2.5-2 = 4.25 (truncated: V(s2'))
     # A3 = 4.25; A2 = 3.3 + .72*4.25 = 6.36; A1 = 1.0 (episode end); A0 = 1.4 + .72*1.0 = 2.12
     np.testing.assert_allclose(adv.view(-1).numpy(), [2.12, 1.0, 6.36, 4.25], rtol=1e-6)
     np.testing.assert_allclose(ret.view(-1).numpy(), [2.62, 2.0, 7.86, 6.25], rtol=1e-6)
+    # --bootstrap-at-done always: the termination bootstraps V(s1) = 1.5 as well: delta_1 = 2 + .9*1.5 - 1 = 2.35
+    adv, _ = ppo.compute_gae(rewards, values, next_values, terms & False, dones, GAMMA, LAM)
+    np.testing.assert_allclose(adv.view(-1).numpy()[:2], [1.4 + 0.72 * 2.35, 2.35], rtol=1e-6)
 
 
-def test_gae_next_step_hand_worked_equals_same_step_on_the_valid_steps():
-    # The same trajectory in next-step mode: the step after each episode end is a stale reset step (obs = the
-    # old episode's last obs sT / s2', reward 0, action ignored), masked out; truncation bootstraps V(s2') directly.
-    rewards, values = col(1, 2, 0, 3, 4, 0), col(0.5, 1.0, 7.0, 1.5, 2.0, 2.5)  # V(sT) = 7 is never used
-    terms = col(0, 1, 0, 0, 0, 0, dtype=torch.bool)
-    truncs = col(0, 0, 0, 0, 1, 0, dtype=torch.bool)
-    no_final = torch.zeros(6, 1, dtype=torch.bool)
-    next_values = ppo.bootstrap_values(values, torch.tensor([3.0]), torch.zeros(6, 1), no_final)
-    adv, _ = ppo.compute_gae(rewards, values, next_values, terms, terms | truncs, GAMMA, LAM)
+@pytest.mark.parametrize("seed", [0, 1])
+def test_gae_matches_rlax_on_random_rollouts_with_episode_ends(seed):
+    """DeepMind rlax's truncated_generalized_advantage_estimation, one env at a time. rlax uses one discount for the
+    bootstrap and the trace (delta_t = r_t + d_t v_{t+1} - v_t, A_t = delta_t + d_t lambda A_{t+1}); with
+    d_t = gamma (1 - done_t), our bootstrap gamma (1 - no_bootstrap_t) next_values_t goes into its reward."""
+    import rlax
 
-    stale = torch.zeros(1, dtype=torch.bool)
-    valid = []
-    for t in range(6):
-        v, _, stale, _, _ = ppo.reset_bookkeeping(stale, torch.zeros(1, dtype=torch.bool), terms[t], truncs[t],
-                                                  no_final[t], torch.zeros(1, dtype=torch.long), True, True)
-        valid.append(v.item())
-    assert valid == [True, True, False, True, True, False]
-    np.testing.assert_allclose(adv.view(-1)[torch.tensor(valid)].numpy(), [2.12, 1.0, 6.36, 4.25], rtol=1e-6)
-
-
-def reference_gae(rewards, values, true_next_values, terms, dones, gamma, lam):
-    """Independent reference: for each env and step, sum (gamma*lam)^l delta_{t+l} until the episode ends."""
-    K, N = rewards.shape
-    adv = np.zeros((K, N))
-    for i in range(N):
-        for t in range(K):
-            total, coef = 0.0, 1.0
-            for u in range(t, K):
-                delta = rewards[u, i] + gamma * (0.0 if terms[u, i] else true_next_values[u, i]) - values[u, i]
-                total += coef * delta
-                if dones[u, i]:
-                    break
-                coef *= gamma * lam
-            adv[t, i] = total
-    return adv
-
-
-@pytest.mark.parametrize("seed", [0, 1, 2])
-def test_gae_matches_a_per_episode_reference_on_random_rollouts(seed):
     rng = np.random.default_rng(seed)
-    K, N = 16, 5
-    rewards, values = rng.normal(size=(K, N)), rng.normal(size=(K, N))
-    terms = rng.random((K, N)) < 0.1
-    truncs = (rng.random((K, N)) < 0.1) & ~terms
-    dones = terms | truncs
-    last_value = rng.normal(size=N)
-    final_values = rng.normal(size=(K, N))  # same-step: V(final_obs) where an env reset after truncation
-    final_mask = truncs
-    true_next = np.concatenate([values[1:], last_value[None]], 0)
-    true_next = np.where(final_mask, final_values, true_next)
-    expected = reference_gae(rewards, values, true_next, terms, dones, GAMMA, LAM)
-    t = lambda x: torch.as_tensor(x, dtype=torch.float64)  # noqa: E731
-    next_values = ppo.bootstrap_values(t(values), t(last_value), t(final_values), torch.as_tensor(final_mask))
-    adv, ret = ppo.compute_gae(t(rewards), t(values), next_values, torch.as_tensor(terms), torch.as_tensor(dones),
+    K, N = 12, 4
+    rewards, values, next_values = (rng.normal(size=(K, N)).astype(np.float32) for _ in range(3))
+    dones = rng.random((K, N)) < 0.25
+    no_bootstrap = dones & (rng.random((K, N)) < 0.5)
+    adv, ret = ppo.compute_gae(*(torch.as_tensor(x) for x in (rewards, values, next_values, no_bootstrap, dones)),
                                GAMMA, LAM)
-    np.testing.assert_allclose(adv.numpy(), expected, rtol=1e-10, atol=1e-10)
-    np.testing.assert_allclose(ret.numpy(), expected + values, rtol=1e-10, atol=1e-10)
+    for i in range(N):
+        discount = GAMMA * (1.0 - dones[:, i])
+        v_next = np.append(values[1:, i], 0.0)
+        reward = rewards[:, i] + GAMMA * (1.0 - no_bootstrap[:, i]) * next_values[:, i] - discount * v_next
+        expected = rlax.truncated_generalized_advantage_estimation(
+            reward.astype(np.float32), discount.astype(np.float32), LAM, np.append(values[:, i], 0.0).astype(np.float32))
+        np.testing.assert_allclose(adv[:, i].numpy(), np.asarray(expected), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(ret.numpy(), adv.numpy() + values, rtol=1e-6)
 
 
-# ----------------------------------------------------------------------------------------------------------------------
-# Reset bookkeeping: stale steps, waiting for the gate, immediate resets
-# ----------------------------------------------------------------------------------------------------------------------
+# ---- Reset bookkeeping: stale steps, waiting for the gate, immediate resets ------------------------------------------
 def run_bookkeeping(terms, truncs, finals, next_step_mode, gate_mode):
     b = lambda x: torch.tensor([bool(x)])  # noqa: E731
     stale = waiting = b(0)
@@ -146,133 +104,22 @@ def test_bookkeeping_next_step_masks_the_stale_step_and_restarts_the_episode_ste
     assert [r[2] for r in rows] == [0, 1, 2, 0]
 
 
-# ----------------------------------------------------------------------------------------------------------------------
-# Stagger schedule (Sec. 3.3, App. B.1)
-# ----------------------------------------------------------------------------------------------------------------------
-def test_groups_are_contiguous_and_balanced():
-    groups = ppo.stagger_groups(10, 4)
-    assert groups.tolist() == [0, 0, 0, 1, 1, 2, 2, 2, 3, 3]
+# ---- Stagger schedule and other pure pieces ------------------------------------------------------------------------
+def test_groups_are_contiguous_and_balanced_and_group_j_starts_at_step_j_times_s():
+    assert ppo.stagger_groups(10, 4).tolist() == [0, 0, 0, 1, 1, 2, 2, 2, 3, 3]
     assert ppo.stagger_groups(8, 1).tolist() == [0] * 8
-
-
-def test_group_j_starts_so_that_it_is_at_step_j_times_s_after_the_advance():
     assert ppo.stagger_start_steps(4, 5) == [15, 10, 5, 0]
     assert ppo.stagger_start_steps(1, 8) == [0]
 
 
-def stagger_args(num_groups, step, gate=True):
-    return SimpleNamespace(num_stagger_groups=num_groups, stagger_step=step,
-                           partial_reset_mode="gate" if gate else "immediate")
+def test_batch_temporal_stats_coverage():
+    steps = torch.tensor([[0, 5, 10, 15], [1, 6, 11, 16]])
+    valid = torch.ones(2, 4, dtype=torch.bool)
+    assert ppo.batch_temporal_stats(steps, valid, horizon=20, window=5)["stage_coverage"] == 1.0
+    assert ppo.batch_temporal_stats(steps % 5, valid, horizon=20, window=5)["stage_coverage"] == 0.25
+    assert ppo.batch_temporal_stats(steps, valid & (steps < 10), 20, 5)["episode_step_max"] == 6
 
 
-def fresh_state(n):
-    state = {k: torch.zeros(n, dtype=torch.bool) for k in ("stale", "waiting")}
-    state["episode_step"] = torch.zeros(n, dtype=torch.long)
-    return state
-
-
-@pytest.mark.parametrize("mode", ["next_step", "same_step"])
-@pytest.mark.parametrize("device", DEVICES)
-def test_after_the_advance_group_j_is_at_episode_step_j_times_s_and_a_batch_covers_every_stage(mode, device):
-    H, K, N = 40, 5, 32
-    groups_n = math.ceil(H / K)
-    envs = ToyChainVectorEnv(N, ToyChainConfig(horizon=H, autoreset_mode=mode), device=device)
-    obs, _ = envs.reset(seed=0)
-    state = fresh_state(N)
-    state = {k: v.to(device) for k, v in state.items()}
-    groups = ppo.stagger_groups(N, groups_n, device)
-    random_act = lambda o: torch.randint(0, 20, (N,), device=device)  # noqa: E731
-    ppo.advance_for_stagger(envs, obs, state, groups, stagger_args(groups_n, K), random_act,
-                            lambda o, update: o)
-    assert torch.equal(envs.episode_step, groups * K)  # the env's own clock
-    assert torch.equal(state["episode_step"], groups * K)  # the script's bookkeeping agrees
-    steps = []
-    for _ in range(K):
-        steps.append(state["episode_step"].clone())
-        *_, terminated, truncated, info = envs.step(random_act(None))
-        _, _, state["stale"], state["waiting"], state["episode_step"] = ppo.reset_bookkeeping(
-            state["stale"], state["waiting"], terminated, truncated, info.get("_final_obs", torch.zeros_like(truncated)),
-            state["episode_step"], mode == "next_step", True)
-    stats = ppo.batch_temporal_stats(torch.stack(steps), torch.ones(K, N, dtype=torch.bool, device=device), H, K)
-    assert stats["stage_coverage"] == 1.0 and stats["stage_entropy"] > 0.99
-    naive = ppo.batch_temporal_stats(torch.stack(steps) % K, torch.ones(K, N, dtype=torch.bool), H, K)
-    assert naive["stage_coverage"] == 1 / groups_n and naive["stage_entropy"] == 0.0
-
-
-class EarlyTerminationEnv(gym.vector.VectorEnv):
-    """A same-step env that keeps running after a termination (as ManiSkillVecEnv in gate mode): env i terminates
-    when its episode reaches step terminate_at[i] (-1: never) and is reset only by its time limit H."""
-
-    metadata = {"autoreset_mode": gym.vector.AutoresetMode.SAME_STEP}
-
-    def __init__(self, horizon, terminate_at):
-        self.num_envs, self.horizon = len(terminate_at), horizon
-        self.terminate_at = torch.tensor(terminate_at)
-        self.elapsed = torch.zeros(self.num_envs, dtype=torch.long)
-        self.single_observation_space = gym.spaces.Box(-np.inf, np.inf, (1,))
-        self.single_action_space = gym.spaces.Box(-1.0, 1.0, (1,))
-
-    def reset(self, *, seed=None, options=None):
-        mask = torch.ones(self.num_envs, dtype=torch.bool) if options is None else options["reset_mask"]
-        self.elapsed[mask] = 0
-        return self.elapsed.float().view(-1, 1), {}
-
-    def step(self, actions):
-        self.elapsed += 1
-        terminated = self.elapsed == self.terminate_at
-        truncated = self.elapsed >= self.horizon
-        final_obs = self.elapsed.float().view(-1, 1)
-        self.elapsed[truncated] = 0
-        info = {"final_obs": final_obs, "_final_obs": truncated.clone(), "success": terminated}
-        return self.elapsed.float().view(-1, 1), torch.ones(self.num_envs), terminated, truncated, info
-
-
-def test_gate_masks_an_early_terminated_env_until_its_groups_gate_then_resets_it_with_the_group():
-    # H = 8, two groups of two envs, S = 4: group 0 starts at step 0, group 1 at step 4 (its gates: t = 3, 11, ...).
-    # Env 1 (group 0) terminates at its episode step 2 (t = 1); env 3 (group 1) at episode step 6 (t = 1).
-    H, S = 8, 4
-    envs = EarlyTerminationEnv(H, terminate_at=[-1, 2, -1, 6])
-    obs, _ = envs.reset()
-    state = fresh_state(4)
-    groups = ppo.stagger_groups(4, 2)
-    zero_act = lambda o: torch.zeros(4, 1)  # noqa: E731
-    ppo.advance_for_stagger(envs, obs, state, groups, stagger_args(2, S), zero_act, lambda o, update: o)
-    assert envs.elapsed.tolist() == [0, 0, 4, 4]
-    valid_rows, step_rows = [], []
-    for _ in range(12):
-        step_rows.append(state["episode_step"].tolist())
-        _, _, terminated, truncated, info = envs.step(zero_act(None))
-        valid, _, state["stale"], state["waiting"], state["episode_step"] = ppo.reset_bookkeeping(
-            state["stale"], state["waiting"], terminated, truncated, info["_final_obs"], state["episode_step"],
-            False, True)
-        valid_rows.append(valid.tolist())
-    valid_env1 = [row[1] for row in valid_rows]
-    valid_env3 = [row[3] for row in valid_rows]
-    # env 1: terminal transition t=1 is trained on; t=2..7 masked (waiting); group 0's gate resets it after t=7;
-    # in its next episode it terminates again at t=9 and waits again.
-    assert valid_env1 == [True, True] + [False] * 6 + [True, True, False, False]
-    # env 3: terminal at t=1; masked t=2..3; group 1's gate (t=3) resets it; terminates again at t=9 (step 6).
-    assert valid_env3 == [True, True, False, False] + [True] * 6 + [False, False]
-    assert [row[1] for row in step_rows][8] == 0 and [row[0] for row in step_rows][8] == 0  # reset with its group
-    assert [row[3] for row in step_rows][4] == 0 and [row[2] for row in step_rows][4] == 0
-    assert all(all(row[i] for i in (0, 2)) for row in valid_rows)  # envs that never terminate are never masked
-
-
-def test_immediate_mode_never_masks():
-    envs = EarlyTerminationEnv(8, terminate_at=[2, -1])
-    envs.reset()
-    state = fresh_state(2)
-    for _ in range(10):
-        _, _, terminated, truncated, info = envs.step(torch.zeros(2, 1))
-        valid, _, state["stale"], state["waiting"], state["episode_step"] = ppo.reset_bookkeeping(
-            state["stale"], state["waiting"], terminated, truncated, info["_final_obs"], state["episode_step"],
-            False, False)
-        assert valid.all()
-
-
-# ----------------------------------------------------------------------------------------------------------------------
-# Other pure pieces
-# ----------------------------------------------------------------------------------------------------------------------
 def test_forgetting_matrix_is_best_so_far_minus_current():
     accuracy = np.array([[0.2, 0.9], [0.6, 0.5], [0.4, 0.95]])
     np.testing.assert_allclose(ppo.forgetting_matrix(accuracy), [[0, 0], [0, 0.4], [0.2, 0]])
@@ -281,7 +128,8 @@ def test_forgetting_matrix_is_best_so_far_minus_current():
 def test_running_mean_std_matches_numpy():
     rng = np.random.default_rng(0)
     batches = [rng.normal(3.0, 2.0, size=(n, 4)) for n in (7, 50, 13)]
-    rms = ppo.RunningMeanStd((4,), "cpu", epsilon=1e-12)
+    rms = ppo.RunningMeanStd((4,), "cpu")
+    rms.count = torch.tensor(1e-12, dtype=torch.float64)
     for batch in batches:
         rms.update(torch.as_tensor(batch, dtype=torch.float64))
     data = np.concatenate(batches)
@@ -289,21 +137,8 @@ def test_running_mean_std_matches_numpy():
     np.testing.assert_allclose(rms.var.numpy(), data.var(0), rtol=1e-9)
 
 
-def test_episode_stats_count_only_trained_on_steps_and_restart_at_episode_ends():
-    stats = ppo.EpisodeStats(2, "cpu")
-    b = lambda *x: torch.tensor(x, dtype=torch.bool)  # noqa: E731
-    # env 0: rewards 1, 2 (ends, success), then 5; env 1: 1, (masked 10), 3 (ends, no success at the end)
-    stats.step(torch.tensor([1.0, 1.0]), b(1, 1), b(0, 1), b(0, 0))
-    ended = stats.step(torch.tensor([2.0, 10.0]), b(1, 0), b(1, 0), b(1, 0))
-    assert ended["return"][0] == 3.0 and ended["episode_len"][0] == 2 and ended["success_once"][0]
-    ended = stats.step(torch.tensor([5.0, 3.0]), b(1, 1), b(0, 0), b(0, 1))
-    assert ended["return"][1] == 4.0 and ended["episode_len"][1] == 2
-    assert ended["success_once"][1] and not ended["success_at_end"][1]  # success earlier in the episode only
-    assert stats.ret.tolist() == [5.0, 0.0] and stats.len.tolist() == [1, 0]
-
-
 def test_masked_mean():
-    x = torch.tensor([1.0, 2.0, 3.0, 10.0])
+    x = torch.tensor([1.0, 2.0, 3.0, float("nan")])
     assert ppo.masked_mean(x, torch.tensor([True, True, True, False])).item() == 2.0
     assert ppo.masked_mean(x, torch.zeros(4, dtype=torch.bool)).item() == 0.0
 
@@ -324,12 +159,10 @@ def test_chain_agent_per_block_evaluation_equals_evaluating_every_sample():
     agent = ppo.ChainAgent(num_blocks=12, num_actions=7).double()  # float64: summation order does not matter
     obs, actions = torch.randint(0, 12, (300,)), torch.randint(0, 7, (300,))
     _, logprob, entropy, value = agent.get_action_and_value(obs, actions)
-    direct_logits = agent.actor(obs)
-    dist = torch.distributions.Categorical(logits=direct_logits)
+    dist = torch.distributions.Categorical(logits=agent.actor(obs))
     torch.testing.assert_close(logprob, dist.log_prob(actions))
     torch.testing.assert_close(entropy, dist.entropy())
     torch.testing.assert_close(value, agent.critic(obs)[:, 0])
-    # gradients are the same too
     (logprob.sum() + value.sum()).backward()
     grads = [p.grad.clone() for p in agent.parameters()]
     agent.zero_grad()
@@ -349,26 +182,31 @@ def test_chain_agent_samples_from_its_policy():
     np.testing.assert_allclose(torch.bincount(actions, minlength=3).float().numpy() / 60000, probs.numpy(), atol=0.01)
 
 
-# ----------------------------------------------------------------------------------------------------------------------
-# Arguments: presets and early, clear errors
-# ----------------------------------------------------------------------------------------------------------------------
+# ---- Presets and early, clear errors -------------------------------------------------------------------------------
 def test_toy_preset_is_table_2():
     a = ppo.resolve_args(ppo.Args(env_id="ToyChain-v0", cuda=False))
     assert (a.num_envs, a.num_steps, a.gamma, a.gae_lambda, a.num_minibatches, a.ent_coef) == (512, 5, 0.99, 0.95, 4, 0.01)
     assert a.num_iterations == 150 and a.minibatch_size == 640 and a.target_kl is None
     assert a.num_stagger_groups == 40 and a.stagger_step == 5  # ceil(H/K) = ceil(200/5), S = K
+    assert a.bootstrap_at_done == "truncated" and a.partial_reset_mode == "gate"
     naive = ppo.resolve_args(ppo.Args(env_id="ToyChain-v0", cuda=False, stagger=False))
-    assert naive.num_stagger_groups == 1
+    assert naive.num_stagger_groups == 1 and naive.partial_reset_mode == "immediate"
 
 
-def test_stackcube_preset_is_table_3():
+def test_stackcube_preset_is_table_3_and_without_cuda_a_short_cpu_trial_says_so(capsys):
     assert ppo.PRESETS["StackCube-v1"] == dict(num_steps=8, horizon=100, gamma=0.8, gae_lambda=0.9, num_envs=4096)
     a = ppo.resolve_args(ppo.Args(env_id="StackCube-v1", cuda=False))
     assert (a.num_steps, a.resolved_horizon, a.gamma, a.gae_lambda) == (8, 100, 0.8, 0.9)
-    assert (a.ent_coef, a.target_kl, a.num_minibatches, a.norm_obs) == (0.005, 0.1, 4, True)
-    assert a.resolved_sim_backend == "physx_cpu" and a.num_envs == 8  # CPU simulation: one process per env
-    b = ppo.resolve_args(ppo.Args(env_id="StackCube-v1", cuda=False, num_envs=16, num_steps=10, gamma=0.5))
-    assert (b.num_envs, b.num_steps, b.gamma, b.num_stagger_groups) == (16, 10, 0.5, 10)  # flags override presets
+    assert (a.ent_coef, a.target_kl, a.bootstrap_at_done) == (0.005, 0.1, "always")
+    assert a.resolved_sim_backend == "physx_cpu" and (a.num_envs, a.total_timesteps) == (8, 30_000)
+    note = capsys.readouterr().out
+    assert "CUDA GPU" in note and "4096 envs" in note and "2e+08 steps" in note and "override" in note
+    # fewer envs than ceil(H/K) = 13 groups: N_B = N and S = ceil(H / N_B), so the groups still span the horizon
+    assert (a.num_stagger_groups, a.stagger_step) == (8, 13) and 7 * 13 < 100
+    b = ppo.resolve_args(ppo.Args(env_id="StackCube-v1", cuda=False, num_envs=16, num_steps=10, gamma=0.5,
+                                  bootstrap_at_done="truncated", stagger=False))
+    assert (b.num_envs, b.num_steps, b.gamma, b.num_stagger_groups) == (16, 10, 0.5, 1)  # flags override presets
+    assert (b.bootstrap_at_done, b.partial_reset_mode) == ("truncated", "immediate")
 
 
 @pytest.mark.parametrize(
@@ -376,13 +214,10 @@ def test_stackcube_preset_is_table_3():
     [
         (dict(num_steps=300), "--num-steps K=300 is longer than the task horizon H=200"),
         (dict(num_envs=10, num_minibatches=4, num_steps=5), "does not split into --num-minibatches 4"),
-        (dict(num_envs=8, num_stagger_groups=9), "--num-stagger-groups N_B=9 exceeds --num-envs N=8"),
-        (dict(num_stagger_groups=3, stagger=False), "contradicts --no-stagger"),
-        (dict(stagger_step=100), "past the horizon"),
-        (dict(env_id="NoSuchTask-v9"), "is not ToyChain-v0 or a registered ManiSkill3 task"),
+        (dict(num_envs=8, num_stagger_groups=9), "every group needs an env"),
+        (dict(stagger_step=100), "before the horizon"),
+        (dict(env_id="NoSuchTask-v9"), "is not ToyChain-v0, a ManiSkill3 task or a Gymnasium id"),
         (dict(toy=ToyChainConfig(horizon=52)), "--toy.horizon"),
-        (dict(horizon=10), "--toy.horizon"),
-        (dict(cudagraphs=True), "--cudagraphs needs CUDA"),
         (dict(evaluate=True), "--evaluate needs --checkpoint"),
         (dict(checkpoint="/nonexistent/ckpt.pt"), "no such file"),
         (dict(total_timesteps=100), "less than one batch"),
@@ -394,41 +229,130 @@ def test_bad_input_is_rejected_with_the_flag_named(kwargs, message):
 
 
 def test_missing_vulkan_driver_is_reported_before_maniskill_starts(monkeypatch):
-    monkeypatch.setenv("VK_DRIVER_FILES", "/nonexistent/vulkan_icd.json")
-    assert "do not exist" in ppo.find_vulkan_problem()
-    with pytest.raises(ppo.ArgsError, match="Vulkan driver .* README.md"):
+    monkeypatch.setattr(ppo.glob, "glob", lambda pattern: [])
+    monkeypatch.delenv("VK_DRIVER_FILES", raising=False)
+    monkeypatch.delenv("VK_ICD_FILENAMES", raising=False)
+    with pytest.raises(ppo.ArgsError, match="Vulkan .* bash .ci/install_system.sh"):
         ppo.resolve_args(ppo.Args(env_id="StackCube-v1", cuda=False))
 
 
-# ----------------------------------------------------------------------------------------------------------------------
-# Smoke tests: the script as a user runs it, asserting on what it wrote
-# ----------------------------------------------------------------------------------------------------------------------
+# ---- The training loop on a small ManiSkill-like task ----------------------------------------------------------------
+RESETS = []  # (env instance, its steps so far, episode step at which it was reset, whether the episode had terminated)
+
+
+class SuccessEnv(gym.Env):
+    """ManiSkill in miniature: a constant observation, reward 1 per step, a success termination at episode step
+    `terminate_at` (0: never), the time limit H from gym.make. Like ManiSkill, it keeps running after a success, and
+    then pays `reward_after_success` per step: steps a correct run never trains on (they wait for a reset gate)."""
+
+    observation_space = gym.spaces.Box(-1.0, 1.0, (2,))
+    action_space = gym.spaces.Box(-1.0, 1.0, (1,))
+    instances = 0
+
+    def __init__(self, terminate_at: int, reward_after_success: float = 1000.0):
+        self.terminate_at, self.reward_after_success = terminate_at, reward_after_success
+        self.index, SuccessEnv.instances = SuccessEnv.instances, SuccessEnv.instances + 1
+        self.t = self.steps = 0
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        if self.t > 0:
+            RESETS.append((self.index, self.steps, self.t, 0 < self.terminate_at <= self.t))
+        self.t = 0
+        return np.ones(2, dtype=np.float32), {}
+
+    def step(self, action):
+        self.t, self.steps = self.t + 1, self.steps + 1
+        after_success = 0 < self.terminate_at < self.t
+        reward = self.reward_after_success if after_success else 1.0
+        return np.ones(2, dtype=np.float32), reward, self.t == self.terminate_at, False, {"success": self.t == self.terminate_at}
+
+
+gym.register("SuccessAt3-v0", entry_point=SuccessEnv, kwargs=dict(terminate_at=3))
+gym.register("NeverTerminates-v0", entry_point=SuccessEnv, kwargs=dict(terminate_at=0))
+
+
+def train_in_process(tmp_path, **kwargs):
+    RESETS.clear()
+    SuccessEnv.instances = 0
+    args = ppo.Args(cuda=False, output_dir=str(tmp_path), num_eval_envs=1, eval_freq=1000, **kwargs)
+    return ppo.main(args)
+
+
+def scalars(run_dir):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(run_dir), size_guidance={"scalars": 0})
+    acc.Reload()
+    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+
+
+@pytest.mark.parametrize("mode", ["gate", "immediate"])
+def test_an_early_success_waits_masked_for_its_groups_gate_or_resets_at_once(tmp_path, mode):
+    """H = 10, 4 envs in 2 stagger groups 5 steps apart; every episode succeeds (terminates) at its step 3.
+    Gate: the env runs on, masked, and resets only with its group at step 10; 3 of every 10 steps are trained on,
+    and the 1000-per-step rewards after the success never reach the losses. Immediate: it resets at step 3."""
+    summary = train_in_process(tmp_path, env_id="SuccessAt3-v0", horizon=10, num_envs=4, num_steps=5,
+                               num_minibatches=2, total_timesteps=4 * 5 * 8, partial_reset_mode=mode)
+    assert summary["global_step"] == 160 and summary["advance_env_steps"] == 5 * 4
+    # envs 0-3 train (the next one evaluates); the first 5 steps are the stagger advance
+    training_resets = [(t, ended) for index, steps, t, ended in RESETS if index < 4 and steps > 5]
+    after_success = {t for t, ended in training_resets if ended}
+    assert after_success == ({10} if mode == "gate" else {3})
+    s = scalars(summary["run_dir"])
+    valid = [v for _, v in s["stagger/valid_fraction"]]
+    assert valid[-1] == pytest.approx(0.3 if mode == "gate" else 1.0)
+    assert summary["charts/episodic_length"] == 3 and summary["charts/episodic_return"] == 3
+    assert summary["losses/value_loss"] < 20 and abs(summary["losses/policy_loss"]) < 1
+
+
+@pytest.mark.parametrize("env_id, horizon, bootstrap, expected", [
+    ("SuccessAt3-v0", 4, "always", 2.0),  # V = 1 + gamma V: the success bootstraps V(final obs) = V
+    ("SuccessAt3-v0", 4, "truncated", (1.75 + 1.5 + 1) / 3),  # returns 1.75, 1.5, 1 of the 3 steps of an episode
+    ("NeverTerminates-v0", 3, "truncated", 2.0),  # the time limit at step 3 bootstraps V(final obs) = V
+])
+def test_value_targets_follow_bootstrap_at_done(tmp_path, env_id, horizon, bootstrap, expected):
+    """The learned value of the (constant) observation converges to the fixed point of the value targets, which
+    differs between bootstrapping V(final obs) at an episode end and bootstrapping 0 (gamma 0.5, lambda 1).
+    Episodes last 3 steps and so do rollouts, so every batch has the same targets."""
+    summary = train_in_process(tmp_path, env_id=env_id, horizon=horizon, num_envs=8, num_steps=3, num_minibatches=2,
+                               total_timesteps=8 * 3 * 60, stagger=False, gamma=0.5, gae_lambda=1.0,
+                               learning_rate=1e-3, ent_coef=0.0, bootstrap_at_done=bootstrap, save_model=True)
+    ckpt = torch.load(os.path.join(summary["run_dir"], "final_ckpt.pt"), weights_only=True)
+    agent = ppo.GaussianAgent(2, 1)
+    agent.load_state_dict(ckpt["agent"])
+    rms = ppo.RunningMeanStd((2,), "cpu")
+    rms.mean, rms.var, rms.count = ckpt["obs_rms"]
+    value = agent.get_value(rms.normalize(torch.ones(1, 2))).item()
+    assert value == pytest.approx(expected, abs=0.1)
+    assert json.load(open(os.path.join(summary["run_dir"], "config.json")))["bootstrap_at_done"] == bootstrap
+
+
+# ---- The script as a user runs it (subprocesses), asserting on what it wrote --------------------------------------
 SCRIPT = os.path.join(ROOT, "ppo_staggered.py")
 TOY_SMALL = ["--env-id", "ToyChain-v0", "--num-envs", "64", "--toy.horizon", "50", "--num-minibatches", "4",
-             "--eval-freq", "2", "--num-eval-envs", "16", "--no-progress-bar"]
+             "--eval-freq", "2", "--num-eval-envs", "16"]
 
 
 def run_script(args, tmp_path, timeout=600, check=True):
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    proc = subprocess.run([sys.executable, SCRIPT, "--output-dir", str(tmp_path), *args], capture_output=True,
-                          text=True, timeout=timeout, env=env, cwd=ROOT)
+    proc = subprocess.Popen([sys.executable, SCRIPT, "--output-dir", str(tmp_path), *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    finally:  # on a timeout (or any error) the run and its env worker processes go too
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
     if check:
-        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return proc
+        assert proc.returncode == 0, out[-3000:] + err[-3000:]
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
 def only_run_dir(tmp_path, pattern="*"):
     dirs = [d for d in glob.glob(os.path.join(str(tmp_path), pattern)) if os.path.isdir(d)]
     assert len(dirs) == 1, dirs
     return dirs[0]
-
-
-def scalars(run_dir):
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    acc = EventAccumulator(run_dir, size_guidance={"scalars": 0})
-    acc.Reload()
-    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
 
 
 @pytest.mark.parametrize("stagger, mode", [(True, "next_step"), (False, "same_step")])
@@ -440,7 +364,7 @@ def test_toy_chain_smoke(tmp_path, stagger, mode, device):
     run_dir = only_run_dir(tmp_path)
     summary = json.load(open(os.path.join(run_dir, "summary.json")))
     config = json.load(open(os.path.join(run_dir, "config.json")))
-    assert summary["global_step"] == 3200 and summary["iteration"] == 10 and summary["sps"] > 0
+    assert summary["global_step"] == 3200 and summary["sps"] > 0
     assert config["num_stagger_groups"] == (10 if stagger else 1) and config["toy"]["autoreset_mode"] == mode
     for key in ("eval/return", "eval/success_once", "eval/success_at_end", "charts/episodic_return",
                 "toy/accuracy", "toy/forgetting_mean", "stagger/value_mse", "losses/value_loss"):
@@ -449,38 +373,28 @@ def test_toy_chain_smoke(tmp_path, stagger, mode, device):
     assert [step for step, _ in s["charts/SPS"]] == [320 * i for i in range(1, 11)]
     coverage = [v for _, v in s["stagger/stage_coverage"]]
     if stagger:  # every batch holds every stage of the horizon (Sec. 3.3)
-        assert min(coverage) == 1.0
-        assert summary["advance_env_steps"] == 9 * 5 * 64
+        assert min(coverage) == 1.0 and summary["advance_env_steps"] == 9 * 5 * 64
     else:  # naive: one K-step window per batch (Sec. 3.2)
-        assert max(coverage) == pytest.approx(0.1)
-        assert summary["advance_env_steps"] == 0
+        assert max(coverage) == pytest.approx(0.1) and summary["advance_env_steps"] == 0
     valid = [v for _, v in s["stagger/valid_fraction"]]
     assert min(valid) < 1.0 if mode == "next_step" and stagger else min(valid) == 1.0  # stale steps are masked
-    for png in ("toy_block_occupancy.png", "toy_forgetting_matrix.png"):
-        assert os.path.getsize(os.path.join(run_dir, png)) > 1000
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    acc = EventAccumulator(run_dir)
-    acc.Reload()
-    assert {"toy/block_occupancy", "toy/forgetting_matrix"} <= set(acc.Tags()["images"])
-    assert {"toy/block_occupancy", "stagger/episode_step"} <= set(acc.Tags()["histograms"])
     diag = np.load(os.path.join(run_dir, "toy_diagnostics.npz"))
-    assert diag["occupancy"].shape == (10, 10) and diag["forgetting"].min() >= 0
+    assert diag["occupancy"].shape == (10, 10) and diag["accuracy"].shape == (10, 10)
     np.testing.assert_allclose(diag["occupancy"].sum(1), 64, rtol=1e-5)  # every env is in some block at every step
 
 
 def test_toy_chain_learns_and_staggering_helps(tmp_path):
-    """App. C setting (H = 200, p_prog = 0.5, 150 updates) with 128 envs: staggered PPO solves the chain, naive PPO
-    does much worse and forgets more (seeds 1-3 gave 0.92-0.98 vs 0.16-0.53 success, 0.03 vs 0.12-0.14 forgetting)."""
-    common = ["--env-id", "ToyChain-v0", "--num-envs", "128", "--toy.horizon", "200", "--toy.progression-prob", "0.5",
-              "--total-timesteps", str(128 * 5 * 150), "--eval-freq", "1000", "--num-eval-envs", "256",
-              "--no-progress-bar", "--no-cuda"]
+    """Fig. 2a at H = 300 (Table 2: N = 512, K = 5, 150 updates, p_prog = 0.5): staggered PPO solves the chain,
+    naive PPO does not. Seeds 1-5 on a 2-core CPU: eval success 0.92-0.996 staggered vs 0.01-0.35 naive,
+    forgetting 0.004-0.020 vs 0.126-0.144 (the paper: 0.95 vs 0.14 at H = 300)."""
+    common = ["--env-id", "ToyChain-v0", "--toy.horizon", "300", "--eval-freq", "1000", "--num-eval-envs", "256",
+              "--no-cuda", "--seed", "1"]
     results = {}
     for name, flag in (("stag", "--stagger"), ("naive", "--no-stagger")):
         run_script(common + [flag, "--exp-name", name], tmp_path)
         results[name] = json.load(open(os.path.join(only_run_dir(tmp_path, f"*__{name}__*"), "summary.json")))
     assert results["stag"]["eval/success_at_end"] > 0.8
-    assert results["stag"]["eval/success_at_end"] > results["naive"]["eval/success_at_end"] + 0.2
+    assert results["naive"]["eval/success_at_end"] < 0.5
     assert results["stag"]["toy/forgetting_mean_overall"] < 0.5 * results["naive"]["toy/forgetting_mean_overall"]
 
 
@@ -490,17 +404,15 @@ def test_save_model_then_resume_continues_the_global_step_then_evaluate(tmp_path
     run_dir = only_run_dir(first)
     ckpts = sorted(os.path.basename(p) for p in glob.glob(os.path.join(run_dir, "*.pt")))
     assert ckpts == ["ckpt_0.pt", "ckpt_640.pt", "final_ckpt.pt"]
-    ckpt = torch.load(os.path.join(run_dir, "final_ckpt.pt"), weights_only=False)
-    assert ckpt["global_step"] == 1280 and ckpt["iteration"] == 4
-    assert set(ckpt) >= {"agent", "optimizer", "obs_rms", "rng", "args"} and ckpt["optimizer"]["state"]
+    ckpt = torch.load(os.path.join(run_dir, "final_ckpt.pt"), weights_only=True)
+    assert ckpt["global_step"] == 1280 and ckpt["optimizer"]["state"] and set(ckpt) >= {"agent", "obs_rms"}
 
     second = tmp_path / "second"
     proc = run_script(TOY_SMALL + ["--total-timesteps", "2560", "--no-cuda", "--checkpoint",
                                    os.path.join(run_dir, "final_ckpt.pt")], second)
     assert "resuming from" in proc.stdout
     resumed = only_run_dir(second)
-    summary = json.load(open(os.path.join(resumed, "summary.json")))
-    assert summary["global_step"] == 2560
+    assert json.load(open(os.path.join(resumed, "summary.json")))["global_step"] == 2560
     assert [step for step, _ in scalars(resumed)["charts/SPS"]] == [1600, 1920, 2240, 2560]
 
     third = tmp_path / "third"
@@ -510,22 +422,20 @@ def test_save_model_then_resume_continues_the_global_step_then_evaluate(tmp_path
     assert "charts/SPS" not in evaluated and "eval/return" in evaluated
 
 
-def test_same_seed_gives_the_same_run_and_policy_advance_works(tmp_path):
-    args = TOY_SMALL + ["--total-timesteps", "960", "--no-cuda", "--stagger-advance", "policy"]
-    first, second = tmp_path / "a", tmp_path / "b"
-    run_script(args, first)
-    run_script(args, second)
-    a, b = (json.load(open(os.path.join(only_run_dir(d), "summary.json"))) for d in (first, second))
+def test_same_seed_gives_the_same_run_and_cudagraphs_runs_the_same_code(tmp_path):
+    """--cudagraphs wraps the policy step and the update in tensordict's CudaGraphModule, which on a CPU runs them
+    directly: the same numbers as eager (on a GPU the graphs are replayed; see README, not yet run)."""
+    args = TOY_SMALL + ["--total-timesteps", "960", "--no-cuda"]
+    for name, extra in (("a", []), ("b", []), ("graphs", ["--cudagraphs"]), ("c", ["--seed", "2"])):
+        run_script(args + extra, tmp_path / name)
+    a, b, graphs, c = (json.load(open(os.path.join(only_run_dir(tmp_path / d), "summary.json")))
+                       for d in ("a", "b", "graphs", "c"))
     for key in ("losses/value_loss", "losses/policy_loss", "eval/return", "toy/accuracy", "stagger/value_mse"):
-        assert a[key] == b[key], key
-    assert a["advance_env_steps"] == 9 * 5 * 64
-    run_script(args[:-2] + ["--seed", "2"], tmp_path / "c")
-    c = json.load(open(os.path.join(only_run_dir(tmp_path / "c"), "summary.json")))
+        assert a[key] == b[key] == graphs[key], key
     assert c["losses/value_loss"] != a["losses/value_loss"]
 
 
 def test_track_mirrors_to_wandb_offline(tmp_path):
-    pytest.importorskip("wandb")
     env = dict(os.environ, WANDB_MODE="offline", WANDB_DIR=str(tmp_path), WANDB_SILENT="true")
     proc = subprocess.run([sys.executable, SCRIPT, "--output-dir", str(tmp_path / "runs"), *TOY_SMALL,
                            "--total-timesteps", "640", "--no-cuda", "--track"], capture_output=True, text=True,
@@ -533,14 +443,6 @@ def test_track_mirrors_to_wandb_offline(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert glob.glob(os.path.join(str(tmp_path), "wandb", "offline-run-*", "*.wandb"))
     assert json.load(open(os.path.join(only_run_dir(tmp_path / "runs"), "summary.json")))["global_step"] == 640
-
-
-def test_compile_option_trains(tmp_path):
-    """--compile (torch.compile of the policy step and the PPO update, LeanRL-style) on the CPU."""
-    run_script(TOY_SMALL + ["--total-timesteps", "1280", "--compile", "--no-cuda"], tmp_path, timeout=900)
-    summary = json.load(open(os.path.join(only_run_dir(tmp_path), "summary.json")))
-    assert summary["global_step"] == 1280 and math.isfinite(summary["losses/value_loss"])
-    assert json.load(open(os.path.join(only_run_dir(tmp_path), "config.json")))["compile"] is True
 
 
 def test_bad_flag_exits_early_with_a_message_and_writes_nothing(tmp_path):
@@ -553,36 +455,52 @@ def test_bad_flag_exits_early_with_a_message_and_writes_nothing(tmp_path):
 def test_ctrl_c_writes_the_summary_and_a_checkpoint(tmp_path):
     proc = subprocess.Popen([sys.executable, SCRIPT, "--output-dir", str(tmp_path), "--save-model", "--no-cuda",
                              *TOY_SMALL, "--total-timesteps", str(10**8)], cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
-    deadline = time.time() + 300
-    trained = lambda: [p for p in glob.glob(os.path.join(str(tmp_path), "*", "ckpt_*.pt"))  # noqa: E731
-                       if not p.endswith("ckpt_0.pt")]  # a checkpoint written after some training
-    while time.time() < deadline and not trained():
-        time.sleep(0.2)
-    assert trained(), "no checkpoint after training started"
-    proc.send_signal(signal.SIGINT)
-    proc.communicate(timeout=60)
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        deadline = time.time() + 300
+        trained = lambda: [p for p in glob.glob(os.path.join(str(tmp_path), "*", "ckpt_*.pt"))  # noqa: E731
+                           if not p.endswith("ckpt_0.pt")]  # a checkpoint written after some training
+        while time.time() < deadline and not trained():
+            time.sleep(0.2)
+        assert trained(), "no checkpoint after training started"
+        proc.send_signal(signal.SIGINT)
+        proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
     assert proc.returncode == 130
     run_dir = only_run_dir(tmp_path)
     summary = json.load(open(os.path.join(run_dir, "summary.json")))
     assert summary["interrupted"] is True and summary["global_step"] > 0
-    ckpt = torch.load(os.path.join(run_dir, "final_ckpt.pt"), weights_only=False)
-    assert ckpt["global_step"] == summary["global_step"] and ckpt["iteration"] == summary["iteration"]
+    ckpt = torch.load(os.path.join(run_dir, "final_ckpt.pt"), weights_only=True)
+    assert ckpt["global_step"] == summary["global_step"]
     assert not glob.glob(os.path.join(run_dir, "*.tmp"))
 
 
 def test_stackcube_cpu_simulation_smoke(tmp_path):
     """StackCube-v1 on CPU simulation (physx_cpu, 2 worker processes), staggered, with an evaluation video."""
     args = ["--env-id", "StackCube-v1", "--num-envs", "2", "--num-eval-envs", "1", "--horizon", "20",
-            "--num-steps", "4", "--total-timesteps", "80", "--eval-freq", "5", "--capture-video", "--no-cuda",
-            "--no-progress-bar"]
+            "--num-steps", "4", "--total-timesteps", "80", "--eval-freq", "5", "--capture-video", "--no-cuda"]
     run_script(args, tmp_path, timeout=900)
     run_dir = only_run_dir(tmp_path)
     summary = json.load(open(os.path.join(run_dir, "summary.json")))
-    assert summary["global_step"] == 80 and summary["advance_env_steps"] == 4 * 2
+    assert summary["global_step"] == 80 and summary["advance_env_steps"] == 10 * 2  # S = ceil(20 / 2) groups
     assert summary["eval/episode_len"] == 20 and "eval/success_once" in summary and "eval/return" in summary
     s = scalars(run_dir)
-    first_batch = dict((k, v[0][1]) for k, v in s.items() if k.startswith("stagger/episode_step"))
-    assert first_batch["stagger/episode_step_min"] == 0 and first_batch["stagger/episode_step_max"] == 7
+    assert s["stagger/episode_step_min"][0][1] == 0 and s["stagger/episode_step_max"][0][1] == 13
     assert "charts/episodic_return" in s  # group 0's first 20-step episode ended during training
     assert glob.glob(os.path.join(run_dir, "videos", "**", "*.mp4"), recursive=True)
+
+
+@pytest.mark.parametrize("env_id", ["PushT-v1", "MS-HumanoidWalk-v1", "TwoRobotPickCube-v1",
+                                    "UnitreeG1TransportBox-v1"])
+def test_every_table_3_preset_whose_assets_ship_builds_and_trains(tmp_path, env_id):
+    """One iteration of each Table 3 preset on CPU simulation (StackCube-v1 above; AnymalC-Reach-v1 downloads its
+    robot on first use), with H = 2K to keep the evaluations short."""
+    K = ppo.PRESETS[env_id]["num_steps"]
+    run_script(["--env-id", env_id, "--num-envs", "2", "--num-eval-envs", "1", "--horizon", str(2 * K),
+                "--num-minibatches", "2", "--total-timesteps", str(2 * K), "--no-cuda"], tmp_path, timeout=900)
+    summary = json.load(open(os.path.join(only_run_dir(tmp_path), "summary.json")))
+    assert summary["global_step"] == 2 * K and math.isfinite(summary["losses/value_loss"])
+    assert "eval/return" in summary
