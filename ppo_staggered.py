@@ -26,16 +26,10 @@ successes included) or truncated (ToyChain and Gymnasium's default: 0 at a termi
 (autoreset_modes.txt): both modes are consumed. ToyChain lets you choose (--toy.autoreset-mode); ManiSkill and
 Gymnasium envs run same-step through PartialResetVecEnv; reset_bookkeeping masks next-step's stale step.
 Figures of the toy diagnostics: benchmarks/toy_sweeps.py.
-
-Examples
-  python ppo_staggered.py --env-id ToyChain-v0                  # App. C setting, staggered (about a minute on a CPU)
-  python ppo_staggered.py --env-id ToyChain-v0 --no-stagger     # the naive synchronous baseline
-  python ppo_staggered.py --env-id StackCube-v1                 # Table 3 on a GPU; a short CPU trial without CUDA
 """
 
 from __future__ import annotations
 
-import ctypes.util
 import glob
 import json
 import math
@@ -135,8 +129,6 @@ class Args:
 
     eval_freq: Optional[int] = None
     """evaluate every this many iterations (default: the task preset)"""
-    compile: bool = False
-    """torch.compile the policy step and the PPO update (as ManiSkill's ppo_fast.py)"""
     cudagraphs: bool = False
     """replay the policy step and the PPO update as CUDA graphs (tensordict's CudaGraphModule, as ppo_fast.py)"""
 
@@ -176,24 +168,15 @@ class ArgsError(ValueError):
     """Bad command-line input, reported before any environment or process starts."""
 
 
-def env_kind(env_id: str) -> str:
-    """'toy', 'maniskill' (a registered ManiSkill3 task) or 'gym' (any other registered Gymnasium id)."""
-    if env_id == TOY_ENV_ID:
-        return "toy"
-    from mani_skill.utils.registration import REGISTERED_ENVS
-
-    if env_id in REGISTERED_ENVS:
-        return "maniskill"
-    if env_id in gym.registry:
-        return "gym"
-    raise ArgsError(f"--env-id {env_id!r} is not ToyChain-v0, a ManiSkill3 task or a Gymnasium id; "
-                    f"tasks with paper presets: {', '.join(PRESETS)}")
-
-
 def resolve_args(args: Args) -> Args:
     """Fills the task presets and derived sizes into a copy of `args` and checks it. Raises ArgsError."""
     a = Args(**{**asdict(args), "toy": ToyChainConfig(**asdict(args.toy))})
-    kind = env_kind(a.env_id)
+    from mani_skill.utils.registration import REGISTERED_ENVS
+
+    kind = "toy" if a.env_id == TOY_ENV_ID else "maniskill" if a.env_id in REGISTERED_ENVS else "gym"
+    if kind == "gym" and a.env_id not in gym.registry:
+        raise ArgsError(f"--env-id {a.env_id!r} is not ToyChain-v0, a ManiSkill3 task or a Gymnasium id; "
+                        f"tasks with paper presets: {', '.join(PRESETS)}")
     backend = "torch" if kind == "toy" else "cpu" if kind == "gym" else "physx_cuda" if a.cuda and torch.cuda.is_available() \
         else "physx_cpu"
     a.resolved_sim_backend = backend
@@ -250,33 +233,31 @@ def resolve_args(args: Args) -> Args:
         raise ArgsError("--evaluate needs --checkpoint PATH")
     if a.checkpoint and not os.path.isfile(a.checkpoint):
         raise ArgsError(f"--checkpoint {a.checkpoint}: no such file")
-    if kind == "maniskill" and not vulkan_driver_present():
-        raise ArgsError("ManiSkill3 needs a Vulkan loader and driver even for state-only simulation, and none is "
-                        "installed; on Debian/Ubuntu run: bash .ci/install_system.sh")
+    icd_files = glob.glob("/usr/share/vulkan/icd.d/*") + glob.glob("/etc/vulkan/icd.d/*")
+    if kind == "maniskill" and sys.platform == "linux" and not (icd_files or os.environ.get("VK_ICD_FILENAMES")):
+        raise ArgsError("ManiSkill3 needs a Vulkan driver even for state-only simulation, and none is installed; on "
+                        "Debian/Ubuntu run: bash .ci/install_system.sh")
     return a
-
-
-def vulkan_driver_present() -> bool:
-    """ManiSkill3 (SAPIEN) needs the Vulkan loader and a driver (an ICD file), even for state-only simulation."""
-    icd_files = [f for d in ("/usr/share", "/etc", "/usr/local/nvidia/share") for f in glob.glob(f"{d}/vulkan/icd.d/*")]
-    return sys.platform != "linux" or bool(ctypes.util.find_library("vulkan") and (
-        icd_files or os.environ.get("VK_DRIVER_FILES") or os.environ.get("VK_ICD_FILENAMES")))
 
 
 # ---- Environments ----------------------------------------------------------------------------------------------------
 def make_maniskill_env(args: Args, num_envs: int, backend: str, evaluation: bool, video_dir: Optional[str]):
-    """A ManiSkill3 task: state observations, time limit H, multi-agent actions flattened, optional videos."""
+    """A ManiSkill3 task: state observations, time limit H, multi-agent actions flattened, optional videos. (ManiSkill
+    clips actions to the action space itself, and so do the other envs through gym's ClipAction.)"""
     import mani_skill.envs  # noqa: F401  (registers the tasks in this process)
     from mani_skill.utils.wrappers.flatten import FlattenActionSpaceWrapper
+    from mani_skill.utils.wrappers.gymnasium import CPUGymWrapper
     from mani_skill.utils.wrappers.record import RecordEpisode
 
     kwargs = dict(num_envs=num_envs, obs_mode="state", sim_backend=backend, max_episode_steps=args.resolved_horizon,
                   reconfiguration_freq=1 if evaluation else None, render_mode="rgb_array" if video_dir else None)
     env = gym.make(args.env_id, **kwargs)
-    if isinstance(env.action_space, gym.spaces.Dict):  # e.g. TwoRobotPickCube-v1
-        env = FlattenActionSpaceWrapper(env)
     if video_dir:
         env = RecordEpisode(env, video_dir, save_trajectory=False, max_steps_per_video=args.resolved_horizon)
+    if backend == "physx_cpu":  # one env with numpy outputs, for a Gymnasium vector env
+        env = CPUGymWrapper(env)
+    if isinstance(env.unwrapped.single_action_space, gym.spaces.Dict):  # e.g. TwoRobotPickCube-v1 (one per robot)
+        env = FlattenActionSpaceWrapper(env)
     return env
 
 
@@ -292,21 +273,15 @@ class TerminationInInfo(gym.Wrapper):
 def make_single_env(args: Args, evaluation: bool, video_dir: Optional[str]):
     """One env with numpy outputs, for a Gymnasium vector env: a physx_cpu ManiSkill task or a Gymnasium env."""
     if args.resolved_sim_backend == "physx_cpu":
-        from mani_skill.utils.wrappers.gymnasium import CPUGymWrapper
-
-        return TerminationInInfo(CPUGymWrapper(make_maniskill_env(args, 1, "physx_cpu", evaluation, video_dir)))
-    return TerminationInInfo(gym.make(args.env_id, max_episode_steps=args.resolved_horizon))
+        return TerminationInInfo(make_maniskill_env(args, 1, "physx_cpu", evaluation, video_dir))
+    return TerminationInInfo(gym.wrappers.ClipAction(gym.make(args.env_id, max_episode_steps=args.resolved_horizon)))
 
 
 class PartialResetVecEnv(gym.vector.VectorEnv):
-    """A batched env without autoreset (ManiSkill on the GPU, or a Gymnasium vector env with autoreset disabled)
-    as a same-step autoreset vector env of torch tensors on `device`, that decides who resets.
-
-    Every truncated env (its horizon H ended) resets, and every terminated env if `reset_on_termination` (an
-    immediate partial reset). Otherwise a terminated env keeps running until its time limit: that is how it waits
-    for its group's reset gate (Sec. 3.3), and how evaluation runs without partial resets (Table 3).
-    info["final_obs"] is the true last observation where info["_final_obs"]; info["success"] the step's success.
-    """
+    """A batched env without autoreset (ManiSkill on the GPU, or a Gymnasium vector env) as a same-step autoreset
+    vector env of torch tensors that decides who resets: every truncated env, and every terminated one if
+    `reset_on_termination` (immediate partial resets). Otherwise a terminated env runs on to its time limit: so it
+    waits for its group's reset gate (Sec. 3.3), and evaluation runs without partial resets (Table 3)."""
 
     metadata = {"autoreset_mode": gym.vector.AutoresetMode.SAME_STEP}
 
@@ -316,10 +291,12 @@ class PartialResetVecEnv(gym.vector.VectorEnv):
         self.batched_maniskill = not isinstance(env, gym.vector.VectorEnv)  # physx_cuda: resets by env_idx
         source = env.unwrapped if self.batched_maniskill else env
         self.single_observation_space = source.single_observation_space
-        self.single_action_space = source.single_action_space
+        self.single_action_space = getattr(env, "single_action_space", None) or source.single_action_space  # flattened
+        self.action_space = gym.vector.utils.batch_space(self.single_action_space, num_envs)
 
     def tensor(self, x, dtype) -> torch.Tensor:
-        return torch.as_tensor(x if torch.is_tensor(x) else np.asarray(x), device=self.device, dtype=dtype)
+        return torch.as_tensor(x if torch.is_tensor(x) else np.asarray(x), device=self.device, dtype=dtype).reshape(
+            self.num_envs, -1).squeeze(-1)
 
     def reset(self, *, seed=None, options=None):
         mask = None if options is None else options.get("reset_mask")
@@ -329,16 +306,15 @@ class PartialResetVecEnv(gym.vector.VectorEnv):
             obs, _ = self.env.reset(options={"env_idx": mask.nonzero()[:, 0].to(self.env.unwrapped.device)})
         else:
             obs, _ = self.env.reset(options={"reset_mask": mask.cpu().numpy()})
-        return self.tensor(obs, torch.float32), {}
+        return torch.as_tensor(obs, device=self.device, dtype=torch.float32), {}
 
     def step(self, actions: torch.Tensor):
         obs, reward, terminated, truncated, info = self.env.step(
             actions if self.batched_maniskill else actions.cpu().numpy())
-        obs = self.tensor(obs, torch.float32)
-        reward = self.tensor(reward, torch.float32).reshape(self.num_envs)
-        terminated = self.tensor(terminated if self.batched_maniskill else info["terminated"], torch.bool).reshape(-1)
-        truncated = self.tensor(truncated, torch.bool).reshape(self.num_envs)
-        success = self.tensor(info.get("success", np.zeros(self.num_envs)), torch.bool).reshape(self.num_envs)
+        obs = torch.as_tensor(obs, device=self.device, dtype=torch.float32)
+        reward, truncated = self.tensor(reward, torch.float32), self.tensor(truncated, torch.bool)
+        terminated = self.tensor(terminated if self.batched_maniskill else info["terminated"], torch.bool)
+        success = self.tensor(info.get("success", np.zeros(self.num_envs)), torch.bool)
         reset_now = truncated | (terminated & self.reset_on_termination)
         final_obs = obs
         if bool(reset_now.any()):
@@ -369,10 +345,6 @@ def make_env(args: Args, num_envs: int, device: torch.device, evaluation: bool, 
     return PartialResetVecEnv(env, num_envs, device, (not evaluation) and args.partial_reset_mode == "immediate")
 
 
-def is_next_step(envs) -> bool:
-    return envs.metadata.get("autoreset_mode") == gym.vector.AutoresetMode.NEXT_STEP
-
-
 # ---- Pure functions the algorithm relies on (tested in tests/test_ppo_staggered.py) ----------------------------------
 def stagger_groups(num_envs: int, num_groups: int, device=None) -> torch.Tensor:
     """Group index j in [0, N_B) of every env: N_B contiguous groups of (nearly) equal size (Sec. 3.3)."""
@@ -388,18 +360,11 @@ def stagger_start_steps(num_groups: int, stagger_step: int) -> list[int]:
 
 def reset_bookkeeping(stale, waiting, terminated, truncated, final_mask, episode_step,
                       next_step_mode: bool, gate_mode: bool):
-    """Which transitions are trained on, and who waits, after one vector step (Sec. 3.3; autoreset_modes.txt).
-
-    Inputs are (N,) tensors about step t:
-      stale:       next-step mode: the env's previous step ended an episode, so step t only resets it
-      waiting:     gate mode: the env terminated earlier and waits for its group's reset gate
-      terminated, truncated: the flags step t returned
-      final_mask:  same-step mode: the env was reset inside step t (info["_final_obs"])
-      episode_step: steps taken in the env's current episode when obs_t was observed
-    Returns (valid, episode_end, stale_next, waiting_next, episode_step_next): whether transition t is trained on,
-    whether it ends an episode, and the state for step t + 1. A waiting env is not reset by the env; its time limit
-    ends its group's horizon, and that truncation resets it together with its group: the reset gate.
-    """
+    """Which transitions are trained on, and who waits, after one vector step t (Sec. 3.3; autoreset_modes.txt).
+    (N,) inputs: stale (next-step mode: step t only resets the env), waiting (gate mode: terminated earlier, waits
+    for its group's reset gate, which is its time limit), the flags of step t, final_mask (same-step: reset inside
+    step t) and episode_step (steps into the episode at obs_t). Returns whether transition t is trained on and
+    ends an episode, and the stale, waiting and episode_step of step t + 1."""
     valid = ~stale & ~waiting
     done = terminated | truncated
     reset_now = stale if next_step_mode else final_mask
@@ -410,10 +375,8 @@ def reset_bookkeeping(stale, waiting, terminated, truncated, final_mask, episode
 
 
 def compute_gae(rewards, values, next_values, no_bootstrap, dones, gamma: float, gae_lambda: float):
-    """Generalized advantage estimation over a (K, N) rollout.
-
-    next_values[t] is V of the true next state of transition t (V(final obs) where the env reset inside step t);
-    no_bootstrap[t] marks the episode ends that bootstrap 0 (terminations under --bootstrap-at-done truncated).
+    """Generalized advantage estimation over a (K, N) rollout. next_values[t] is V of the true next state of step t
+    (V(final obs) where the env reset in it); no_bootstrap[t] marks the ends that bootstrap 0 (--bootstrap-at-done).
     delta_t = r_t + gamma * (1 - no_bootstrap_t) * next_values_t - V(s_t)
     A_t     = delta_t + gamma * lambda * (1 - done_t) * A_{t+1}         (nothing flows across an episode end)
     Returns (advantages, returns = advantages + values).
@@ -433,15 +396,15 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 
 def batch_temporal_stats(episode_steps: torch.Tensor, valid: torch.Tensor, horizon: int, window: int) -> dict:
-    """How temporally diverse a batch is (Sec. 3.2, Fig. 1): the episode steps of its trained-on transitions, and the
-    fraction of the horizon's ceil(H / window) windows of `window` steps that hold any of them (stage_coverage)."""
+    """How much of the horizon a batch covers (Sec. 3.2, Fig. 1): the share of its ceil(H / window) windows of
+    `window` steps that hold trained-on transitions (stage_coverage), and their min and max episode step."""
     steps = episode_steps[valid]
     if steps.numel() == 0:
         return {}
     num_windows = math.ceil(horizon / window)
     counts = torch.bincount((steps // window).clamp(max=num_windows - 1), minlength=num_windows)
-    return {"episode_step_mean": steps.float().mean().item(), "episode_step_min": steps.min().item(),
-            "episode_step_max": steps.max().item(), "stage_coverage": (counts > 0).float().mean().item()}
+    return {"episode_step_min": steps.min().item(), "episode_step_max": steps.max().item(),
+            "stage_coverage": (counts > 0).float().mean().item()}
 
 
 def forgetting_matrix(accuracy: np.ndarray) -> np.ndarray:
@@ -450,13 +413,21 @@ def forgetting_matrix(accuracy: np.ndarray) -> np.ndarray:
 
 
 class RunningMeanStd:
-    """Running mean and variance of observations (Table 3: "Observation Normalization: running mean & std"), by the
-    parallel-variance update of Chan et al.; normalized observations are clipped to [-10, 10]."""
+    """Table 3's observation normalization (running mean & std, Chan et al.'s parallel update), clipped to +-10."""
 
-    def __init__(self, shape, device):
+    def __init__(self, shape, device, enabled: bool = True):
         self.mean = torch.zeros(shape, device=device)
         self.var = torch.ones(shape, device=device)
         self.count = torch.tensor(1e-4, device=device)
+        self.enabled = enabled  # off for ToyChain, whose block index is embedded
+
+    def __call__(self, x: torch.Tensor, update: bool = False) -> torch.Tensor:
+        """Observations as the agent sees them; `update` the statistics with them during collection."""
+        if not self.enabled:
+            return x
+        if update:
+            self.update(x)
+        return ((x - self.mean) / torch.sqrt(self.var + 1e-8)).clamp(-10.0, 10.0)
 
     def update(self, x: torch.Tensor) -> None:
         batch_mean, batch_var, n = x.mean(0), x.var(0, unbiased=False), x.shape[0]
@@ -464,9 +435,6 @@ class RunningMeanStd:
         self.mean = self.mean + delta * n / total
         self.var = (self.var * self.count + batch_var * n + delta.square() * self.count * n / total) / total
         self.count = total
-
-    def normalize(self, x: torch.Tensor) -> torch.Tensor:
-        return ((x - self.mean) / torch.sqrt(self.var + 1e-8)).clamp(-10.0, 10.0)
 
 
 # ---- Networks --------------------------------------------------------------------------------------------------------
@@ -486,10 +454,7 @@ def mlp(sizes: list[int], activation: type[nn.Module], out_std: float) -> nn.Seq
 
 class ChainAgent(nn.Module):
     """Table 2: block index -> 64-d embedding -> 4 x 256 ReLU -> categorical policy / scalar value (separate nets).
-
-    The observation is one of B block indices, so each forward pass evaluates the networks once per block and
-    gathers the rows of the batch: exactly the same outputs and gradients, at a cost of B rows instead of N*K.
-    """
+    The networks run once per block and the batch gathers its rows: the same outputs and gradients, B rows of work."""
 
     def __init__(self, num_blocks: int, num_actions: int):
         super().__init__()
@@ -556,24 +521,19 @@ def evaluate(agent, eval_envs, normalize, horizon: int, seed: int) -> dict:
     """One H-step episode of every eval env with the deterministic policy and no partial resets (Table 3 and
     ManiSkill's protocol: a success does not end an evaluation episode). Means over the eval envs."""
     obs, _ = eval_envs.reset(seed=seed)
-    ret, success_once = 0.0, False
+    ret, success_once = 0.0, False  # (the next-step ToyChain's first reset step comes only after H steps)
     for _ in range(horizon):
-        action = agent.deterministic_action(normalize(obs))
-        if isinstance(eval_envs.single_action_space, gym.spaces.Box):
-            space = eval_envs.single_action_space
-            action = action.clamp(torch.as_tensor(space.low, device=obs.device),
-                                  torch.as_tensor(space.high, device=obs.device))
-        obs, reward, terminated, truncated, info = eval_envs.step(action)
+        obs, reward, terminated, truncated, info = eval_envs.step(agent.deterministic_action(normalize(obs)))
         ret, success_once = ret + reward, success_once | info["success"]
     return {"return": ret.mean().item(), "success_once": success_once.float().mean().item(),
             "success_at_end": info["success"].float().mean().item(), "episode_len": horizon}
 
 
-def save_checkpoint(path: Path, agent, optimizer, obs_rms, global_step: int, env_id: str) -> None:
+def save_checkpoint(path: Path, agent, optimizer, obs_rms: RunningMeanStd, global_step: int) -> None:
     """Model, optimizer, observation normalizer and global step: enough to resume or to evaluate. Written to a
     temporary file and renamed, so an interrupted save never leaves a half-written checkpoint."""
     state = {"agent": agent.state_dict(), "optimizer": optimizer.state_dict(), "global_step": global_step,
-             "obs_rms": None if obs_rms is None else [obs_rms.mean, obs_rms.var, obs_rms.count], "env_id": env_id}
+             "obs_rms": [obs_rms.mean, obs_rms.var, obs_rms.count]}
     tmp = path.with_name(path.name + ".tmp")
     try:
         torch.save(state, tmp)
@@ -614,25 +574,15 @@ def main(args: Args) -> dict:
                          video_dir=str(run_dir / "videos") if args.capture_video else None)
     agent = make_agent(eval_envs).to(device)
     optimizer = torch.optim.Adam(agent.parameters(), lr=args.learning_rate, eps=1e-5)  # Table 3: Adam, eps 1e-5
-    # Table 3: running mean & std normalization of (Box) observations; ToyChain's block index is embedded instead.
-    obs_rms = None if is_toy else RunningMeanStd(eval_envs.single_observation_space.shape, device)
+    observe = RunningMeanStd(eval_envs.single_observation_space.shape, device, enabled=not is_toy)  # Table 3
     global_step = 0
     if args.checkpoint:
         ckpt = torch.load(args.checkpoint, map_location=device, weights_only=True)
         agent.load_state_dict(ckpt["agent"])
         optimizer.load_state_dict(ckpt["optimizer"])
-        if obs_rms is not None:
-            obs_rms.mean, obs_rms.var, obs_rms.count = ckpt["obs_rms"]
+        observe.mean, observe.var, observe.count = ckpt["obs_rms"]
         global_step = ckpt["global_step"]
         print(f"resuming from {args.checkpoint} at global step {global_step}")
-
-    def observe(raw_obs: torch.Tensor, update: bool = False) -> torch.Tensor:
-        """Observations as the agent sees them (running normalization, Table 3; updated during collection)."""
-        if obs_rms is None:
-            return raw_obs
-        if update:
-            obs_rms.update(raw_obs)
-        return obs_rms.normalize(raw_obs)
 
     def run_evaluation(checkpoint_name: Optional[str]) -> None:
         eval_start = time.time()
@@ -641,7 +591,7 @@ def main(args: Args) -> dict:
         log("time/eval", time.time() - eval_start, global_step)
         print(f"global_step={global_step} " + " ".join(f"{k}={v:.3f}" for k, v in last.items() if "eval/" in k))
         if args.save_model and checkpoint_name:
-            save_checkpoint(run_dir / checkpoint_name, agent, optimizer, obs_rms, global_step, args.env_id)
+            save_checkpoint(run_dir / checkpoint_name, agent, optimizer, observe, global_step)
 
     summary: dict = {"run_dir": str(run_dir), "interrupted": False}
     start_time, start_step = time.time(), global_step
@@ -650,24 +600,16 @@ def main(args: Args) -> dict:
             run_evaluation(None)
             return summary
         act_space = envs.single_action_space
-        continuous = isinstance(act_space, gym.spaces.Box)
-        act_low, act_high = (torch.as_tensor(b, device=device) for b in (act_space.low, act_space.high)) \
-            if continuous else (None, None)
-
-        def clamp(action):
-            return action.clamp(act_low, act_high) if continuous else action
-
         # ---- rollout storage (K, N, ...) ---------------------------------------------------------------------------
         obs_buf = torch.zeros((K, N, *envs.single_observation_space.shape),
                               dtype=torch.long if is_toy else torch.float32, device=device)
-        actions_buf = torch.zeros((K, N, *act_space.shape), dtype=torch.float32 if continuous else torch.long,
-                                  device=device)
+        actions_buf = torch.zeros((K, N, *act_space.shape), dtype=torch.long if is_toy else torch.float32, device=device)
         logprobs_buf, rewards_buf, values_buf, final_values_buf = (torch.zeros((K, N), device=device) for _ in range(4))
         no_bootstrap_buf, dones_buf, valid_buf, final_mask_buf, correct_buf = (
             torch.zeros((K, N), dtype=torch.bool, device=device) for _ in range(5))
         episode_step_buf = torch.zeros((K, N), dtype=torch.long, device=device)
 
-        # ---- the policy step and the PPO minibatch gradient (eager; --compile / --cudagraphs wrap them) ------------
+        # ---- the policy step and the PPO minibatch gradient (eager; --cudagraphs wraps them) ------------
         def policy_step(obs):
             with torch.no_grad():
                 action, logprob, _, value = agent.get_action_and_value(obs)
@@ -696,8 +638,6 @@ def main(args: Args) -> dict:
             nn.utils.clip_grad_norm_(agent.parameters(), args.max_grad_norm)
             return torch.stack([pg_loss, v_loss, entropy_loss, old_approx_kl, approx_kl, clipfrac]).detach()
 
-        if args.compile:
-            policy_step, minibatch_grads = torch.compile(policy_step), torch.compile(minibatch_grads)
         if args.cudagraphs:
             from tensordict.nn import CudaGraphModule
 
@@ -706,7 +646,8 @@ def main(args: Args) -> dict:
         # ---- STAGGER: advance group j by j * S steps before training (App. B.1) --------------------------------------
         # All envs step together with random actions; group j starts its first episode (a partial
         # reset of the group) at advance step (N_B - 1 - j) * S. Nothing of the advance is trained on.
-        next_step_mode, gate_mode = is_next_step(envs), args.partial_reset_mode == "gate"
+        next_step_mode = envs.metadata["autoreset_mode"] == gym.vector.AutoresetMode.NEXT_STEP
+        gate_mode = args.partial_reset_mode == "gate"
         groups = stagger_groups(N, args.num_stagger_groups, device)
         starts = stagger_start_steps(args.num_stagger_groups, args.stagger_step)
         stale, waiting = torch.zeros(N, dtype=torch.bool, device=device), torch.zeros(N, dtype=torch.bool, device=device)
@@ -714,11 +655,7 @@ def main(args: Args) -> dict:
         raw_obs, _ = envs.reset(seed=args.seed + global_step)
         obs = observe(raw_obs, update=True)
         for t in range(starts[0]):
-            if continuous:
-                action = torch.rand((N, *act_space.shape), device=device) * (act_high - act_low) + act_low
-            else:
-                action = torch.randint(0, int(act_space.n), (N,), device=device)
-            raw_obs, _, terminated, truncated, info = envs.step(action)
+            raw_obs, _, terminated, truncated, info = envs.step(torch.as_tensor(envs.action_space.sample(), device=device))
             _, _, stale, waiting, episode_step = reset_bookkeeping(
                 stale, waiting, terminated, truncated, info.get("_final_obs", terminated & False), episode_step,
                 next_step_mode, gate_mode)
@@ -739,14 +676,16 @@ def main(args: Args) -> dict:
                 run_evaluation(f"ckpt_{global_step}.pt")
 
             # ---- rollout: K steps of every env -----------------------------------------------------------------------
-            rollout_start = time.time()
+            rollout_start, env_time = time.time(), 0.0
             final_mask_buf.zero_()
             ended = {key: torch.zeros((), device=device) for key in ("n", "return", "length", "success")}
             for step in range(K):
                 obs_buf[step], episode_step_buf[step] = obs, episode_step
                 action, logprobs_buf[step], values_buf[step] = policy_step(obs)
                 actions_buf[step] = action
-                raw_obs, reward, terminated, truncated, info = envs.step(clamp(action))
+                env_start = time.time()
+                raw_obs, reward, terminated, truncated, info = envs.step(action)
+                env_time += time.time() - env_start
                 rewards_buf[step], dones_buf[step] = reward, terminated | truncated
                 no_bootstrap_buf[step] = terminated & (args.bootstrap_at_done == "truncated")
                 final_mask = info.get("_final_obs", terminated & False)
@@ -810,25 +749,21 @@ def main(args: Args) -> dict:
                                                             b_valid).clamp(min=1e-8)
 
             # ---- logging ---------------------------------------------------------------------------------------------
-            stats = (stats / max(num_steps_taken, 1)).tolist()
-            for name, value in zip(("policy_loss", "value_loss", "entropy", "old_approx_kl", "approx_kl", "clipfrac"),
-                                   stats):
+            names = ("policy_loss", "value_loss", "entropy", "old_approx_kl", "approx_kl", "clipfrac", "explained_variance")
+            for name, value in zip(names, (stats / max(num_steps_taken, 1)).tolist() + [explained_var]):
                 log(f"losses/{name}", value, global_step)
-            log("losses/explained_variance", explained_var, global_step)
             log("charts/learning_rate", optimizer.param_groups[0]["lr"], global_step)
             log("charts/SPS", (global_step - start_step) / (time.time() - start_time), global_step)
             if ended["n"] > 0:
                 for key, name in (("return", "episodic_return"), ("length", "episodic_length"),
                                   ("success", "success_rate")):
                     log(f"charts/{name}", ended[key] / ended["n"], global_step)
-            log("stagger/value_mse", value_mse, global_step)
-            log("stagger/policy_kl", policy_kl, global_step)
-            log("stagger/valid_fraction", valid_buf.float().mean(), global_step)
-            for name, value in batch_temporal_stats(episode_step_buf, valid_buf, H, K).items():
+            stagger_stats = dict(value_mse=value_mse, policy_kl=policy_kl, valid_fraction=valid_buf.float().mean(),
+                                 **batch_temporal_stats(episode_step_buf, valid_buf, H, K))
+            for name, value in stagger_stats.items():
                 log(f"stagger/{name}", value, global_step)
-            writer.add_histogram("stagger/episode_step", episode_step_buf[valid_buf].float(), global_step)
-            log("time/rollout", rollout_time, global_step)
-            log("time/update", time.time() - update_start, global_step)
+            for name, value in (("rollout", rollout_time), ("env_step", env_time), ("update", time.time() - update_start)):
+                log(f"time/{name}", value, global_step)
             if is_toy:  # App. C / E: batch accuracy, block occupancy, per-block accuracy and forgetting
                 log("toy/accuracy", masked_mean(correct_buf.float(), valid_buf), global_step)
                 toy_occupancy.append(torch.bincount(obs_buf.flatten(), minlength=envs.num_blocks).cpu().numpy() / K)
@@ -846,7 +781,7 @@ def main(args: Args) -> dict:
         summary["interrupted"] = True
         print("interrupted: writing summary.json" + (" and final_ckpt.pt" if args.save_model else ""))
         if args.save_model:
-            save_checkpoint(run_dir / "final_ckpt.pt", agent, optimizer, obs_rms, global_step, args.env_id)
+            save_checkpoint(run_dir / "final_ckpt.pt", agent, optimizer, observe, global_step)
         raise
     finally:
         wall = time.time() - start_time

@@ -140,7 +140,7 @@ def main(options: Options):
         raw = raw_toy_sps(device, options.repeats)
         for stagger in (True, False):
             runs = [training_sps(ppo.Args(env_id="ToyChain-v0", cuda=device == "cuda", stagger=stagger, seed=seed,
-                                          total_timesteps=512 * 5 * 30, eval_freq=10**6, progress_bar=False,
+                                          total_timesteps=512 * 5 * 30, eval_freq=10**6,
                                           output_dir=tmp)) for seed in range(1, options.repeats + 1)]
             row = {"device": device, "stagger": stagger, "raw_env_sps": raw,
                    **{k: float(np.median([r[k] for r in runs])) for k in runs[0]}}
@@ -151,7 +151,7 @@ def main(options: Options):
         for n in options.maniskill_envs:
             raw = raw_maniskill_sps(n, options.repeats)
             run = training_sps(ppo.Args(env_id="StackCube-v1", cuda=False, num_envs=n, num_eval_envs=1,
-                                        total_timesteps=n * 8 * 25, eval_freq=10**6, progress_bar=False,
+                                        total_timesteps=n * 8 * 25, eval_freq=10**6,
                                         output_dir=tmp, num_minibatches=2))
             row = {"num_envs": n, "raw_env_sps": raw, **run, "overhead_x": raw / run["train_sps"]}
             results["maniskill"].append(row)

@@ -76,7 +76,7 @@ def first_crossing(series, threshold: float, start_time: float):
 
 def run_ours(extra: list[str], out_dir: str, name: str) -> str:
     cmd = [sys.executable, str(ROOT / "ppo_staggered.py"), "--env-id", "StackCube-v1", "--output-dir", out_dir,
-           "--exp-name", name, "--no-progress-bar", *extra]
+           "--exp-name", name, *extra]
     print("$", " ".join(cmd), flush=True)
     subprocess.run(cmd, check=True, cwd=ROOT)
     dirs = [d for d in Path(out_dir).glob(f"StackCube-v1__{name}__*") if d.is_dir()]

@@ -78,7 +78,7 @@ def run_one(job: dict) -> dict:
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     horizon, p_prog, lam, terminal = job["setting"]
-    args = ppo.Args(env_id="ToyChain-v0", seed=job["seed"], stagger=job["stagger"], cuda=False, progress_bar=False,
+    args = ppo.Args(env_id="ToyChain-v0", seed=job["seed"], stagger=job["stagger"], cuda=False,
                     output_dir=job["tmp"], eval_freq=50, num_eval_envs=256,
                     exp_name=f"H{horizon}_p{p_prog}_l{lam}{'_term' if terminal else ''}_"
                              f"{'stag' if job['stagger'] else 'naive'}",
