@@ -157,7 +157,7 @@ MANISKILL_COMMON = dict(num_minibatches=32, ent_coef=0.005, target_kl=0.1, total
                         eval_freq=25, num_eval_envs=128)
 # ManiSkill tasks without a Table 3 row: ManiSkill's own PPO baseline settings (H is the task's registered one).
 MANISKILL_OTHER = dict(num_steps=16, gamma=0.8, gae_lambda=0.9, num_envs=4096)
-# Without CUDA: a short trial on CPU simulation (one process per env), about 10 minutes on 2 cores.
+# Without CUDA: a short trial on CPU simulation (one process per env), about 3 minutes (StackCube) on 2 cores.
 MANISKILL_CPU_TRIAL = dict(num_envs=8, num_minibatches=4, num_eval_envs=2, total_timesteps=30_000, eval_freq=50)
 # Other Gymnasium envs with Box observations and actions (e.g. Pendulum-v1).
 GYM_DEFAULTS = dict(num_envs=16, num_steps=16, gamma=0.99, gae_lambda=0.95, num_minibatches=4, ent_coef=0.0,
@@ -188,7 +188,7 @@ def resolve_args(args: Args) -> Args:
         preset = {**MANISKILL_COMMON, **PRESETS.get(a.env_id, MANISKILL_OTHER)}
         if backend == "physx_cpu":
             print(f"note: no CUDA GPU, so {a.env_id} runs a short trial on CPU simulation (physx_cpu, one process "
-                  f"per env): {MANISKILL_CPU_TRIAL}, about 10 minutes on 2 cores. The paper's preset (Table 3) needs "
+                  f"per env): {MANISKILL_CPU_TRIAL}, a few minutes on 2 cores. The paper's preset (Table 3) needs "
                   f"a CUDA GPU: {preset['num_envs']} envs, {preset['total_timesteps']:.0e} steps. Flags override it.")
             preset.update(MANISKILL_CPU_TRIAL)
     for name, value in preset.items():

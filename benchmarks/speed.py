@@ -109,8 +109,8 @@ def raw_toy_sps(device: str, repeats: int) -> float:
 
 
 def raw_maniskill_sps(num_envs: int, repeats: int) -> float:
-    envs = ppo.ManiSkillVecEnv("StackCube-v1", num_envs, 100, "physx_cpu", torch.device("cpu"),
-                               reset_on_termination=False)
+    args = ppo.resolve_args(ppo.Args(env_id="StackCube-v1", cuda=False, num_envs=num_envs, num_minibatches=1))
+    envs = ppo.make_env(args, num_envs, torch.device("cpu"), evaluation=False)  # as the training run builds it
     try:
         envs.reset(seed=0)
         low, high = (torch.as_tensor(x) for x in (envs.single_action_space.low, envs.single_action_space.high))
