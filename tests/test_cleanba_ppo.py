@@ -169,16 +169,17 @@ def distinct_params(args, seed, script=cp):
     return agent.state_dict()
 
 
-def test_the_actor_acts_with_the_params_it_receives():
-    """Rollout k's stored log-probabilities and values are those of the params put on the params queue before it,
-    neither those of the network the actor was built from nor of the previous params."""
-    args = cp.resolve_args(cp.Args(env_id="ToyChain-v0", local_num_envs=4, num_steps=6, num_actor_threads=1,
-                                   num_minibatches=1, total_timesteps=72, cuda=False))
+def check_the_actor_acts_with_the_params_it_receives(script):
+    """Shared with test_cleanba_impala.py. Rollout k's stored log-probabilities (and values, where the actor stores
+    them) are those of the params put on the params queue before it, neither those of the network the actor was built
+    from nor of the previous params."""
+    args = script.resolve_args(script.Args(env_id="ToyChain-v0", local_num_envs=4, num_steps=6, num_actor_threads=1,
+                                           num_minibatches=1, total_timesteps=72, cuda=False, concurrency=False))
     assert args.num_updates == 3
-    template = cp.Agent(args)
-    params = [distinct_params(args, seed) for seed in (1, 2, 3)]
-    actor = cp.ActorThread(args, 0, torch.device("cpu"), rank=0, start_update=1, template=template,
-                           stop=threading.Event())
+    template = script.Agent(args)
+    params = [distinct_params(args, seed, script) for seed in (1, 2, 3)]
+    actor = script.ActorThread(args, 0, torch.device("cpu"), rank=0, start_update=1, template=template,
+                               stop=threading.Event())
     actor.start()
     rollouts = []
     for version, state in enumerate(params, start=1):
@@ -189,15 +190,19 @@ def test_the_actor_acts_with_the_params_it_receives():
     for version, (rollout, state) in enumerate(zip(rollouts, params), start=1):
         assert rollout["policy_version"] == version
         for other in params + [template.state_dict()]:
-            agent = cp.Agent(args)
+            agent = script.Agent(args)
             agent.load_state_dict(other)
             with torch.no_grad():
                 logits, values = agent(rollout["obs"].flatten())
             logprobs = torch.log_softmax(logits, -1).gather(-1, rollout["actions"].flatten()[:, None])[:, 0]
             same = torch.allclose(logprobs, rollout["logprobs"].flatten(), atol=1e-6)
             assert same == (other is state), (version, same)
-            if same:
+            if same and "values" in rollout:
                 torch.testing.assert_close(values, rollout["values"].flatten())
+
+
+def test_the_actor_acts_with_the_params_it_receives():
+    check_the_actor_acts_with_the_params_it_receives(cp)
 
 
 def free_port():
@@ -228,6 +233,10 @@ def learner_step(rank, world_size, port, out_dir):
     data = {key: value[share] for key, value in minibatch(args).items()}
     stats = learner.minibatch_step(data["obs"], data["actions"], data["old_logprobs"], data["advantages"],
                                    data["returns"], data["valid"])
+    save_step(learner, stats, out_dir, world_size, rank)
+
+
+def save_step(learner, stats, out_dir, world_size, rank):
     torch.save({"params": [p.detach() for p in learner.agent.parameters()],
                 "grads": [p.grad for p in learner.agent.parameters()], "stats": stats},
                os.path.join(out_dir, f"{world_size}_{rank}.pt"))
@@ -235,8 +244,8 @@ def learner_step(rank, world_size, port, out_dir):
         torch.distributed.destroy_process_group()
 
 
-def test_two_gloo_learners_on_the_halves_make_the_step_of_one_learner_on_the_whole_minibatch(tmp_path):
-    """App. A: the gradients of the learners are summed, so the step does not depend on how the minibatch is split."""
+def check_one_and_two_learners_make_the_same_step(tmp_path, learner_step):
+    """Shared with test_cleanba_impala.py: learner_step(rank, world_size, port, out_dir) saved with save_step."""
     learner_step(0, 1, 0, str(tmp_path))
     mp.spawn(learner_step, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
     one = torch.load(tmp_path / "1_0.pt")
@@ -245,6 +254,11 @@ def test_two_gloo_learners_on_the_halves_make_the_step_of_one_learner_on_the_who
         torch.testing.assert_close(two["grads"], one["grads"], rtol=1e-5, atol=1e-7)
         torch.testing.assert_close(two["params"], one["params"], rtol=1e-5, atol=1e-7)
         torch.testing.assert_close(two["stats"], one["stats"], rtol=1e-5, atol=1e-7)
+
+
+def test_two_gloo_learners_on_the_halves_make_the_step_of_one_learner_on_the_whole_minibatch(tmp_path):
+    """App. A: the gradients of the learners are summed, so the step does not depend on how the minibatch is split."""
+    check_one_and_two_learners_make_the_same_step(tmp_path, learner_step)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -367,9 +381,10 @@ def test_bad_flag_exits_early_with_a_message_and_writes_nothing(tmp_path):
     assert os.listdir(tmp_path) == []
 
 
-def test_a_failing_actor_ends_the_run_with_its_error(tmp_path, monkeypatch):
+def check_a_failing_actor_ends_the_run_with_its_error(tmp_path, monkeypatch, script, **kwargs):
+    """Shared with test_cleanba_impala.py: the 31st env step raises; main() must raise that error and write summary.json."""
     calls = {"n": 0}
-    real_recv = cp.ToyChainPool.recv
+    real_recv = script.ToyChainPool.recv
 
     def failing_recv(self):
         calls["n"] += 1
@@ -377,24 +392,29 @@ def test_a_failing_actor_ends_the_run_with_its_error(tmp_path, monkeypatch):
             raise RuntimeError("simulated env crash")
         return real_recv(self)
 
-    monkeypatch.setattr(cp.ToyChainPool, "recv", failing_recv)
-    args = cp.Args(env_id="ToyChain-v0", output_dir=str(tmp_path), local_num_envs=4, num_steps=5,
-                   total_timesteps=10_000, num_actor_threads=1, num_eval_episodes=0, cuda=False)
+    monkeypatch.setattr(script.ToyChainPool, "recv", failing_recv)
+    args = script.Args(env_id="ToyChain-v0", output_dir=str(tmp_path), local_num_envs=4, num_steps=5,
+                       total_timesteps=10_000, num_actor_threads=1, num_eval_episodes=0, cuda=False, **kwargs)
     try:
         with pytest.raises(RuntimeError, match="simulated env crash"):
-            cp.main(args)
+            script.main(args)
     finally:
         torch.use_deterministic_algorithms(False)
     assert json.load(open(os.path.join(only_run_dir(tmp_path), "summary.json")))["update"] >= 1
 
 
-def test_ctrl_c_writes_the_summary_and_a_checkpoint(tmp_path):
-    # A background job ignores SIGINT and its children inherit that, so the child restores Python's handler itself.
+def test_a_failing_actor_ends_the_run_with_its_error(tmp_path, monkeypatch):
+    check_a_failing_actor_ends_the_run_with_its_error(tmp_path, monkeypatch, cp)
+
+
+def check_ctrl_c_writes_the_summary_and_a_checkpoint(tmp_path, script_path, toy_args):
+    """Shared with test_cleanba_impala.py. A background job ignores SIGINT and its children inherit that, so the child
+    restores Python's handler itself."""
     launcher = ("import runpy, signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
                 "sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')")
-    proc = subprocess.Popen([sys.executable, "-c", launcher, SCRIPT, "--output-dir", str(tmp_path), "--save-model",
-                             "--no-cuda", "--checkpoint-freq", "5", *TOY, "--total-timesteps", str(10**8)], cwd=ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    proc = subprocess.Popen([sys.executable, "-c", launcher, script_path, "--output-dir", str(tmp_path), "--save-model",
+                             "--no-cuda", "--checkpoint-freq", "5", *toy_args, "--total-timesteps", str(10**8)],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         deadline = time.time() + 120
         while time.time() < deadline and not glob.glob(os.path.join(str(tmp_path), "*", "ckpt_*.pt")):
@@ -412,3 +432,7 @@ def test_ctrl_c_writes_the_summary_and_a_checkpoint(tmp_path):
     ckpt = torch.load(os.path.join(run_dir, "final_ckpt.pt"), weights_only=True)
     assert ckpt["global_step"] == summary["global_step"] and ckpt["update"] == summary["update"]
     assert not glob.glob(os.path.join(run_dir, "*.tmp"))
+
+
+def test_ctrl_c_writes_the_summary_and_a_checkpoint(tmp_path):
+    check_ctrl_c_writes_the_summary_and_a_checkpoint(tmp_path, SCRIPT, TOY)
