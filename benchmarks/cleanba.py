@@ -2,8 +2,8 @@
 the scripts (subprocesses), with the paper's numbers beside ours.
 
   throughput       Breakout-v5: steps/s of Cleanba's architecture (concurrent actor and learner) vs the synchronous
-                   one (--no-concurrency), for both scripts, with the timing breakdown that shows which side is the
-                   bottleneck (Sec. 4.2: actor env send/recv, inference, storage; learner update; queue waits).
+                   one (--no-concurrency), for both scripts, with the Sec. 4.2 queue waits that show which side is
+                   the bottleneck (learner waiting on the rollout queue, actors waiting on the params queue).
                    Steady-state SPS = steps between the 3rd and the last update / their wall time; medians of repeats.
   reproducibility  Sec. 3-4: learning curves of runs that differ only in hardware speed or layout:
                    (a) --debug-learner-delay 0 vs a slow learner: must be one curve (bit-identical numbers);
@@ -66,13 +66,12 @@ class Options:
 def throughput_settings(algo: str, device: str, updates: int) -> list[str]:
     if device == "cuda":  # Table 2 / Table 3: 128 envs (2 actor threads x 64), 128 or 20 steps, actor and learner on GPU 0
         envs, steps = 128, (128 if algo == "ppo" else 20)
-        extra = ["--actor-device-ids", "0", "--learner-device-ids", "0"]
+        extra = ["--actor-device-ids", "0"]
     else:  # small enough for 2 CPU cores: the IMPALA ResNet costs ~0.1 GFLOP per frame and pass
         envs, steps = (8, 16) if algo == "ppo" else (16, 20)
         extra = ["--no-cuda"]
     return ["--env-id", "Breakout-v5", "--local-num-envs", str(envs), "--num-steps", str(steps),
-            "--num-actor-threads", "2", "--total-timesteps", str(envs * steps * updates), "--num-eval-episodes", "0",
-            "--no-progress-bar", *extra]
+            "--num-actor-threads", "2", "--total-timesteps", str(envs * steps * updates), "--num-eval-episodes", "0", *extra]
 
 
 def run(script: Path, args: list[str], out: Path) -> tuple[dict, list[dict], float]:
@@ -88,12 +87,14 @@ def run(script: Path, args: list[str], out: Path) -> tuple[dict, list[dict], flo
 
 
 def steady_sps(rows: list[dict], skip: int = 2) -> float:
+    """charts/SPS is global_step / seconds since training started, so the elapsed time of a row is their ratio."""
     a, b = rows[skip - 1], rows[-1]
-    return (b["global_step"] - a["global_step"]) / (b["time"]["elapsed"] - a["time"]["elapsed"])
+    elapsed = [row["global_step"] / row["charts/SPS"] for row in (a, b)]
+    return (b["global_step"] - a["global_step"]) / (elapsed[1] - elapsed[0])
 
 
-TIMING_KEYS = ("rollout", "env_send", "env_recv", "inference", "storage", "params_queue_get", "rollout_queue_put",
-               "rollout_queue_get", "update")
+# the Sec. 4.2 timers the scripts log: the learner waiting for data, the actors waiting for params
+TIMING_KEYS = ("cleanba/rollout_queue_get_time", "cleanba/params_queue_get_time")
 
 
 def throughput(opts: Options) -> dict:
@@ -110,7 +111,7 @@ def throughput(opts: Options) -> dict:
                 key = f"{algo}/{mode}"
                 sps.setdefault(key, []).append(steady_sps(rows))
                 timings.setdefault(key, []).append(
-                    {k: float(np.median([row["time"][k] for row in rows[2:]])) for k in TIMING_KEYS})
+                    {k: float(np.median([row[k] for row in rows[2:]])) for k in TIMING_KEYS})
                 print(f"[throughput] {key} repeat {r + 1}: {sps[key][-1]:.1f} SPS ({wall:.0f} s)", flush=True)
     results: dict = {}
     for key in sps:
@@ -129,21 +130,19 @@ def throughput(opts: Options) -> dict:
 
 
 def curve(rows: list[dict]) -> tuple[list[int], list[float]]:
-    pts = [(r["global_step"], r["episodic_return"]) for r in rows if "episodic_return" in r]
+    pts = [(r["global_step"], r["charts/episodic_return"]) for r in rows if "charts/episodic_return" in r]
     return [p[0] for p in pts], [p[1] for p in pts]
 
 
 def deterministic_part(rows: list[dict]) -> list[dict]:
-    return [{k: v for k, v in r.items() if k != "time"} for r in rows]
+    return [{k: v for k, v in r.items() if k not in TIMING_KEYS + ("charts/SPS",)} for r in rows]
 
 
 def reproducibility(opts: Options) -> dict:
     toy = ["--env-id", "ToyChain-v0", "--toy.horizon", "50", "--toy.progression-prob", "0.3", "--local-num-envs",
-           "32", "--num-steps", "10", "--total-timesteps", "64000", "--num-eval-episodes", "0", "--no-progress-bar",
-           "--no-cuda"]
+           "32", "--num-steps", "10", "--total-timesteps", "64000", "--num-eval-episodes", "0", "--no-cuda"]
     breakout = ["--env-id", "Breakout-v5", "--local-num-envs", "8", "--num-steps", "16", "--total-timesteps", "1280",
-                "--max-episode-steps", "100", "--num-minibatches", "2", "--num-eval-episodes", "0",
-                "--no-progress-bar", "--no-cuda"]
+                "--max-episode-steps", "100", "--num-minibatches", "2", "--num-eval-episodes", "0", "--no-cuda"]
     out: dict = {}
     for algo in ("ppo", "impala"):
         runs = {}
@@ -166,7 +165,7 @@ def reproducibility(opts: Options) -> dict:
             return deterministic_part(runs[a]["rows"]) == deterministic_part(runs[b]["rows"])
 
         def max_rel_loss_diff(a, b):
-            keys = ("policy_loss", "value_loss", "entropy")
+            keys = ("losses/policy_loss", "losses/value_loss", "losses/entropy")
             return max(abs(x[k] - y[k]) / max(abs(x[k]), 1e-12) for x, y in zip(runs[a]["rows"], runs[b]["rows"])
                        for k in keys)
 
@@ -176,7 +175,7 @@ def reproducibility(opts: Options) -> dict:
         out[algo] = {
             "curves": {name: curve(r["rows"]) for name, r in runs.items()},
             "value_loss_curves": {name: ([row["global_step"] for row in r["rows"]],
-                                         [row["value_loss"] for row in r["rows"]]) for name, r in runs.items()},
+                                         [row["losses/value_loss"] for row in r["rows"]]) for name, r in runs.items()},
             "wall_s": {name: r["wall_s"] for name, r in runs.items()},
             "delay_identical": same("toy delay 0", "toy delay 0.05 s"),
             "breakout_threads": {f"1 vs {n}": {"identical": same("breakout 1 thread", f"breakout {n}"),
@@ -219,17 +218,17 @@ def plot(results: dict, output: Path) -> None:
         plt.close(fig)
     if "throughput" in results:
         tp = results["throughput"]
-        keys = ("env_send", "env_recv", "inference", "storage", "params_queue_get", "update", "rollout_queue_get")
+        keys = TIMING_KEYS
         fig, ax = plt.subplots(figsize=(10, 4))
         labels = [f"{a}\n{m}" for a in ("ppo", "impala") for m in ("concurrent", "synchronous")]
         x = np.arange(len(labels))
-        width = 0.12
+        width = 0.3
         for j, k in enumerate(keys):
             vals = [tp[f"{a}/{m}"]["timing_median_s"][k] for a in ("ppo", "impala") for m in ("concurrent", "synchronous")]
             ax.bar(x + (j - len(keys) / 2) * width, vals, width, label=k)
         ax.set_xticks(x, labels)
         ax.set_ylabel("seconds per update (median)")
-        ax.set_title("Breakout-v5 timing breakdown (actor: send/recv/inference/storage; learner: update; queue waits)")
+        ax.set_title("Breakout-v5: seconds per update waiting on each queue (Sec. 4.2)")
         ax.legend(fontsize=8, ncol=4)
         fig.tight_layout()
         fig.savefig(output / "cleanba_breakdown.png", dpi=90)
@@ -259,7 +258,7 @@ def write_markdown(results: dict, output: Path, opts: Options, minutes: float) -
                              f"~{paper_sps:,} |")
         lines += ["", "Paper ratios: PPO concurrent / sync 29k / 22.7k = 1.28x (8 A100); IMPALA 38k / 24k = 1.58x "
                   "(8 A100). 1 A100 + 10 CPU: IMPALA ~6.1k, PPO (sync) ~3.9k SPS.", "",
-                  "Timing breakdown, seconds per update (medians; actor times are per actor thread and rollout):", "",
+                  "Queue waits, seconds per update (medians; params_queue_get is per actor thread and rollout):", "",
                   "| script | architecture | " + " | ".join(TIMING_KEYS) + " |",
                   "|---|---|" + "---|" * len(TIMING_KEYS)]
         for a in ("ppo", "impala"):
