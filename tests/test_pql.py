@@ -522,14 +522,22 @@ def test_v_learner_finds_the_closed_form_q_of_a_fixed_policy(tmp_path, episode_e
 
 
 @pytest.mark.parametrize("mode", ["parallel", "ddpg_n"])
-def test_learning_on_the_deterministic_chain(tmp_path, mode):
-    """The 10-block deterministic chain (the reward of block t is 0.5 at its target action, about 0.27 for the
-    untrained policy): PQL and DDPG(n) both reach an eval return near 5 within 200 Actor steps of 16 envs."""
-    args = CHAIN + ["--toy.horizon", "10", "--total-timesteps", str(16 * 200), "--eval-freq", "25"]
+def test_learning_on_the_deterministic_chain_with_the_q_of_the_learned_policy(tmp_path, mode):
+    """The 10-block deterministic chain, gamma 0.8, 1-step targets (n-step returns of exploratory actions would bias
+    Q below the Q of the deterministic policy): the eval return rises from that of the untrained policy (2.05-2.56
+    for seeds 1-5, of at most 5) to 4.77-4.85 after 200 Actor steps of 16 envs, and the critic's Q of the final
+    policy is within 30% of its closed form (measured 14-19% below it, seeds 1-5, both modes: the critic smooths the
+    peak of the reward around the target action). Without the network syncs this fails: an Actor that never gets
+    the P-learner's policy does not improve; a P-learner that never gets the critics climbs a random Q (returns
+    below 0); a V-learner whose target policy stays the initial one learns the Q of that policy (50% below)."""
+    args = CHAIN + ["--toy.horizon", "10", "--total-timesteps", str(16 * 200), "--eval-freq", "25", "--nstep", "1",
+                    "--gamma", "0.8"]
     run_script(args + (["--ddpg-n"] if mode == "ddpg_n" else []), tmp_path)
     run_dir = only_run_dir(tmp_path)
     returns = [v for _, v in scalars(run_dir)["eval/return"]]
-    assert returns[0] < 3.2 and returns[-1] >= 4.0, returns
+    assert returns[0] < 3.0 and returns[-1] >= 4.5, returns
+    learned, true = learned_and_true_q(run_dir, 0.8, bootstrap_last=True)
+    assert np.abs(learned - true).max() <= 0.3 * np.abs(true).max(), (learned, true)
 
 
 def test_maniskill_cpu_simulation_smoke(tmp_path):
