@@ -36,7 +36,8 @@ discount comes from --gamma (the original hard-codes 0.99); episode ends follow 
 time limit bootstraps Q'(true final observation) and a termination bootstraps 0; always: both bootstrap, ManiSkill's
 default, whose successes terminate with positive reward); the original treats time-outs as terminal. Autoreset
 (autoreset_modes.txt): same-step only, as ManiSkill; the true last observation is info["final_obs"].
-Evaluation runs in the Actor: while it runs, the learners wait (time/eval_frac says how much of the run that is).
+Evaluation runs in the Actor: while it runs, the learners soon run out of updates and wait (time/eval_frac and
+summary.json's eval_time_s say how much of the run that is).
 
 Examples
   python pql.py --env-id ToyChainContinuous-v0                     # toy chain on the CPU, about a minute
@@ -112,8 +113,6 @@ class Args:
     """parallel evaluation envs (default: 16 GPU simulation, 2 CPU simulation, 64 toy chain)"""
     horizon: Optional[int] = None
     """ManiSkill episode length H (default: the task's max_episode_steps); ToyChain: --toy.horizon"""
-    control_mode: Optional[str] = None
-    """ManiSkill controller (default: the task's default)"""
     toy: ToyChainContinuousConfig = field(default_factory=lambda: ToyChainContinuousConfig(autoreset_mode="same_step"))
     """ToyChainContinuous-v0 settings (same-step autoreset, as ManiSkill)"""
     bootstrap_at_done: Optional[Literal["always", "truncated"]] = None
@@ -134,8 +133,6 @@ class Args:
     """beta_a:v = f_a / f_v, Actor steps (of all N envs) per V-learner update (Sec. 3.2; default 1:8)"""
     beta_p_v: float = 1 / 2
     """beta_p:v = f_p / f_v, P-learner updates per V-learner update (Sec. 3.2; default 1:2)"""
-    num_threads: Optional[int] = None
-    """torch CPU threads per process (default: the cores split among the three processes)"""
 
     total_timesteps: Optional[int] = None
     """training env steps, warm-up included (default: 30M GPU simulation, 200k CPU simulation, 64 * 600 toy chain)"""
@@ -295,8 +292,7 @@ def resolve_args(args: Args) -> Args:
 # =====================================================================================================================
 # Environments (same-step autoreset: the true last observation is info["final_obs"])
 # =====================================================================================================================
-def make_maniskill_env(env_id: str, num_envs: int, backend: str, horizon: int, control_mode: Optional[str],
-                       video_dir: Optional[str]):
+def make_maniskill_env(env_id: str, num_envs: int, backend: str, horizon: int, video_dir: Optional[str]):
     """A state-observation ManiSkill env with a flat action space (episode videos into video_dir when given)."""
     import mani_skill.envs  # noqa: F401  (registers the tasks in this process)
     from mani_skill.utils.wrappers.flatten import FlattenActionSpaceWrapper
@@ -305,7 +301,7 @@ def make_maniskill_env(env_id: str, num_envs: int, backend: str, horizon: int, c
 
     kwargs = dict(num_envs=num_envs, obs_mode="state", sim_backend=backend, max_episode_steps=horizon,
                   render_mode="rgb_array" if video_dir else None)
-    env = gym.make(env_id, **kwargs, **({"control_mode": control_mode} if control_mode else {}))
+    env = gym.make(env_id, **kwargs)  # the task's default controller
     if isinstance(env.action_space, gym.spaces.Dict):
         env = FlattenActionSpaceWrapper(env)
     if video_dir:
@@ -326,8 +322,7 @@ class ManiSkillVecEnv(gym.vector.VectorEnv):
     def __init__(self, args: Args, num_envs: int, device: torch.device, evaluation: bool, video_dir: Optional[str]):
         self.num_envs, self.device, self.reset_on_termination = num_envs, device, not evaluation
         self.gpu = args.sim_backend == "physx_cuda"
-        make = partial(make_maniskill_env, args.env_id, backend=args.sim_backend, horizon=args.resolved_horizon,
-                       control_mode=args.control_mode)
+        make = partial(make_maniskill_env, args.env_id, backend=args.sim_backend, horizon=args.resolved_horizon)
         if self.gpu:
             self.env = make(num_envs=num_envs, video_dir=video_dir)
             self.single_observation_space = self.env.unwrapped.single_observation_space
@@ -916,7 +911,7 @@ def main(args: Args) -> dict:
     (run_dir / "config.json").write_text(json.dumps(asdict(args), indent=2))
     parallel = not (args.ddpg_n or args.sequential)
     cores = len(os.sched_getaffinity(0))
-    threads = args.num_threads or (max(1, cores // 3) if parallel else cores)
+    threads = max(1, cores // 3) if parallel else cores  # torch threads per process: the cores split among them
     torch.set_num_threads(threads)
     torch.backends.cudnn.deterministic = args.torch_deterministic
     device = torch.device(args.actor_device)
@@ -989,7 +984,6 @@ def main(args: Args) -> dict:
             metrics = evaluate(policy, eval_envs, obs_stats(), args.num_eval_steps, args.seed + 10_000 +
                                progress["actor_step"], act_low, act_high, check)
             eval_s += time.time() - start
-            logger.scalar("time/eval_s", time.time() - start, progress["global_step"])
             for k, v in metrics.items():
                 logger.scalar(f"eval/{k}", v, progress["global_step"])
             if args.evaluate:
@@ -1062,7 +1056,7 @@ def main(args: Args) -> dict:
         ep_return, ep_len = torch.zeros(N, device=device), torch.zeros(N, dtype=torch.long, device=device)
         success_once = torch.zeros(N, dtype=torch.bool, device=device)
         episodes = torch.zeros(4, device=device)  # count, return, length, success of the episodes since the last log
-        timers = dict.fromkeys(("env_step", "inference", "actor_wait", "updates_in_actor"), 0.0)
+        timers = dict.fromkeys(("env_step", "inference", "actor_wait", "updates_in_actor", "eval"), 0.0)
         warm_up_end = first_step + max(args.warm_up_steps, args.nstep - 1)  # learning starts after the warm-up
         train_start = last_log_time = time.time()
         last_stats, last_log_step = stats.clone(), progress["global_step"]
@@ -1070,7 +1064,9 @@ def main(args: Args) -> dict:
         for actor_step in range(first_step, args.num_actor_steps):
             check()
             if (actor_step - first_step) % args.eval_freq == 0:
+                start = time.time()
                 run_eval()
+                timers["eval"] += time.time() - start  # the learners idle meanwhile (time/eval_frac)
             if args.max_time is not None and time.time() - train_start > args.max_time:
                 print(f"--max-time {args.max_time} s reached", flush=True)
                 break
@@ -1091,9 +1087,11 @@ def main(args: Args) -> dict:
                     action = torch.rand((N, act_dim), device=device) * 2.0 - 1.0
                 else:  # Sec. 3.3: pi(s) + N(0, sigma_i^2), sigma_i fixed per env
                     action = explore(policy(normalize_obs(raw_obs, obs_stats())), sigmas)
+            synchronize(device)  # on CUDA, time the kernels, not their launches
             timers["inference"] += time.time() - start
             start = time.time()
             next_raw, reward, terminated, truncated, info = envs.step(act_low + (action + 1.0) * 0.5 * (act_high - act_low))
+            synchronize(device)
             timers["env_step"] += time.time() - start
             # the true next observation: where an env reset in this step (same-step autoreset), info["final_obs"]
             true_next = torch.where(info["_final_obs"][:, None], info["final_obs"].reshape(N, -1), next_raw)
@@ -1124,6 +1122,7 @@ def main(args: Args) -> dict:
                     loss_sums += torch.stack([loss, p_learner.update(obs_batch)])
                 counters[V] += k_v
                 counters[P] += k_v
+                synchronize(torch.device(args.v_learner_device))
                 timers["updates_in_actor"] += time.time() - start
             elif learning and args.sequential:  # PQL's schedule in one process: p:v ratio, lagged networks
                 start = time.time()
@@ -1136,6 +1135,7 @@ def main(args: Args) -> dict:
                         counters[V] += 1
                     else:
                         break
+                synchronize(torch.device(args.v_learner_device))
                 timers["updates_in_actor"] += time.time() - start
             if not parallel and learning:
                 stats[:, LOSS_SUM] = loss_sums.double().cpu()
