@@ -40,7 +40,7 @@ Evaluation runs in the Actor: while it runs, the learners soon run out of update
 summary.json's eval_time_s say how much of the run that is).
 
 Examples
-  python pql.py --env-id ToyChainContinuous-v0                     # toy chain on the CPU, about a minute
+  python pql.py --env-id ToyChainContinuous-v0                     # toy chain on the CPU, a few minutes
   python pql.py --env-id ToyChainContinuous-v0 --ddpg-n            # the paper's DDPG(n) baseline
   python pql.py --env-id PickCube-v1                               # GPU: 4096 envs (physx_cuda), all three on one GPU
   python pql.py --env-id PushCube-v1 --v-learner-device cuda:1 --p-learner-device cuda:1 --distributional
