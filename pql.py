@@ -251,10 +251,6 @@ def resolve_args(args: Args) -> Args:
     a.actor_device = a.actor_device or default_device
     a.v_learner_device = a.v_learner_device or a.actor_device
     a.p_learner_device = a.v_learner_device if a.ddpg_n else (a.p_learner_device or a.actor_device)
-    for flag, device in (("--actor-device", a.actor_device), ("--v-learner-device", a.v_learner_device),
-                         ("--p-learner-device", a.p_learner_device)):
-        if device.startswith("cuda") and not torch.cuda.is_available():
-            raise ArgsError(f"{flag} {device}: CUDA is not available on this machine; use cpu")
     a.sim_backend = "torch" if is_toy else ("physx_cuda" if a.actor_device.startswith("cuda") else "physx_cpu")
     preset = TOY_PRESET if is_toy else (MANISKILL_GPU if a.sim_backend == "physx_cuda" else MANISKILL_CPU)
     for name, value in preset.items():
@@ -265,9 +261,6 @@ def resolve_args(args: Args) -> Args:
             a.toy.validate()
         except ValueError as e:
             raise ArgsError(str(e)) from e
-        if a.toy.autoreset_mode != "same_step":
-            raise ArgsError("--toy.autoreset-mode: pql.py consumes same-step autoreset (as ManiSkill); "
-                            "use --toy.autoreset-mode same_step")
         a.resolved_horizon = a.toy.horizon
     else:
         a.resolved_horizon = a.horizon or gym.spec(a.env_id).max_episode_steps
@@ -280,12 +273,8 @@ def resolve_args(args: Args) -> Args:
     if not a.evaluate and a.num_actor_steps <= a.warm_up_steps + a.nstep:
         raise ArgsError(f"--total-timesteps {a.total_timesteps} gives {a.num_actor_steps} Actor steps of "
                         f"{a.num_envs} envs: not more than --warm-up-steps + --nstep, nothing would be learned")
-    if a.ddpg_n and a.sequential:
-        raise ArgsError("--ddpg-n and --sequential are two different single-process baselines: choose one")
     if a.evaluate and not a.checkpoint:
         raise ArgsError("--evaluate needs --checkpoint PATH")
-    if a.checkpoint and not os.path.isfile(a.checkpoint):
-        raise ArgsError(f"--checkpoint {a.checkpoint}: no such file")
     return a
 
 
@@ -1056,7 +1045,7 @@ def main(args: Args) -> dict:
         ep_return, ep_len = torch.zeros(N, device=device), torch.zeros(N, dtype=torch.long, device=device)
         success_once = torch.zeros(N, dtype=torch.bool, device=device)
         episodes = torch.zeros(4, device=device)  # count, return, length, success of the episodes since the last log
-        timers = dict.fromkeys(("env_step", "inference", "actor_wait", "updates_in_actor", "eval"), 0.0)
+        timers = dict.fromkeys(("actor_wait", "eval"), 0.0)  # time/actor_wait_frac, time/eval_frac
         warm_up_end = first_step + max(args.warm_up_steps, args.nstep - 1)  # learning starts after the warm-up
         train_start = last_log_time = time.time()
         last_stats, last_log_step = stats.clone(), progress["global_step"]
@@ -1081,18 +1070,12 @@ def main(args: Args) -> dict:
                 load_vector(policy, parameters_to_vector(p_learner.policy.parameters()))
                 critic_vector = parameters_to_vector(v_learner.critic.parameters()).detach()
 
-            start = time.time()
             with torch.no_grad():
                 if actor_step < warm_up_end and ckpt is None:  # Table B.1 warm-up: uniform random actions
                     action = torch.rand((N, act_dim), device=device) * 2.0 - 1.0
                 else:  # Sec. 3.3: pi(s) + N(0, sigma_i^2), sigma_i fixed per env
                     action = explore(policy(normalize_obs(raw_obs, obs_stats())), sigmas)
-            synchronize(device)  # on CUDA, time the kernels, not their launches
-            timers["inference"] += time.time() - start
-            start = time.time()
             next_raw, reward, terminated, truncated, info = envs.step(act_low + (action + 1.0) * 0.5 * (act_high - act_low))
-            synchronize(device)
-            timers["env_step"] += time.time() - start
             # the true next observation: where an env reset in this step (same-step autoreset), info["final_obs"]
             true_next = torch.where(info["_final_obs"][:, None], info["final_obs"].reshape(N, -1), next_raw)
             transitions = assembler.push(raw_obs, action, reward * args.reward_scale, terminated, truncated, true_next)
@@ -1104,7 +1087,6 @@ def main(args: Args) -> dict:
                                           "policy": parameters_to_vector(policy.parameters())},
                             "p_learner": {"obs": transitions["obs"], "obs_mean": mean, "obs_var": var,
                                           "critic": critic_vector}}
-                start = time.time()
                 if parallel:
                     for role in ROLES:
                         timers["actor_wait"] += wait_for(to_learner[role].has_room)
@@ -1116,16 +1098,12 @@ def main(args: Args) -> dict:
             if learning:
                 counters[A] += 1
             if learning and args.ddpg_n:  # DDPG(n): k_v x (critic update, actor update on the same batch)
-                start = time.time()
                 for _ in range(k_v):
                     loss, obs_batch = v_learner.update()
                     loss_sums += torch.stack([loss, p_learner.update(obs_batch)])
                 counters[V] += k_v
                 counters[P] += k_v
-                synchronize(torch.device(args.v_learner_device))
-                timers["updates_in_actor"] += time.time() - start
             elif learning and args.sequential:  # PQL's schedule in one process: p:v ratio, lagged networks
-                start = time.time()
                 while True:
                     if p_may_update(int(counters[P]), int(counters[V]), args.beta_p_v):
                         loss_sums[1] += p_learner.update().to(loss_sums.device)
@@ -1135,8 +1113,6 @@ def main(args: Args) -> dict:
                         counters[V] += 1
                     else:
                         break
-                synchronize(torch.device(args.v_learner_device))
-                timers["updates_in_actor"] += time.time() - start
             if not parallel and learning:
                 stats[:, LOSS_SUM] = loss_sums.double().cpu()
                 stats[:, LOSS_COUNT] = counters[[V, P]].double()
@@ -1226,7 +1202,6 @@ def log_learners(logger: Logger, args: Args, counters, stats, last_stats, elapse
         if elapsed is not None and not (args.ddpg_n or args.sequential):
             logger.scalar(f"time/{role}_wait_frac", new[row][WAIT_S] / elapsed, step)
             logger.scalar(f"time/{role}_update_frac", new[row][UPDATE_S] / elapsed, step)
-    logger.scalar("charts/learning_rate", args.learning_rate, step)
 
 
 if __name__ == "__main__":

@@ -314,19 +314,13 @@ def test_defaults_are_table_b1():
     "kwargs, message",
     [
         (dict(env_id="ToyChain-v0"), "is not ToyChainContinuous-v0 or a registered ManiSkill3 task"),
-        (dict(actor_device="cuda:7"), "--actor-device"),
         (dict(total_timesteps=64 * 30), "nothing would be learned"),
-        (dict(ddpg_n=True, sequential=True), "choose one"),
         (dict(evaluate=True), "--evaluate needs --checkpoint"),
-        (dict(checkpoint="/nonexistent/ckpt.pt"), "no such file"),
         (dict(toy=ToyChainContinuousConfig(action_dim=0)), "--toy.action-dim"),
-        (dict(toy=ToyChainContinuousConfig(autoreset_mode="next_step")), "--toy.autoreset-mode same_step"),
     ],
 )
 def test_bad_input_is_rejected_with_the_flag_named(kwargs, message):
     kwargs = {"env_id": pql.TOY_ENV_ID, **kwargs}
-    if kwargs.get("actor_device", "").startswith("cuda") and torch.cuda.device_count() > 7:
-        pytest.skip("this machine has a cuda:7")
     with pytest.raises(pql.ArgsError, match=re.escape(message)):
         pql.resolve_args(pql.Args(cuda=False, **kwargs))
 
