@@ -261,6 +261,9 @@ def resolve_args(args: Args) -> Args:
             a.toy.validate()
         except ValueError as e:
             raise ArgsError(str(e)) from e
+        if a.toy.autoreset_mode != "same_step":
+            raise ArgsError("--toy.autoreset-mode: pql.py consumes same-step autoreset (as ManiSkill); "
+                            "use --toy.autoreset-mode same_step")
         a.resolved_horizon = a.toy.horizon
     else:
         a.resolved_horizon = a.horizon or gym.spec(a.env_id).max_episode_steps

@@ -317,6 +317,7 @@ def test_defaults_are_table_b1():
         (dict(total_timesteps=64 * 30), "nothing would be learned"),
         (dict(evaluate=True), "--evaluate needs --checkpoint"),
         (dict(toy=ToyChainContinuousConfig(action_dim=0)), "--toy.action-dim"),
+        (dict(toy=ToyChainContinuousConfig(autoreset_mode="next_step")), "--toy.autoreset-mode"),
     ],
 )
 def test_bad_input_is_rejected_with_the_flag_named(kwargs, message):
