@@ -104,8 +104,6 @@ class Args:
     """N: environments per rank, each stepped in its own env worker process (default: 16 ToyChain, 8 otherwise)"""
     horizon: Optional[int] = None
     """max_episode_steps of a ManiSkill or Gymnasium env (default: its registered one); ToyChain: --toy.horizon"""
-    control_mode: Optional[str] = None
-    """ManiSkill controller (default: the task's default)"""
     toy: ToyChainConfig = field(default_factory=ToyChainConfig)
     """ToyChain-v0 settings (the step-time options make its simulation time heterogeneous, as in VER Sec. 2)"""
     bootstrap_at_done: Optional[Literal["always", "truncated"]] = None
@@ -147,8 +145,6 @@ class Args:
     """gradient-norm clip"""
     target_kl: Optional[float] = None
     """stop an update's epochs once the approximate KL exceeds this (default: off; 0.1 ManiSkill)"""
-    norm_obs: Optional[bool] = None
-    """normalize Box observations with a running mean and std (default: on for ManiSkill, off otherwise)"""
     hidden_sizes: tuple[int, ...] = (256, 256)
     """hidden layers of the MLP actor and critic (recurrent: the first is the LSTM's input layer)"""
     recurrent: bool = False
@@ -200,12 +196,12 @@ TOY_ENV_ID = "ToyChain-v0"
 # Defaults per kind of env (any flag overrides them).
 PRESETS: dict[str, dict] = {
     "toy": dict(num_envs=16, num_steps=32, total_timesteps=300_000, learning_rate=2.5e-4, gamma=0.99,
-                gae_lambda=0.95, norm_obs=False, ent_coef=0.01, bootstrap_at_done="truncated"),
+                gae_lambda=0.95, ent_coef=0.01, bootstrap_at_done="truncated"),
     "gym": dict(num_envs=8, num_steps=128, total_timesteps=200_000, learning_rate=2.5e-4, gamma=0.99,
-                gae_lambda=0.95, norm_obs=False, ent_coef=0.01, bootstrap_at_done="truncated"),
-    # ManiSkill's own PPO baseline settings (gamma 0.8, lambda 0.9, target KL 0.1, obs normalization, always bootstrap).
+                gae_lambda=0.95, ent_coef=0.01, bootstrap_at_done="truncated"),
+    # ManiSkill's own PPO baseline settings (gamma 0.8, lambda 0.9, target KL 0.1, bootstrap at every episode end).
     "maniskill": dict(num_envs=8, num_steps=50, total_timesteps=2_000_000, learning_rate=3e-4, gamma=0.8,
-                      gae_lambda=0.9, norm_obs=True, target_kl=0.1, ent_coef=0.0, bootstrap_at_done="always"),
+                      gae_lambda=0.9, target_kl=0.1, ent_coef=0.0, bootstrap_at_done="always"),
 }
 
 
@@ -217,22 +213,15 @@ class WorkerError(RuntimeError):
     """An env worker raised, died or stopped answering: the run ends with its message."""
 
 
-# =====================================================================================================================
-# Argument resolution: presets, derived sizes, validation (all before any env or process starts)
-# =====================================================================================================================
+# ---- Argument resolution: presets, derived sizes, validation (all before any env or process starts) -------------------
 def find_vulkan_problem() -> Optional[str]:
     """Why ManiSkill3 (SAPIEN) could not start a Vulkan device on this machine, or None if a driver is present."""
-    if not sys.platform.startswith("linux"):
-        return None
     try:
         ctypes.CDLL("libvulkan.so.1")
     except OSError:
         return "the Vulkan loader (libvulkan.so.1) is not installed"
-    data_dirs = ["/usr/share", "/usr/local/share", "/etc"] + os.environ.get("XDG_DATA_DIRS", "").split(os.pathsep)
-    search = [os.path.join(d, "vulkan", "icd.d", "*.json") for d in data_dirs if d]
-    search.append("/usr/local/nvidia/share/vulkan/icd.d/*.json")
-    listed = os.environ.get("VK_DRIVER_FILES") or os.environ.get("VK_ICD_FILENAMES")
-    if not listed and not any(glob.glob(pattern) for pattern in search):
+    drivers = glob.glob("/usr/share/vulkan/icd.d/*.json") + glob.glob("/etc/vulkan/icd.d/*.json")
+    if not (drivers or os.environ.get("VK_DRIVER_FILES") or os.environ.get("VK_ICD_FILENAMES")):
         return "no Vulkan driver (ICD) is installed"
     return None
 
@@ -268,8 +257,6 @@ def resolve_args(args: Args, world_size: Optional[int] = None) -> Args:
         except ValueError as e:
             raise ArgsError(str(e)) from e
         a.toy.autoreset_mode = "same_step"  # the worker resets its chain and reports the true last observation
-        if a.norm_obs or a.capture_video:
-            raise ArgsError("--norm-obs/--capture-video: ToyChain's observation is a block index, with no renderer")
     elif a.slow_rank_factor != 1.0:
         raise ArgsError("--slow-rank-factor slows ToyChain's simulated step time; it does not apply to other envs")
     if a.capture_video and kind != "maniskill":
@@ -318,9 +305,7 @@ def resolve_args(args: Args, world_size: Optional[int] = None) -> Args:
     return a
 
 
-# =====================================================================================================================
-# Environments: one env as a worker (or the evaluation loop) steps it
-# =====================================================================================================================
+# ---- Environments: one env as a worker (or the evaluation loop) steps it ----------------------------------------------
 class EnvAdapter:
     """One environment with numpy in and out; step() resets an ended episode itself.
 
@@ -381,8 +366,6 @@ def make_env(args: Args, evaluation: bool = False, video_dir: Optional[str] = No
         kwargs = dict(num_envs=1, obs_mode="state", sim_backend="physx_cpu", render_mode="rgb_array" if video_dir else None)
         if args.horizon:
             kwargs["max_episode_steps"] = args.horizon
-        if args.control_mode:
-            kwargs["control_mode"] = args.control_mode
         env = gym.make(args.env_id, **kwargs)
         if isinstance(env.action_space, gym.spaces.Dict):
             env = FlattenActionSpaceWrapper(env)
@@ -417,9 +400,7 @@ class EnvSpec:
         return EnvSpec(*shapes, env.observation_space, env.action_space)
 
 
-# =====================================================================================================================
-# Env workers (Sec. 2.1, Fig. 2): processes that write into preallocated shared CPU memory
-# =====================================================================================================================
+# ---- Env workers (Sec. 2.1, Fig. 2): processes that write into preallocated shared CPU memory -------------------------
 @dataclass
 class SharedSlots:
     """Preallocated shared CPU memory with one slot per env (Sec. 2.1): a worker writes the result of a step into
@@ -555,9 +536,7 @@ class EnvWorkers:
         self.processes, self.conns = [], []
 
 
-# =====================================================================================================================
-# Pure functions the algorithm relies on (importable, tested in tests/test_ppo_ver.py)
-# =====================================================================================================================
+# ---- Pure functions the algorithm relies on (importable, tested in tests/test_ppo_ver.py) -----------------------------
 def build_sequences(env_ids: np.ndarray, episode_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Groups the steps of one rollout into sequences: the steps of one env's one episode, in time order (Sec. 2.2:
     a sequence starts at a rollout start or at an episode start). The input steps are in time order per env (the
@@ -680,35 +659,7 @@ def optimal_preemption_time(step_times: np.ndarray, rank_cap: int, env_cap: Opti
     return float(times[best]), int(steps[best]), float(times[-1])
 
 
-class RunningMeanStd:
-    """Running mean and variance of observations (parallel-variance update of Chan et al.); normalized observations
-    are clipped to [-10, 10]. With DD-PPO the statistics are averaged across ranks after every rollout."""
-
-    def __init__(self, shape, device, epsilon: float = 1e-4):
-        self.mean = torch.zeros(shape, device=device)
-        self.var = torch.ones(shape, device=device)
-        self.count = torch.tensor(epsilon, device=device)
-
-    def update(self, x: torch.Tensor) -> None:
-        mean, var, count = x.mean(0), x.var(0, unbiased=False), x.shape[0]
-        delta, total = mean - self.mean, self.count + count
-        self.mean = self.mean + delta * count / total
-        self.var = (self.var * self.count + var * count + delta.square() * self.count * count / total) / total
-        self.count = total
-
-    def normalize(self, x: torch.Tensor) -> torch.Tensor:
-        return ((x - self.mean) / torch.sqrt(self.var + 1e-8)).clamp(-10.0, 10.0)
-
-    def state_dict(self) -> dict:
-        return {"mean": self.mean, "var": self.var, "count": self.count}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.mean, self.var, self.count = (state[k].to(self.mean.device) for k in ("mean", "var", "count"))
-
-
-# =====================================================================================================================
-# Networks
-# =====================================================================================================================
+# ---- Networks ---------------------------------------------------------------------------------------------------------
 def layer_init(layer: nn.Linear, std: float = math.sqrt(2), bias_const: float = 0.0) -> nn.Linear:
     torch.nn.init.orthogonal_(layer.weight, std)
     torch.nn.init.constant_(layer.bias, bias_const)
@@ -830,9 +781,7 @@ def make_agent(args: Args, spec: EnvSpec) -> Agent:
                  args.lstm_layers, args.ent_coef, args.learned_ent_coef)
 
 
-# =====================================================================================================================
-# Rollout storage and collection (Sec. 2.1, 2.2)
-# =====================================================================================================================
+# ---- Rollout storage and collection (Sec. 2.1, 2.2) -------------------------------------------------------------------
 class RolloutStorage:
     """The steps of one rollout, one row per (env, step) in the order the policy acted: a linear buffer, since VER
     has no (T, N) shape (Sec. 2.2). Tensors live on the training device; bookkeeping in numpy. A row is written when
@@ -961,8 +910,8 @@ class Collector:
     state, or 0 at a termination with --bootstrap-at-done truncated."""
 
     def __init__(self, args: Args, workers: EnvWorkers, slots: SharedSlots, agent: Agent, spec: EnvSpec,
-                 obs_rms: Optional[RunningMeanStd], device):
-        self.args, self.workers, self.slots, self.agent, self.obs_rms, self.device = args, workers, slots, agent, obs_rms, device
+                 device):
+        self.args, self.workers, self.slots, self.agent, self.device = args, workers, slots, agent, device
         N = self.N = args.num_envs
         self.T = args.num_steps
         self.quota = None if args.variable_experience else self.T  # NoVER and sync: T steps from every env
@@ -1062,7 +1011,7 @@ class Collector:
         if final_rows:  # V(true last observation), from the state the env's own last step left (not zeros)
             envs = np.array(final_envs)
             with torch.no_grad():
-                obs = self.observe(self.slots.final_obs[torch.as_tensor(envs)], update=False)
+                obs = self.slots.final_obs[torch.as_tensor(envs)].to(self.device)
                 values = self.agent.get_value(obs, self.state_of(envs))
             self.storage.next_values[torch.as_tensor(final_rows, device=self.device)] = values
 
@@ -1105,7 +1054,7 @@ class Collector:
         start = time.perf_counter()
         idx = torch.as_tensor(envs)
         with torch.no_grad():
-            obs = self.observe(self.slots.obs[idx], update=True)
+            obs = self.slots.obs[idx].to(self.device)
             state = self.state_of(envs, reset=self.episode_start[envs])
             action, logprob, value, next_state = self.agent.act(obs, state)
         st = self.storage
@@ -1139,7 +1088,7 @@ class Collector:
         if len(envs) == 0:
             return
         with torch.no_grad():
-            obs = self.observe(self.slots.obs[torch.as_tensor(envs)], update=False)
+            obs = self.slots.obs[torch.as_tensor(envs)].to(self.device)
             values = self.agent.get_value(obs, self.state_of(envs))
         self.storage.next_values[torch.as_tensor(self.awaiting[envs], device=self.device)] = values
         self.awaiting[envs] = -1
@@ -1151,14 +1100,6 @@ class Collector:
         self.stats.carried = len(envs)
         self.storage.keep(self.inflight[envs])
         self.inflight[envs] = np.arange(len(envs))
-
-    def observe(self, raw: torch.Tensor, update: bool) -> torch.Tensor:
-        obs = raw.to(self.device)
-        if self.obs_rms is None:
-            return obs
-        if update:
-            self.obs_rms.update(obs)
-        return self.obs_rms.normalize(obs)
 
     def state_of(self, envs: np.ndarray, reset: Optional[np.ndarray] = None):
         """The recurrent state of `envs` after their last step (zeros where `reset`), or None for the MLP."""
@@ -1180,9 +1121,7 @@ class Collector:
         return np.where(self.interval_count > 0, tau, duration)
 
 
-# =====================================================================================================================
-# DD-PPO (Sec. 2.3): every rank collects and learns; gradients are all-reduced; stragglers are preempted
-# =====================================================================================================================
+# ---- DD-PPO (Sec. 2.3): every rank collects and learns; gradients are all-reduced; stragglers are preempted -----------
 @dataclass
 class World:
     """This process's place in a torchrun launch (world size 1 without torchrun)."""
@@ -1254,9 +1193,7 @@ def ddppo_stop_rule(world: World, args: Args, iteration: int) -> Callable:
     return lambda steps: steps >= args.batch_size / 4 and world.store.add(key, 0) >= args.sync_frac * world.world_size
 
 
-# =====================================================================================================================
-# PPO update (Sec. 2.2, 4)
-# =====================================================================================================================
+# ---- PPO update (Sec. 2.2, 4) -----------------------------------------------------------------------------------------
 def ppo_update(args: Args, agent: Agent, optimizer: torch.optim.Optimizer, batch: dict, world: World,
                rng: np.random.Generator) -> dict:
     """PPO epochs over VER minibatches (Sec. 2.2), losses weighted by the truncated importance weights (Sec. 4):
@@ -1318,14 +1255,11 @@ def ppo_update(args: Args, agent: Agent, optimizer: torch.optim.Optimizer, batch
     return out
 
 
-# =====================================================================================================================
-# Logging, checkpoints, evaluation
-# =====================================================================================================================
-def save_checkpoint(path: Path, agent, optimizer, obs_rms, global_step: int, iteration: int, args: Args) -> None:
-    """Everything needed to resume: model, optimizer, normalizer, global step, iteration (= policy version) and RNG
+# ---- Logging, checkpoints, evaluation ---------------------------------------------------------------------------------
+def save_checkpoint(path: Path, agent, optimizer, global_step: int, iteration: int, args: Args) -> None:
+    """Everything needed to resume: model, optimizer, global step, iteration (= policy version) and RNG
     states. Written to a temporary file and renamed, so a crash never leaves a half-written checkpoint."""
     state = {"agent": agent.state_dict(), "optimizer": optimizer.state_dict(),
-             "obs_rms": obs_rms.state_dict() if obs_rms is not None else None,
              "global_step": global_step, "iteration": iteration, "args": asdict(args),
              "rng": {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}}
     tmp = path.with_name(path.name + ".tmp")
@@ -1337,8 +1271,7 @@ def save_checkpoint(path: Path, agent, optimizer, obs_rms, global_step: int, ite
 
 
 @torch.no_grad()
-def evaluate(agent: Agent, envs: list[EnvAdapter], obs_rms: Optional[RunningMeanStd], num_episodes: int, seed: int,
-             device) -> dict:
+def evaluate(agent: Agent, envs: list[EnvAdapter], num_episodes: int, seed: int, device) -> dict:
     """Deterministic policy in the main process: rounds of one episode per eval env, stepped together, until
     `num_episodes` have ended. Returns the means of eval/return, episode_len, success_once, success_at_end."""
     results = []
@@ -1350,9 +1283,7 @@ def evaluate(agent: Agent, envs: list[EnvAdapter], obs_rms: Optional[RunningMean
         ret, length = np.zeros(k), np.zeros(k, dtype=np.int64)
         success_once, success_end = np.zeros(k, dtype=bool), np.zeros(k, dtype=bool)
         while active.any():
-            x = torch.as_tensor(obs, device=device)
-            x = obs_rms.normalize(x.float()) if obs_rms is not None else x
-            dist, _, state = agent.step(x, state)
+            dist, _, state = agent.step(torch.as_tensor(obs, device=device), state)
             action = (dist.mean if agent.continuous else dist.probs.argmax(-1)).cpu().numpy()
             for i in np.flatnonzero(active):
                 obs[i], reward, terminated, truncated, _, success = envs[i].step(action[i])
@@ -1384,9 +1315,7 @@ def _terminate(signum, frame):
     raise SystemExit(128 + signum)  # SIGTERM (e.g. from torchrun): unwind, so that summary and workers are handled
 
 
-# =====================================================================================================================
-# Training loop
-# =====================================================================================================================
+# ---- Training loop ----------------------------------------------------------------------------------------------------
 def main(args: Args) -> dict:
     args = resolve_args(args)
     signal.signal(signal.SIGTERM, _terminate)
@@ -1404,7 +1333,6 @@ def main(args: Args) -> dict:
     spec = EnvSpec.of(probe)
     agent = make_agent(args, spec).to(device)
     optimizer = torch.optim.Adam(agent.parameters(), lr=args.learning_rate, eps=1e-5)
-    obs_rms = RunningMeanStd(spec.obs_shape, device) if args.norm_obs and spec.obs_dtype == torch.float32 else None
     global_step, iteration = 0, 0  # iteration = updates made = the policy version
     if args.checkpoint:
         ckpt = torch.load(args.checkpoint, map_location=device, weights_only=False)  # our own file: numpy RNG state
@@ -1413,8 +1341,6 @@ def main(args: Args) -> dict:
         except RuntimeError as e:
             raise ArgsError(f"--checkpoint {args.checkpoint} does not fit this network (env {ckpt['args']['env_id']}, "
                             f"recurrent={ckpt['args']['recurrent']}): {e}") from e
-        if obs_rms is not None:
-            obs_rms.load_state_dict(ckpt["obs_rms"])
         global_step, iteration = ckpt["global_step"], ckpt["iteration"]
         if not args.evaluate:
             optimizer.load_state_dict(ckpt["optimizer"])
@@ -1446,12 +1372,12 @@ def main(args: Args) -> dict:
         writer.add_scalar(name, float(value), step)
 
     def run_evaluation(final: bool) -> None:
-        metrics = evaluate(agent, eval_envs, obs_rms, args.num_eval_episodes, args.seed + 10_000 + iteration, device)
+        metrics = evaluate(agent, eval_envs, args.num_eval_episodes, args.seed + 10_000 + iteration, device)
         for name, value in metrics.items():
             log(f"eval/{name}", value, global_step)
         if args.save_model and not args.evaluate:
             name = "final_ckpt.pt" if final else f"ckpt_{global_step}.pt"
-            save_checkpoint(run_dir / name, agent, optimizer, obs_rms, global_step, iteration, args)
+            save_checkpoint(run_dir / name, agent, optimizer, global_step, iteration, args)
 
     summary: dict = {"run_dir": str(run_dir), "interrupted": False}
     totals = {"collect_time_s": 0.0, "learn_time_s": 0.0, "env_busy_time_s": 0.0}
@@ -1475,7 +1401,7 @@ def main(args: Args) -> dict:
             worker_args = replace(args, toy=replace(args.toy, step_time_mean=args.toy.step_time_mean * args.slow_rank_factor))
         slots = SharedSlots.allocate(args.num_envs, spec)
         workers = EnvWorkers(worker_args, slots, base_seed=args.seed + world.rank * args.num_envs)
-        collector = Collector(args, workers, slots, agent, spec, obs_rms, device)
+        collector = Collector(args, workers, slots, agent, spec, device)
         collector.policy_version = iteration
         if args.env_kind == "toy":
             targets = draw_target_actions(args.toy).to(device)
@@ -1502,10 +1428,6 @@ def main(args: Args) -> dict:
             if world.store is not None:
                 world.store.add(f"done_{iteration}", 1)
             collect_time = time.perf_counter() - collect_start
-            if obs_rms is not None and world.world_size > 1:  # every rank normalizes with the same statistics
-                moments = world.all_reduce_sum(torch.stack([obs_rms.mean, obs_rms.var + obs_rms.mean.square()]))
-                obs_rms.mean = moments[0] / world.world_size
-                obs_rms.var = (moments[1] / world.world_size - obs_rms.mean.square()).clamp(min=0.0)
 
             # 2. Returns over variable-length sequences and importance weights; a preempted rank is filled up.
             learn_start = time.perf_counter()
@@ -1579,7 +1501,7 @@ def main(args: Args) -> dict:
         summary["interrupted"] = True
         if world.rank == 0 and args.save_model and "iteration" in summary:
             print("interrupted: writing summary.json and a checkpoint", file=sys.stderr)
-            save_checkpoint(run_dir / "final_ckpt.pt", agent, optimizer, obs_rms, global_step, summary["iteration"], args)
+            save_checkpoint(run_dir / "final_ckpt.pt", agent, optimizer, global_step, summary["iteration"], args)
         raise
     finally:
         if workers is not None:
