@@ -152,7 +152,7 @@ class Args:
     lstm_hidden_size: int = 128
     """LSTM hidden size (--recurrent)"""
     lstm_layers: int = 1
-    """LSTM layers (--recurrent)"""
+    """LSTM layers (--recurrent; the paper's policy has 2)"""
 
     # ---- VER (Sec. 2) ----------------------------------------------------------------------------------------------
     variable_experience: bool = True
@@ -163,16 +163,10 @@ class Args:
     """dynamic batching: act once this many envs are waiting, or after half a policy step's time (default: N / 1.5, as habitat-lab)"""
     inference_max_batch: Optional[int] = None
     """...and on no more than this many at once (default: N)"""
-    is_clip_max: float = 1.0
-    """truncation of the importance weights T / n_e that correct VER's biased sampling (Sec. 4: 1.0)"""
-    importance_weights: bool = True
-    """weight the losses by the truncated importance weights (--no-importance-weights to ablate)"""
     worker_timeout: float = 300.0
     """seconds without any env worker answering before the run is stopped as hung"""
 
     # ---- DD-PPO (Sec. 2.3), launched with torchrun ----------------------------------------------------------------
-    straggler_preemption: bool = True
-    """with torchrun: preempt straggling ranks and fill their batches with the previous rollout's experience; VER and NoVER end each rollout at the S maximizing S / (Time(S) + LT) (Sec. 2.3), --sync uses DD-PPO's rule (--sync-frac)"""
     sync_frac: float = 0.6
     """DD-PPO's preemption rule (--sync under torchrun): a rank stops collecting once this fraction of the ranks have finished their rollout (and it has a quarter of its own)"""
     slow_rank_factor: float = 1.0
@@ -257,14 +251,8 @@ def resolve_args(args: Args, world_size: Optional[int] = None) -> Args:
         except ValueError as e:
             raise ArgsError(str(e)) from e
         a.toy.autoreset_mode = "same_step"  # the worker resets its chain and reports the true last observation
-    elif a.slow_rank_factor != 1.0:
-        raise ArgsError("--slow-rank-factor slows ToyChain's simulated step time; it does not apply to other envs")
     if a.capture_video and kind != "maniskill":
         raise ArgsError("--capture-video records ManiSkill tasks' evaluation episodes; Gymnasium envs are not recorded")
-    for name in ("num_envs", "num_steps", "num_minibatches", "update_epochs", "num_eval_episodes", "lstm_hidden_size",
-                 "lstm_layers", "horizon"):
-        if getattr(a, name) is not None and getattr(a, name) < 1:
-            raise ArgsError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(a, name)}")
     N = a.num_envs
     if a.sync:
         if a.inference_min_batch is not None or a.inference_max_batch is not None:
@@ -276,15 +264,6 @@ def resolve_args(args: Args, world_size: Optional[int] = None) -> Args:
         a.inference_max_batch = N
     if a.inference_min_batch is None:
         a.inference_min_batch = max(1, min(int(N / 1.5), a.inference_max_batch))  # habitat-lab's default
-    if not 1 <= a.inference_min_batch <= a.inference_max_batch <= N:
-        raise ArgsError(f"need 1 <= --inference-min-batch ({a.inference_min_batch}) <= --inference-max-batch "
-                        f"({a.inference_max_batch}) <= --num-envs ({N})")
-    if a.is_clip_max <= 0:
-        raise ArgsError(f"--is-clip-max must be > 0 (the paper uses 1.0), got {a.is_clip_max}")
-    if not 0.0 < a.sync_frac <= 1.0 or a.slow_rank_factor <= 0.0 or a.worker_timeout <= 0:
-        raise ArgsError("need 0 < --sync-frac <= 1, --slow-rank-factor > 0 and --worker-timeout > 0")
-    if a.ent_coef < 0 or (a.learned_ent_coef and not 1e-4 <= a.ent_coef <= 1.0):
-        raise ArgsError(f"--ent-coef must be >= 0, and in [1e-4, 1] with --learned-ent-coef; got {a.ent_coef}")
     a.batch_size = N * a.num_steps
     if a.batch_size % a.num_minibatches != 0:
         raise ArgsError(f"the batch T*N = {a.num_steps}*{N} = {a.batch_size} does not split into --num-minibatches "
@@ -297,8 +276,6 @@ def resolve_args(args: Args, world_size: Optional[int] = None) -> Args:
                         f"(T*N*world_size = {a.batch_size * a.world_size})")
     if a.evaluate and (not a.checkpoint or a.world_size > 1):
         raise ArgsError("--evaluate needs --checkpoint PATH and runs in one process (without torchrun)")
-    if a.checkpoint and not os.path.isfile(a.checkpoint):
-        raise ArgsError(f"--checkpoint {a.checkpoint}: no such file")
     if kind == "maniskill" and find_vulkan_problem():
         raise ArgsError(f"ManiSkill3 needs a Vulkan driver even for state-only simulation, and "
                         f"{find_vulkan_problem()}. See README.md, 'Set-up' (on Debian/Ubuntu: bash .ci/install_system.sh)")
@@ -824,8 +801,7 @@ class RolloutStorage:
 # A batch is a dict of per-step tensors on the training device (obs, actions, logprobs, values, advantages, returns,
 # weights, hidden_h, hidden_c) and numpy arrays (versions, env_ids), its steps sequence after sequence; "lengths"
 # holds the sequence lengths.
-def build_batch(st: RolloutStorage, num_envs: int, num_steps: int, gamma: float, gae_lambda: float,
-                is_clip_max: float) -> dict:
+def build_batch(st: RolloutStorage, num_envs: int, num_steps: int, gamma: float, gae_lambda: float) -> dict:
     """The completed steps of a rollout as sequences, with GAE advantages and importance weights."""
     rows = np.flatnonzero(st.complete[: st.size])
     order, lengths = build_sequences(st.env_ids[rows], st.episode_ids[rows])
@@ -842,7 +818,7 @@ def build_batch(st: RolloutStorage, num_envs: int, num_steps: int, gamma: float,
     env_ids = st.env_ids[rows]
     return dict(obs=st.obs[rows_t], actions=st.actions[rows_t], logprobs=st.logprobs[rows_t], values=values,
                 advantages=advantages, returns=advantages + values,
-                weights=importance_weights(torch.as_tensor(env_ids, device=st.device), num_envs, num_steps, is_clip_max),
+                weights=importance_weights(torch.as_tensor(env_ids, device=st.device), num_envs, num_steps),
                 hidden_h=None if st.hidden_h is None else st.hidden_h[rows_t],
                 hidden_c=None if st.hidden_c is None else st.hidden_c[rows_t],
                 versions=st.versions[rows], env_ids=env_ids, lengths=lengths)
@@ -876,7 +852,6 @@ def fill_from_previous(batch: dict, previous: dict, size: int, rng: np.random.Ge
 class RolloutStats:
     env_steps: int = 0  # env steps completed in this rollout
     env_busy: float = 0.0  # seconds of simulation, summed over envs
-    inference_time: float = 0.0
     batch_sizes: list = field(default_factory=list)
     episodes: list = field(default_factory=list)  # (return, length, success_once, success_at_end)
     preempted: bool = False
@@ -1074,7 +1049,6 @@ class Collector:
         self.num_stepping += len(envs)
         elapsed = time.perf_counter() - start
         self.policy_step_time = 0.9 * self.policy_step_time + 0.1 * elapsed
-        self.stats.inference_time += elapsed
         self.stats.batch_sizes.append(len(envs))
 
     def bootstrap_completed(self) -> None:
@@ -1218,7 +1192,7 @@ def ppo_update(args: Args, agent: Agent, optimizer: torch.optim.Optimizer, batch
             advantages = batch["advantages"][idx]
             if args.norm_adv:
                 advantages = (advantages - advantages.mean()) / (advantages.std() + 1e-8)
-            w = batch["weights"][idx] if args.importance_weights else torch.ones_like(advantages)
+            w = batch["weights"][idx]
             pg = torch.max(-advantages * ratio, -advantages * ratio.clamp(1 - args.clip_coef, 1 + args.clip_coef))
             returns, old_values = batch["returns"][idx], batch["values"][idx]
             v = (newvalue - returns).square()
@@ -1252,12 +1226,11 @@ def ppo_update(args: Args, agent: Agent, optimizer: torch.optim.Optimizer, batch
 
 
 # ---- Logging, checkpoints, evaluation ---------------------------------------------------------------------------------
-def save_checkpoint(path: Path, agent, optimizer, global_step: int, iteration: int, args: Args) -> None:
-    """Everything needed to resume: model, optimizer, global step, iteration (= policy version) and RNG
-    states. Written to a temporary file and renamed, so a crash never leaves a half-written checkpoint."""
-    state = {"agent": agent.state_dict(), "optimizer": optimizer.state_dict(),
-             "global_step": global_step, "iteration": iteration, "args": asdict(args),
-             "rng": {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}}
+def save_checkpoint(path: Path, agent, optimizer, global_step: int, iteration: int) -> None:
+    """What resuming needs: model, optimizer, global step and iteration (= policy version). Written to a temporary
+    file and renamed, so a crash never leaves a half-written checkpoint."""
+    state = {"agent": agent.state_dict(), "optimizer": optimizer.state_dict(), "global_step": global_step,
+             "iteration": iteration}
     tmp = path.with_name(path.name + ".tmp")
     try:
         torch.save(state, tmp)
@@ -1321,18 +1294,11 @@ def main(args: Args) -> dict:
     optimizer = torch.optim.Adam(agent.parameters(), lr=args.learning_rate, eps=1e-5)
     global_step, iteration = 0, 0  # iteration = updates made = the policy version
     if args.checkpoint:
-        ckpt = torch.load(args.checkpoint, map_location=device, weights_only=False)  # our own file: numpy RNG state
-        try:
-            agent.load_state_dict(ckpt["agent"])
-        except RuntimeError as e:
-            raise ArgsError(f"--checkpoint {args.checkpoint} does not fit this network (env {ckpt['args']['env_id']}, "
-                            f"recurrent={ckpt['args']['recurrent']}): {e}") from e
+        ckpt = torch.load(args.checkpoint, map_location=device, weights_only=True)
+        agent.load_state_dict(ckpt["agent"])
         global_step, iteration = ckpt["global_step"], ckpt["iteration"]
         if not args.evaluate:
             optimizer.load_state_dict(ckpt["optimizer"])
-            random.setstate(ckpt["rng"]["python"])
-            np.random.set_state(ckpt["rng"]["numpy"])
-            torch.set_rng_state(ckpt["rng"]["torch"])
             print(f"resuming from {args.checkpoint} at iteration {iteration}, global step {global_step}")
     for tensor in agent.state_dict().values():  # DD-PPO: every rank starts from rank 0's weights
         if world.world_size > 1 and tensor.is_floating_point():
@@ -1363,7 +1329,7 @@ def main(args: Args) -> dict:
             log(f"eval/{name}", value, global_step)
         if args.save_model and not args.evaluate:
             name = "final_ckpt.pt" if final else f"ckpt_{global_step}.pt"
-            save_checkpoint(run_dir / name, agent, optimizer, global_step, iteration, args)
+            save_checkpoint(run_dir / name, agent, optimizer, global_step, iteration)
 
     summary: dict = {"run_dir": str(run_dir), "interrupted": False}
     totals = {"collect_time_s": 0.0, "learn_time_s": 0.0, "env_busy_time_s": 0.0}
@@ -1389,8 +1355,6 @@ def main(args: Args) -> dict:
         collector.policy_version = iteration
         if args.env_kind == "toy":
             targets = draw_target_actions(args.toy).to(device)
-            blocks = torch.arange(args.toy.num_blocks, device=device)
-            block_accuracy_best = torch.zeros(args.toy.num_blocks, device=device)
         previous, learn_time = None, 0.0
         train_start = time.time()
         while global_step < args.total_timesteps:
@@ -1402,7 +1366,7 @@ def main(args: Args) -> dict:
 
             # 1. Collect T x N steps (Sec. 2.1, 2.2); under torchrun, preempt stragglers among the ranks (Sec. 2.3).
             stop_early, t_star = None, math.nan
-            if world.world_size > 1 and args.straggler_preemption and previous is not None:
+            if world.world_size > 1 and previous is not None:
                 if args.sync:
                     stop_early = ddppo_stop_rule(world, args, iteration)
                 else:
@@ -1415,8 +1379,7 @@ def main(args: Args) -> dict:
 
             # 2. Returns over variable-length sequences and importance weights; a preempted rank is filled up.
             learn_start = time.perf_counter()
-            batch = build_batch(collector.storage, args.num_envs, args.num_steps, args.gamma, args.gae_lambda,
-                                args.is_clip_max)
+            batch = build_batch(collector.storage, args.num_envs, args.num_steps, args.gamma, args.gae_lambda)
             fresh = int(batch["lengths"].sum())
             if fresh < args.batch_size:
                 batch = fill_from_previous(batch, previous, args.batch_size, rng)
@@ -1452,7 +1415,6 @@ def main(args: Args) -> dict:
             log("ver/steps_per_env_max", steps_per_env.max(), global_step)
             log("ver/importance_weight_min", batch["weights"].min(), global_step)
             log("ver/stale_fraction", (version_gap > 0).mean(), global_step)
-            log("ver/policy_version_gap_max", version_gap.max(), global_step)
             log("ver/inference_batch_size_mean", np.mean(stats.batch_sizes or [0]), global_step)
             log("ver/inflight_carried", collector.stats.carried, global_step)
             log("ver/env_utilization", stats.env_busy / (args.num_envs * max(stats.duration, 1e-9)), global_step)
@@ -1462,15 +1424,8 @@ def main(args: Args) -> dict:
                 log("ver/preemption_time", t_star, global_step)
             log("time/collect", collect_time, global_step)
             log("time/learn", learn_time, global_step)
-            log("time/inference", stats.inference_time, global_step)
-            log("time/env_step", stats.env_busy / max(stats.env_steps, 1), global_step)
             if args.env_kind == "toy":
-                with torch.no_grad():
-                    log("toy/accuracy", (batch["actions"][:fresh] == targets[batch["obs"][:fresh]]).float().mean(), global_step)
-                    dist_blocks = agent.step(blocks, agent.initial_state(len(blocks), device))[0]
-                    block_accuracy = dist_blocks.probs.gather(-1, targets.view(-1, 1)).squeeze(-1)
-                block_accuracy_best = torch.maximum(block_accuracy_best, block_accuracy)
-                log("toy/forgetting_mean", (block_accuracy_best - block_accuracy).mean(), global_step)
+                log("toy/accuracy", (batch["actions"][:fresh] == targets[batch["obs"][:fresh]]).float().mean(), global_step)
             if args.eval_freq and iteration % args.eval_freq == 0 and global_step < args.total_timesteps:
                 run_evaluation(final=False)
         if world.world_size > 1:  # DD-PPO keeps the ranks' weights identical: check it (summary.json)
@@ -1485,7 +1440,7 @@ def main(args: Args) -> dict:
         summary["interrupted"] = True
         if world.rank == 0 and args.save_model and "iteration" in summary:
             print("interrupted: writing summary.json and a checkpoint", file=sys.stderr)
-            save_checkpoint(run_dir / "final_ckpt.pt", agent, optimizer, global_step, summary["iteration"], args)
+            save_checkpoint(run_dir / "final_ckpt.pt", agent, optimizer, global_step, summary["iteration"])
         raise
     finally:
         if workers is not None:

@@ -424,7 +424,7 @@ def test_recurrent_collector_matches_a_step_by_step_recomputation_over_the_logge
             assert steps[0] > steps[1] > steps[3], steps  # the fastest env contributes most, the slowest least
         else:
             assert (steps == T).all()
-        batch = ver.build_batch(collector.storage, N, T, GAMMA, LAM, 1.0)
+        batch = ver.build_batch(collector.storage, N, T, GAMMA, LAM)
         assert batch["lengths"].sum() == T * N
         batches.append(batch)
         collector.start_next_rollout(k + 1)
@@ -492,12 +492,7 @@ def test_defaults_follow_habitat_lab_and_conventions():
     [
         (dict(sync=True, inference_min_batch=2), "--sync steps all N envs"),
         (dict(num_envs=3, num_steps=7, num_minibatches=4), "--num-minibatches 4 equal minibatches"),
-        (dict(inference_min_batch=9, inference_max_batch=4, num_envs=8), "--inference-min-batch"),
         (dict(horizon=10), "--toy.horizon"),
-        (dict(learned_ent_coef=True, ent_coef=0.0), "--learned-ent-coef"),
-        (dict(is_clip_max=0.0), "--is-clip-max"),
-        (dict(sync_frac=0.0), "--sync-frac"),
-        (dict(env_id="CartPole-v1", slow_rank_factor=2.0), "--slow-rank-factor"),
         (dict(toy=ToyChainConfig(step_time_mean=-1.0)), "--toy.step-time-mean"),
         (dict(env_id="NoSuchEnv-v9"), "NoSuchEnv-v9"),
         (dict(evaluate=True), "--evaluate needs --checkpoint"),
