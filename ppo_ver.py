@@ -76,8 +76,6 @@ class Args:
     """name of this experiment (part of the run directory name)"""
     seed: int = 1
     """seed of python, numpy, torch and the environments (env e of rank r is seeded seed + r * N + e)"""
-    torch_deterministic: bool = True
-    """sets torch.backends.cudnn.deterministic"""
     cuda: bool = True
     """use CUDA for inference and learning when it is available (the envs are always CPU-simulated, in workers)"""
     output_dir: str = "runs"
@@ -131,8 +129,6 @@ class Args:
     """normalize advantages per minibatch"""
     clip_coef: float = 0.2
     """PPO clipping coefficient"""
-    clip_vloss: bool = True
-    """clip the value loss as in the PPO paper's code"""
     ent_coef: Optional[float] = None
     """entropy bonus coefficient; with --learned-ent-coef its initial value (default: 0.01; 0 ManiSkill)"""
     learned_ent_coef: bool = False
@@ -1195,10 +1191,8 @@ def ppo_update(args: Args, agent: Agent, optimizer: torch.optim.Optimizer, batch
             w = batch["weights"][idx]
             pg = torch.max(-advantages * ratio, -advantages * ratio.clamp(1 - args.clip_coef, 1 + args.clip_coef))
             returns, old_values = batch["returns"][idx], batch["values"][idx]
-            v = (newvalue - returns).square()
-            if args.clip_vloss:
-                clipped = old_values + (newvalue - old_values).clamp(-args.clip_coef, args.clip_coef)
-                v = torch.max(v, (clipped - returns).square())
+            clipped = old_values + (newvalue - old_values).clamp(-args.clip_coef, args.clip_coef)
+            v = torch.max((newvalue - returns).square(), (clipped - returns).square())  # clipped value loss
             pg_loss, v_loss, ent = (w * pg).mean(), 0.5 * (w * v).mean(), (w * entropy).mean()
             alpha = agent.log_ent_coef.exp()
             loss = pg_loss + args.vf_coef * v_loss - alpha.detach() * ent
@@ -1262,14 +1256,6 @@ def evaluate(agent: Agent, env: EnvAdapter, num_episodes: int, seed: int, device
             "success_at_end": r[:, 3].mean()}
 
 
-def make_run_dir(args: Args) -> tuple[str, Path]:
-    """{output_dir}/{env_id}__{exp_name}__{seed}__{unix_time}, created here."""
-    run_name = f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}"
-    run_dir = Path(args.output_dir) / run_name
-    run_dir.mkdir(parents=True)
-    return run_name, run_dir
-
-
 def _terminate(signum, frame):
     raise SystemExit(128 + signum)  # SIGTERM (e.g. from torchrun): unwind, so that summary and workers are handled
 
@@ -1285,11 +1271,25 @@ def main(args: Args) -> dict:
     random.seed(args.seed + world.rank)
     np.random.seed(args.seed + world.rank)
     torch.manual_seed(args.seed)  # the same initial weights on every rank
-    torch.backends.cudnn.deterministic = args.torch_deterministic
+    torch.backends.cudnn.deterministic = True
 
-    # One env tells the spaces (rank 0 keeps it as an evaluation env); then the network and the checkpoint.
-    probe = make_env(args, evaluation=True)
-    spec = EnvSpec.of(probe)
+    writer, last, run_dir = None, {}, None
+    if world.rank == 0:
+        run_name = f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}"
+        run_dir = Path(args.output_dir) / run_name
+        run_dir.mkdir(parents=True)
+        (run_dir / "config.json").write_text(json.dumps(asdict(args), indent=2))
+        if args.track:
+            import wandb
+
+            wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, sync_tensorboard=True,
+                       config=asdict(args), name=run_name, save_code=True)
+        writer = SummaryWriter(str(run_dir))
+
+    # The evaluation env (rank 0's) tells the spaces; then the network and the checkpoint.
+    video_dir = str(run_dir / "videos") if args.capture_video and world.rank == 0 else None
+    eval_env = make_env(args, evaluation=True, video_dir=video_dir)
+    spec = EnvSpec.of(eval_env)
     agent = make_agent(args, spec).to(device)
     optimizer = torch.optim.Adam(agent.parameters(), lr=args.learning_rate, eps=1e-5)
     global_step, iteration = 0, 0  # iteration = updates made = the policy version
@@ -1308,17 +1308,6 @@ def main(args: Args) -> dict:
     torch.manual_seed(args.seed + 1000 * world.rank + iteration)  # per-rank action sampling
     rng = np.random.default_rng(args.seed + 7919 * world.rank + iteration)
 
-    writer, last, run_dir = None, {}, None
-    if world.rank == 0:
-        run_name, run_dir = make_run_dir(args)
-        (run_dir / "config.json").write_text(json.dumps(asdict(args), indent=2))
-        if args.track:
-            import wandb
-
-            wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, sync_tensorboard=True,
-                       config=asdict(args), name=run_name, save_code=True)
-        writer = SummaryWriter(str(run_dir))
-
     def log(name: str, value, step: int) -> None:
         last[name] = float(value)
         writer.add_scalar(name, float(value), step)
@@ -1332,16 +1321,13 @@ def main(args: Args) -> dict:
             save_checkpoint(run_dir / name, agent, optimizer, global_step, iteration)
 
     summary: dict = {"run_dir": str(run_dir), "interrupted": False}
-    totals = {"collect_time_s": 0.0, "learn_time_s": 0.0, "env_busy_time_s": 0.0}
+    env_busy_time = 0.0
     start_time, start_step = time.time(), global_step
-    workers, eval_env = None, probe
+    workers = None
     try:
         if world.rank > 0:
-            probe.close()
+            eval_env.close()
             eval_env = None
-        elif args.capture_video:
-            probe.close()
-            eval_env = make_env(args, evaluation=True, video_dir=str(run_dir / "videos"))
         if args.evaluate:
             run_evaluation(final=True)
             print(" ".join(f"{k}={v:.4f}" for k, v in last.items()))
@@ -1396,9 +1382,7 @@ def main(args: Args) -> dict:
                                   float(stats.preempted)], dtype=torch.float64)
             total = world.all_reduce_sum(local).tolist()
             global_step += int(total[0])
-            totals["collect_time_s"] += collect_time
-            totals["learn_time_s"] += learn_time
-            totals["env_busy_time_s"] += total[1]
+            env_busy_time += total[1]
             summary["iteration"], summary["global_step"] = iteration, global_step
             if world.rank > 0:
                 continue
@@ -1449,7 +1433,8 @@ def main(args: Args) -> dict:
             eval_env.close()
         if world.rank == 0:
             wall = time.time() - start_time
-            summary.update(global_step=global_step, wall_time_s=wall, sps=(global_step - start_step) / wall, **totals)
+            summary.update(global_step=global_step, wall_time_s=wall, sps=(global_step - start_step) / wall,
+                           env_busy_time_s=env_busy_time)
             summary.update(last)
             (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
             writer.close()
