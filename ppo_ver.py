@@ -45,7 +45,6 @@ import glob
 import json
 import math
 import os
-import random
 import signal
 import sys
 import time
@@ -349,30 +348,6 @@ def make_env(args: Args, evaluation: bool = False, video_dir: Optional[str] = No
     return EnvAdapter(env, kind)
 
 
-@dataclass
-class EnvSpec:
-    """Shapes and dtypes of one env's observations and actions (Box or Discrete)."""
-
-    obs_shape: tuple
-    obs_dtype: torch.dtype
-    act_shape: tuple
-    act_dtype: torch.dtype
-    observation_space: gym.Space
-    action_space: gym.Space
-
-    @staticmethod
-    def of(env: EnvAdapter) -> "EnvSpec":
-        shapes = []
-        for space in (env.observation_space, env.action_space):
-            if isinstance(space, gym.spaces.Discrete):
-                shapes += [(), torch.int64]
-            elif isinstance(space, gym.spaces.Box):
-                shapes += [tuple(space.shape), torch.float32]
-            else:
-                raise ArgsError(f"--env-id: space {space} is not supported (a Box or a Discrete one is)")
-        return EnvSpec(*shapes, env.observation_space, env.action_space)
-
-
 # ---- Env workers (Sec. 2.1, Fig. 2): processes that write into preallocated shared CPU memory -------------------------
 @dataclass
 class SharedSlots:
@@ -389,12 +364,20 @@ class SharedSlots:
     busy_time: torch.Tensor  # (N,) float64: seconds the env's last step took in its worker (simulation time)
 
     @staticmethod
-    def allocate(num_envs: int, spec: EnvSpec) -> "SharedSlots":
+    def allocate(num_envs: int, env: EnvAdapter) -> "SharedSlots":
+        """Slots for num_envs copies of `env`; a Box is stored as float32, a Discrete space as its int64 index."""
         def shared(shape, dtype):
             return torch.zeros((num_envs, *shape), dtype=dtype).share_memory_()
 
-        return SharedSlots(obs=shared(spec.obs_shape, spec.obs_dtype), final_obs=shared(spec.obs_shape, spec.obs_dtype),
-                           action=shared(spec.act_shape, spec.act_dtype), reward=shared((), torch.float64),
+        def slot_for(space: gym.Space) -> torch.Tensor:
+            if isinstance(space, gym.spaces.Discrete):
+                return shared((), torch.int64)
+            if isinstance(space, gym.spaces.Box):
+                return shared(space.shape, torch.float32)
+            raise ArgsError(f"--env-id: space {space} is not supported (a Box or a Discrete one is)")
+
+        return SharedSlots(obs=slot_for(env.observation_space), final_obs=slot_for(env.observation_space),
+                           action=slot_for(env.action_space), reward=shared((), torch.float64),
                            terminated=shared((), torch.bool), truncated=shared((), torch.bool),
                            success=shared((), torch.bool), busy_time=shared((), torch.float64))
 
@@ -745,11 +728,6 @@ class Agent(nn.Module):
         return logprob, entropy, value
 
 
-def make_agent(args: Args, spec: EnvSpec) -> Agent:
-    return Agent(spec.observation_space, spec.action_space, args.hidden_sizes, args.recurrent, args.lstm_hidden_size,
-                 args.lstm_layers, args.ent_coef, args.learned_ent_coef)
-
-
 # ---- Rollout storage and collection (Sec. 2.1, 2.2) -------------------------------------------------------------------
 class RolloutStorage:
     """The steps of one rollout, one row per (env, step) in the order the policy acted: a linear buffer, since VER
@@ -760,10 +738,10 @@ class RolloutStorage:
     TENSORS = ("obs", "actions", "logprobs", "values", "next_values", "hidden_h", "hidden_c")
     ARRAYS = ("rewards", "complete", "env_ids", "episode_ids", "versions")
 
-    def __init__(self, capacity: int, spec: EnvSpec, lstm_shape: Optional[tuple], device):
+    def __init__(self, capacity: int, slots: SharedSlots, lstm_shape: Optional[tuple], device):
         self.device, self.size = device, 0
-        self.obs = torch.zeros((capacity, *spec.obs_shape), dtype=spec.obs_dtype, device=device)
-        self.actions = torch.zeros((capacity, *spec.act_shape), dtype=spec.act_dtype, device=device)
+        self.obs = torch.zeros((capacity, *slots.obs.shape[1:]), dtype=slots.obs.dtype, device=device)
+        self.actions = torch.zeros((capacity, *slots.action.shape[1:]), dtype=slots.action.dtype, device=device)
         self.logprobs = torch.zeros(capacity, device=device)
         self.values = torch.zeros(capacity, device=device)
         self.next_values = torch.full((capacity,), math.nan, device=device)  # V(s_{t+1}) for GAE, once known
@@ -876,15 +854,14 @@ class Collector:
     (or at the rollout's end); at an episode end it is V(true last observation) from the env's own recurrent
     state, or 0 at a termination with --bootstrap-at-done truncated."""
 
-    def __init__(self, args: Args, workers: EnvWorkers, slots: SharedSlots, agent: Agent, spec: EnvSpec,
-                 device):
+    def __init__(self, args: Args, workers: EnvWorkers, slots: SharedSlots, agent: Agent, device):
         self.args, self.workers, self.slots, self.agent, self.device = args, workers, slots, agent, device
         N = self.N = args.num_envs
         self.T = args.num_steps
         self.quota = None if args.variable_experience else self.T  # NoVER and sync: T steps from every env
         self.min_batch, self.max_batch = args.inference_min_batch, args.inference_max_batch
         self.policy_step_time = 0.02  # running mean of one inference, for the adaptive wait
-        self.storage = RolloutStorage((self.T + 2) * N, spec, agent.lstm_shape, device)
+        self.storage = RolloutStorage((self.T + 2) * N, slots, agent.lstm_shape, device)
         self.state = agent.initial_state(N, device)  # recurrent state after each env's last action
         self.policy_version = 0
         self.inflight = np.full(N, -1)  # stepping or arrived: the row of the env's step whose result is not read yet
@@ -1268,8 +1245,6 @@ def main(args: Args) -> dict:
     device = world.device
     if device.type == "cpu":
         torch.set_num_threads(1)  # leave the cores to the env workers
-    random.seed(args.seed + world.rank)
-    np.random.seed(args.seed + world.rank)
     torch.manual_seed(args.seed)  # the same initial weights on every rank
     torch.backends.cudnn.deterministic = True
 
@@ -1286,11 +1261,12 @@ def main(args: Args) -> dict:
                        config=asdict(args), name=run_name, save_code=True)
         writer = SummaryWriter(str(run_dir))
 
-    # The evaluation env (rank 0's) tells the spaces; then the network and the checkpoint.
+    # The evaluation env (rank 0's) tells the spaces: the shared slots, the network; then the checkpoint.
     video_dir = str(run_dir / "videos") if args.capture_video and world.rank == 0 else None
     eval_env = make_env(args, evaluation=True, video_dir=video_dir)
-    spec = EnvSpec.of(eval_env)
-    agent = make_agent(args, spec).to(device)
+    slots = SharedSlots.allocate(args.num_envs, eval_env)
+    agent = Agent(eval_env.observation_space, eval_env.action_space, args.hidden_sizes, args.recurrent,
+                  args.lstm_hidden_size, args.lstm_layers, args.ent_coef, args.learned_ent_coef).to(device)
     optimizer = torch.optim.Adam(agent.parameters(), lr=args.learning_rate, eps=1e-5)
     global_step, iteration = 0, 0  # iteration = updates made = the policy version
     if args.checkpoint:
@@ -1335,9 +1311,8 @@ def main(args: Args) -> dict:
         worker_args = args
         if world.rank == 0 and world.world_size > 1:  # --slow-rank-factor: rank 0 simulates slower
             worker_args = replace(args, toy=replace(args.toy, step_time_mean=args.toy.step_time_mean * args.slow_rank_factor))
-        slots = SharedSlots.allocate(args.num_envs, spec)
         workers = EnvWorkers(worker_args, slots, base_seed=args.seed + world.rank * args.num_envs)
-        collector = Collector(args, workers, slots, agent, spec, device)
+        collector = Collector(args, workers, slots, agent, device)
         collector.policy_version = iteration
         if args.env_kind == "toy":
             targets = draw_target_actions(args.toy).to(device)

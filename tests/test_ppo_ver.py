@@ -407,13 +407,14 @@ def test_recurrent_collector_matches_a_step_by_step_recomputation_over_the_logge
                                      variable_experience=mode == "ver", sync=mode == "sync", cuda=False, recurrent=True,
                                      hidden_sizes=(16,), lstm_hidden_size=8, bootstrap_at_done=bootstrap,
                                      inference_min_batch=None if mode == "sync" else 1), world_size=1)
-    spec = ver.EnvSpec.of(ver.make_env(args))
+    env = ver.make_env(args)
     torch.manual_seed(0)
-    agent = ver.make_agent(args, spec)
-    slots = ver.SharedSlots.allocate(N, spec)
+    agent = ver.Agent(env.observation_space, env.action_space, args.hidden_sizes, args.recurrent, args.lstm_hidden_size,
+                      args.lstm_layers, args.ent_coef, args.learned_ent_coef)
+    slots = ver.SharedSlots.allocate(N, env)
     test_state = {"version": 0}
     workers = FakeWorkers(args, slots, [0.9, 0.6, 0.3, 0.15], test_state)
-    collector = ver.Collector(args, workers, slots, agent, spec, torch.device("cpu"))
+    collector = ver.Collector(args, workers, slots, agent, torch.device("cpu"))
     weights, batches, carried = [], [], 0
     for k in range(K):
         weights.append(copy.deepcopy(agent.state_dict()))
