@@ -85,7 +85,7 @@ def run_ppo_ver(args: list[str], nproc: int = 1, timeout: int = 3600) -> str:
     out = tempfile.mkdtemp(prefix="ver_bench_")
     launcher = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
                                                      "--nproc_per_node", str(nproc)]
-    proc = subprocess.run(launcher + [str(SCRIPT), "--output-dir", out, "--no-progress-bar", *args], cwd=ROOT,
+    proc = subprocess.run(launcher + [str(SCRIPT), "--output-dir", out, *args], cwd=ROOT,
                           capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0:
         raise RuntimeError(f"ppo_ver.py {' '.join(args)} failed:\n{proc.stderr[-4000:]}")
@@ -123,7 +123,7 @@ def throughput_args(o: Options, mode: str, spread: float, seed: int, cuda: bool)
     return ["--env-id", "ToyChain-v0", "--num-envs", str(o.num_envs), "--num-steps", str(o.num_steps),
             "--total-timesteps", str(o.iterations * o.num_envs * o.num_steps), "--seed", str(seed),
             "--toy.step-time-mean", str(o.step_time_ms / 1000), "--toy.step-time-spread", str(spread),
-            "--toy.step-time-jitter", str(o.jitter), "--toy.autoreset-mode", "same_step", "--eval-freq", "0",
+            "--toy.step-time-jitter", str(o.jitter), "--eval-freq", "0",
             "--num-eval-episodes", "1", "--cuda" if cuda else "--no-cuda", *MODES[mode]]
 
 

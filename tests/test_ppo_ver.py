@@ -1,7 +1,8 @@
 """ppo_ver.py: sequences and packing, the packed LSTM, GAE over variable-length sequences, VER minibatches,
-importance weights, the preemption rule, the collector (VER, NoVER, sync, both autoreset modes, inflight actions),
-argument validation, and smoke runs as a user runs the script (ToyChain with heterogeneous step times, ManiSkill,
-Gymnasium envs, --recurrent, torchrun, worker crashes, Ctrl-C)."""
+importance weights, the PPO loss and learned entropy coefficient, the preemption rules, the recurrent collector
+(VER, NoVER, sync; inflight actions; --bootstrap-at-done) against a step-by-step recomputation, argument validation,
+and runs as a user runs the script (ToyChain with heterogeneous step times, ManiSkill, Gymnasium envs, --recurrent,
+torchrun with a straggling rank, worker crashes, Ctrl-C)."""
 
 import copy
 import glob
@@ -99,7 +100,7 @@ def test_packed_forward_equals_step_by_step_with_resets_at_episode_starts(device
             state = (state[0] * keep, state[1] * keep)
             stored_h.append(state[0].transpose(0, 1))
             stored_c.append(state[1].transpose(0, 1))
-            dist, value, state = agent._step(obs[t], state)
+            dist, value, state = agent.step(obs[t], state)
             logprob, entropy = agent._log_prob_entropy(dist, actions[t])
             ref_logprob.append(logprob), ref_entropy.append(entropy), ref_value.append(value)
     ref = [torch.stack(x) for x in (ref_logprob, ref_entropy, ref_value)]  # (steps, n_envs)
@@ -130,15 +131,15 @@ def test_packed_forward_equals_step_by_step_with_resets_at_episode_starts(device
 # ----------------------------------------------------------------------------------------------------------------------
 # GAE over variable-length sequences
 # ----------------------------------------------------------------------------------------------------------------------
-def reference_gae_per_env(rewards, values, next_values, terminated, done, gamma, lam):
+def reference_gae_per_env(rewards, values, next_values, done, gamma, lam):
     """Independent reference on one env's steps in time order (one rollout): sum (gamma lam)^l delta_{t+l} until
-    the episode or the rollout ends."""
+    the episode or the rollout ends (next_values: 0 after a termination that bootstraps nothing)."""
     n = len(rewards)
     adv = np.zeros(n)
     for t in range(n):
         total, coef = 0.0, 1.0
         for u in range(t, n):
-            total += coef * (rewards[u] + gamma * (0.0 if terminated[u] else next_values[u]) - values[u])
+            total += coef * (rewards[u] + gamma * next_values[u] - values[u])
             if done[u]:
                 break
             coef *= gamma * lam
@@ -166,14 +167,13 @@ def test_gae_on_variable_length_sequences_equals_a_per_env_reference(seed):
     expected = np.zeros(n)
     for e in range(n_envs):
         rows = np.flatnonzero(env_ids == e)
-        expected[rows] = reference_gae_per_env(rewards[rows], values[rows], next_values[rows], terminated[rows],
+        expected[rows] = reference_gae_per_env(rewards[rows], values[rows], next_values[rows] * ~terminated[rows],
                                                done[rows], GAMMA, LAM)
 
     order, lengths = ver.build_sequences(env_ids, episode_ids)
     select, batch_sizes, _ = ver.pack_layout(lengths)
     t = lambda x: torch.as_tensor(x[order][select], dtype=torch.float64)  # noqa: E731
-    packed = ver.compute_gae_packed(t(rewards), t(values), t(next_values), torch.as_tensor(terminated[order][select]),
-                                    batch_sizes, GAMMA, LAM)
+    packed = ver.compute_gae_packed(t(rewards), t(values), t(next_values * ~terminated), batch_sizes, GAMMA, LAM)
     advantages = torch.empty_like(packed)
     advantages[torch.as_tensor(select)] = packed  # back to sequence order
     got = np.empty(n)
@@ -187,9 +187,8 @@ def test_gae_packed_hand_worked():
     select, batch_sizes, _ = ver.pack_layout(np.array([2, 1]))
     assert select.tolist() == [0, 2, 1]
     f = lambda *x: torch.tensor(x, dtype=torch.float64)  # noqa: E731
-    adv = ver.compute_gae_packed(f(1, 3, 2), f(0.5, 1.5, 1.0), f(1.0, 2.5, 7.0), torch.tensor([False, False, True]),
-                                 batch_sizes, GAMMA, LAM)
-    # A1 = 2 - 1 = 1 (terminal); A0 = (1 + .9*1 - .5) + .72*1 = 2.12; B0 = 3 + .9*2.5 - 1.5 = 3.75
+    adv = ver.compute_gae_packed(f(1, 3, 2), f(0.5, 1.5, 1.0), f(1.0, 2.5, 0.0), batch_sizes, GAMMA, LAM)
+    # A1 = 2 - 1 = 1 (terminal: next value 0); A0 = (1 + .9*1 - .5) + .72*1 = 2.12; B0 = 3 + .9*2.5 - 1.5 = 3.75
     np.testing.assert_allclose(adv.numpy(), [2.12, 3.75, 1.0])
 
 
@@ -257,10 +256,10 @@ def ppo_update_inputs(learned_ent_coef):
     with torch.no_grad():
         logprob, _, value = agent.evaluate(obs, actions)
     x = torch.linspace(-1, 1, n)
-    batch = ver.Batch(obs=obs, actions=actions, logprobs=logprob + 0.3 * x, values=value + 0.1 * x,
-                      advantages=torch.randn(n), returns=value + torch.randn(n), weights=torch.linspace(0.2, 1.0, n),
-                      hidden_h=None, hidden_c=None, lengths=np.array([4, 6]), versions=np.zeros(n, int),
-                      env_ids=np.zeros(n, int))
+    batch = dict(obs=obs, actions=actions, logprobs=logprob + 0.3 * x, values=value + 0.1 * x,
+                 advantages=torch.randn(n), returns=value + torch.randn(n), weights=torch.linspace(0.2, 1.0, n),
+                 hidden_h=None, hidden_c=None, lengths=np.array([4, 6]), versions=np.zeros(n, int),
+                 env_ids=np.zeros(n, int))
     args = replace(ver.Args(), update_epochs=1, num_minibatches=1, norm_adv=False, max_grad_norm=1e9,
                    learned_ent_coef=learned_ent_coef, target_entropy=0.7, clip_coef=0.2, vf_coef=0.5)
     return agent, batch, args
@@ -270,26 +269,23 @@ def ppo_update_inputs(learned_ent_coef):
 def test_ppo_update_gradient_equals_the_weighted_losses_of_sec_4(learned_ent_coef):
     """The gradients of one PPO minibatch update equal those of the Sec. 4 loss written out independently: every term
     weighted by the truncated importance weights w, the entropy bonus scaled by the stop-gradient alpha, and (learned
-    coefficient) alpha * ([H]_sg - lambda) as the only loss on log alpha."""
+    coefficient) alpha * ([unweighted mean entropy]_sg - lambda) as the only loss on log alpha."""
     agent, batch, args = ppo_update_inputs(learned_ent_coef)
     reference = copy.deepcopy(agent)
-    # Reference gradients, from the formulas (one minibatch, so the step order does not matter).
-    logprob, entropy, value = reference.evaluate(batch.obs, batch.actions)
-    ratio, w, adv = (logprob - batch.logprobs).exp(), batch.weights, batch.advantages
+    logprob, entropy, value = reference.evaluate(batch["obs"], batch["actions"])
+    ratio, w, adv = (logprob - batch["logprobs"]).exp(), batch["weights"], batch["advantages"]
     surrogate = torch.minimum(adv * ratio, adv * ratio.clamp(0.8, 1.2))
-    v_clipped = batch.values + (value - batch.values).clamp(-0.2, 0.2)
-    v_loss = 0.5 * torch.maximum((value - batch.returns) ** 2, (v_clipped - batch.returns) ** 2)
+    v_clipped = batch["values"] + (value - batch["values"]).clamp(-0.2, 0.2)
+    v_loss = 0.5 * torch.maximum((value - batch["returns"]) ** 2, (v_clipped - batch["returns"]) ** 2)
     alpha = reference.log_ent_coef.exp()
-    h = (w * entropy).sum() / len(w)
-    loss = -(w * surrogate).sum() / len(w) + 0.5 * (w * v_loss).sum() / len(w) - alpha.detach() * h
+    loss = -(w * surrogate).sum() / len(w) + 0.5 * (w * v_loss).sum() / len(w) - alpha.detach() * (w * entropy).sum() / len(w)
+    h = entropy.sum() / len(w)  # unweighted: the importance weights (< 1 here) would bias it low
     if learned_ent_coef:
         loss = loss + alpha * (h.detach() - 0.7)
     loss.backward()
 
-    params = [p for p in agent.parameters()]
-    optimizer = torch.optim.SGD(params, lr=0.0)  # lr 0: the update leaves the weights, and its gradients, to compare
+    optimizer = torch.optim.SGD(agent.parameters(), lr=0.0)  # lr 0: the weights stay, their gradients are compared
     out = ver.ppo_update(args, agent, optimizer, batch, ver.World(), np.random.default_rng(0))
-    assert out["minibatch_updates"] == 1
     for (name, p), p_ref in zip(agent.named_parameters(), reference.parameters()):
         torch.testing.assert_close(p.grad, p_ref.grad, msg=name)
     assert 0 < out["clipfrac"] < 1  # some ratios were clipped, so the clipped branch was exercised
@@ -297,15 +293,20 @@ def test_ppo_update_gradient_equals_the_weighted_losses_of_sec_4(learned_ent_coe
         torch.testing.assert_close(agent.log_ent_coef.grad, (0.5 * (h - 0.7)).detach())
 
 
-def test_learned_entropy_coefficient_moves_towards_the_target_entropy():
-    """alpha grows while the policy's entropy is below the target and shrinks while it is above (Sec. 4)."""
-    for target, direction in ((10.0, 1), (0.0, -1)):  # 4 actions: entropy <= log 4 = 1.39
+def test_learned_entropy_coefficient_moves_towards_the_target_and_stays_in_its_bounds():
+    """alpha grows while the policy's entropy is below the target and shrinks while it is above (Sec. 4), and stays
+    within [1e-4, 1] (habitat-lab's bounds) however long it is pushed."""
+    for target, direction, bound in ((10.0, 1, 1.0), (0.0, -1, 1e-4)):  # 4 actions: entropy <= log 4 = 1.39
         agent, batch, args = ppo_update_inputs(True)
         args = replace(args, target_entropy=target)
         before = float(agent.log_ent_coef.detach())
         optimizer = torch.optim.Adam(agent.parameters(), lr=0.01)
         ver.ppo_update(args, agent, optimizer, batch, ver.World(), np.random.default_rng(0))
         assert direction * (float(agent.log_ent_coef.detach()) - before) == pytest.approx(0.01, rel=1e-3)  # Adam's first step
+        optimizer = torch.optim.SGD(agent.parameters(), lr=100.0)
+        for _ in range(3):
+            ver.ppo_update(args, agent, optimizer, batch, ver.World(), np.random.default_rng(0))
+        assert float(agent.log_ent_coef.detach().exp()) == pytest.approx(bound, rel=1e-5)
 
 
 def test_preemption_rule_hand_worked():
@@ -330,17 +331,17 @@ def test_fill_from_previous_tops_up_with_whole_old_sequences_cut_to_size():
     def batch(lengths, tag):
         n = int(np.sum(lengths))
         x = torch.arange(n, dtype=torch.float32) + tag
-        return ver.Batch(obs=x, actions=x, logprobs=x, values=x, advantages=x, returns=x, weights=x, hidden_h=None,
-                         hidden_c=None, lengths=np.array(lengths), versions=np.full(n, tag), env_ids=np.zeros(n, int))
+        return dict(obs=x, actions=x, logprobs=x, values=x, advantages=x, returns=x, weights=x, hidden_h=None,
+                    hidden_c=None, lengths=np.array(lengths), versions=np.full(n, tag), env_ids=np.zeros(n, int))
 
     fresh, old = batch([3, 2], 100), batch([4, 4, 4], 0)
     filled = ver.fill_from_previous(fresh, old, 12, np.random.default_rng(0))
-    assert len(filled) == 12 and filled.lengths[:2].tolist() == [3, 2] and filled.lengths.sum() == 12
-    assert filled.obs[:5].tolist() == [100, 101, 102, 103, 104]
-    old_part = filled.obs[5:].long().tolist()  # 7 old steps: one whole sequence of 4, then 3 of another
-    assert filled.lengths[2:].tolist() == [4, 3] and old_part[0] % 4 == 0 and old_part[4] % 4 == 0
+    assert filled["lengths"][:2].tolist() == [3, 2] and filled["lengths"].sum() == len(filled["obs"]) == 12
+    assert filled["obs"][:5].tolist() == [100, 101, 102, 103, 104] and filled["hidden_h"] is None
+    old_part = filled["obs"][5:].long().tolist()  # 7 old steps: one whole sequence of 4, then 3 of another
+    assert filled["lengths"][2:].tolist() == [4, 3] and old_part[0] % 4 == 0 and old_part[4] % 4 == 0
     assert old_part[:4] == list(range(old_part[0], old_part[0] + 4))
-    assert (filled.versions[5:] == 0).all()
+    assert (filled["versions"][5:] == 0).all()
     assert ver.fill_from_previous(fresh, old, 5, np.random.default_rng(0)) is fresh
 
 
@@ -349,14 +350,14 @@ def test_fill_from_previous_tops_up_with_whole_old_sequences_cut_to_size():
 # ----------------------------------------------------------------------------------------------------------------------
 class FakeWorkers:
     """Stands in for EnvWorkers: the envs step in this process when poll() lets them arrive, each stepping env
-    arriving with its own probability per poll (heterogeneous speeds, action-level randomness). Logs every
-    transition: (obs, action, reward, terminated, truncated, true next obs)."""
+    arriving with its own probability per poll (heterogeneous speeds). Logs every transition of every env:
+    (obs, action, policy version that acted, reward, terminated, truncated, true next obs)."""
 
-    def __init__(self, args, slots, arrive_prob, seed=0):
+    def __init__(self, args, slots, arrive_prob, test_state, seed=0):
         self.envs = [ver.make_env(args) for _ in range(args.num_envs)]
-        self.slots, self.p, self.rng = slots, np.asarray(arrive_prob), np.random.default_rng(seed)
+        self.slots, self.p, self.rng, self.test_state = slots, np.asarray(arrive_prob), np.random.default_rng(seed), test_state
         self.log = {e: [] for e in range(args.num_envs)}
-        self.current = {}
+        self.current, self.acted = {}, {}
         self.initial = list(range(args.num_envs))
         self.stepping = []
         for e, env in enumerate(self.envs):
@@ -365,175 +366,169 @@ class FakeWorkers:
 
     def send_step(self, envs):
         assert not set(envs) & set(self.stepping)  # never an action for an env that is still stepping
+        for e in envs:
+            self.acted[int(e)] = (self.slots.action[e].numpy().copy(), self.test_state["version"])
         self.stepping += [int(e) for e in envs]
 
     def poll(self, timeout):
         if self.initial:
             arrived, self.initial = self.initial, []
             return arrived
-        if not self.stepping:
-            return []
-        chosen = [e for e in self.stepping if self.rng.random() < self.p[e]] or [self.stepping[0]]
+        chosen = [e for e in self.stepping if self.rng.random() < self.p[e]] or self.stepping[:1]
         for e in chosen:
             self.stepping.remove(e)
-            action = self.slots.action[e].numpy().copy()
+            action, version = self.acted[e]
             obs, reward, terminated, truncated, final, success = self.envs[e].step(action)
-            self.log[e].append((self.current[e], action, reward, terminated, truncated, obs if final is None else final))
+            self.log[e].append((self.current[e], action, version, reward, terminated, truncated,
+                                obs if final is None else final))
             s = self.slots
             s.obs[e], s.reward[e], s.terminated[e], s.truncated[e] = torch.as_tensor(obs), reward, terminated, truncated
-            s.has_final_obs[e], s.success[e], s.busy_time[e] = final is not None, success, 0.001
+            s.success[e], s.busy_time[e] = success, 0.001
             if final is not None:
                 s.final_obs[e] = torch.as_tensor(final)
             self.current[e] = obs
         return chosen
 
 
-@pytest.mark.parametrize("mode", ["ver", "nover", "sync"])
-@pytest.mark.parametrize("autoreset", ["next_step", "same_step"])
-def test_collector_rollouts_bootstrap_and_gae_match_a_reference_on_the_logged_trajectories(mode, autoreset):
-    """Rollouts of T x N steps (VER: any env; NoVER/sync: T each), no step lost or repeated across rollouts
-    (inflight actions carried over), and advantages equal a per-env GAE reference computed from the envs' own
-    transitions with V of the true next observation (zero at terminations)."""
-    T, N = 6, 4
-    toy = ToyChainConfig(horizon=8, block_length=2, num_actions=3, progression_prob=0.5, terminal_horizon=False,
-                         autoreset_mode=autoreset)
+@pytest.mark.parametrize("mode, terminal, bootstrap", [("ver", False, "truncated"), ("ver", True, "truncated"),
+                                                        ("ver", True, "always"), ("nover", False, "truncated"),
+                                                        ("sync", True, "always")])
+def test_recurrent_collector_matches_a_step_by_step_recomputation_over_the_logged_trajectories(mode, terminal, bootstrap):
+    """The LSTM agent's weights change after every rollout. Recomputed step by step over each env's logged
+    transitions, with the weights of the version that acted and a zero state at episode starts: the stored
+    recurrent state (the one the step acted from), log-probability, value and version of every step, and its
+    advantage and return, where V(s_{t+1}) comes from the version of the rollout that completed the step, at an
+    episode end from the true last observation and the env's own recurrent state (0 at a termination with
+    --bootstrap-at-done truncated). Rollouts have T x N steps (NoVER/sync: T from each env), faster envs give more
+    steps in VER, and the steps in flight are carried into the next rollout, none lost or repeated."""
+    T, N, K = 6, 4, 10
+    toy = ToyChainConfig(horizon=8, block_length=2, num_actions=3, progression_prob=0.5, terminal_horizon=terminal)
     args = ver.resolve_args(ver.Args(env_id="ToyChain-v0", num_envs=N, num_steps=T, toy=toy, num_minibatches=1,
-                                     variable_experience=mode == "ver", sync=mode == "sync", cuda=False,
-                                     inference_max_wait_ms=0.0 if mode != "sync" else None,
-                                     inference_min_batch=1 if mode != "sync" else None), world_size=1)
-    spec = ver.EnvSpec.of(ver.make_env(args))
+                                     variable_experience=mode == "ver", sync=mode == "sync", cuda=False, recurrent=True,
+                                     hidden_sizes=(16,), lstm_hidden_size=8, bootstrap_at_done=bootstrap,
+                                     inference_min_batch=None if mode == "sync" else 1), world_size=1)
+    env = ver.make_env(args)
     torch.manual_seed(0)
-    agent = ver.make_agent(args, spec)
-    slots = ver.SharedSlots.allocate(N, spec)
-    workers = FakeWorkers(args, slots, arrive_prob=[0.9, 0.6, 0.3, 0.15])
-    collector = ver.Collector(args, workers, slots, agent, spec, None, torch.device("cpu"))
-    collector.wait_until_ready()
-    batches, carried, unequal = [], 0, False
-    for _ in range(12):
+    agent = ver.Agent(env.observation_space, env.action_space, args.hidden_sizes, args.recurrent, args.lstm_hidden_size,
+                      args.lstm_layers, args.ent_coef, args.learned_ent_coef)
+    slots = ver.SharedSlots.allocate(N, env)
+    test_state = {"version": 0}
+    workers = FakeWorkers(args, slots, [0.9, 0.6, 0.3, 0.15], test_state)
+    collector = ver.Collector(args, workers, slots, agent, torch.device("cpu"))
+    weights, batches, carried = [], [], 0
+    for k in range(K):
+        weights.append(copy.deepcopy(agent.state_dict()))
         stats = collector.collect()
-        assert stats.collected == T * N and not stats.preempted
-        steps = collector.steps_in_rollout.copy()
+        assert stats.env_steps == T * N and not stats.preempted
+        steps = collector.steps_in_rollout
         if mode == "ver":
-            unequal |= steps.min() != steps.max()
+            assert steps[0] > steps[1] > steps[3], steps  # the fastest env contributes most, the slowest least
         else:
-            assert (steps == T).all()  # NoVER and sync: exactly T steps from every env
-        batch = collector.build_batch(GAMMA, LAM, 1.0)
-        assert len(batch) == T * N
-        collector.start_next_rollout()
-        carried += collector.stats.carried
+            assert (steps == T).all()
+        batch = ver.build_batch(collector.storage, N, T, GAMMA, LAM)
+        assert batch["lengths"].sum() == T * N
         batches.append(batch)
-    if mode == "ver":
-        assert unequal and carried > 0  # fast envs contribute more; inflight actions are carried over
-    else:
-        assert carried == 0
+        collector.start_next_rollout(k + 1)
+        carried += collector.stats.carried
+        test_state["version"] = k + 1
+        with torch.no_grad():  # a learner's update: new weights for the next rollout
+            for p in agent.parameters():
+                p.add_(0.3 * torch.randn_like(p))
+    assert (carried > 0) == (mode == "ver")
     if mode == "sync":
-        assert all(size == N for size in collector.stats.batch_sizes) or autoreset == "next_step"
+        assert set(collector.stats.batch_sizes) == {N}
 
-    def value(o):
-        with torch.no_grad():
-            return float(agent.get_value(torch.as_tensor(np.array([o])), None)[0])
-
+    policies = []
+    for state in weights:
+        policy = copy.deepcopy(agent)
+        policy.load_state_dict(state)
+        policies.append(policy)
     for e in range(N):
-        # The env's trainable transitions (next-step mode: not the reset step after an episode end), in order.
-        transitions, stale = [], False
-        for tr in workers.log[e]:
-            if not stale:
-                transitions.append(tr)
-            stale = autoreset == "next_step" and (tr[3] or tr[4])
-        position = 0
-        for batch in batches:
-            mine = np.flatnonzero(batch.env_ids == e)  # this rollout's steps of env e, in time order
-            segment = transitions[position:position + len(mine)]
-            position += len(mine)
-            assert [int(o) for o, *_ in segment] == batch.obs[mine].tolist()
-            assert [int(a) for _, a, *_ in segment] == batch.actions[mine].tolist()
-            rewards = np.array([r for _, _, r, *_ in segment])
-            terminated = np.array([te for *_, te, _, _ in segment])
-            done = np.array([te or tr for *_, te, tr, _ in segment])
-            values = np.array([value(o) for o, *_ in segment])
-            next_values = np.array([value(n) for *_, n in segment])
-            expected = reference_gae_per_env(rewards, values, next_values, terminated, done, GAMMA, LAM)
-            np.testing.assert_allclose(batch.advantages[mine].numpy(), expected, rtol=1e-5, atol=1e-5)
-            np.testing.assert_allclose(batch.returns[mine].numpy(), expected + values, rtol=1e-5, atol=1e-5)
-        assert position > 0
+        state = None
+        rows = []  # (batch index, row in it) of env e's steps, in time order
+        for k, batch in enumerate(batches):
+            rows += [(k, i) for i in np.flatnonzero(batch["env_ids"] == e)]
+        assert len(rows) > 0 and len(workers.log[e]) >= len(rows)
+        expected = {}
+        for (k, i), (obs, action, version, reward, terminated, truncated, next_obs) in zip(rows, workers.log[e]):
+            if state is None:
+                state = policies[0].initial_state(1, "cpu")
+            with torch.no_grad():
+                dist, value, next_state = policies[version].step(torch.tensor([int(obs)]), state)
+                if terminated and bootstrap == "truncated":
+                    next_value = 0.0
+                else:
+                    next_value = float(policies[k].get_value(torch.tensor([int(next_obs)]), next_state)[0])
+            batch = batches[k]
+            assert batch["versions"][i] == version and int(batch["obs"][i]) == int(obs)
+            torch.testing.assert_close(batch["hidden_h"][i], state[0][:, 0], atol=1e-6, rtol=1e-5)
+            torch.testing.assert_close(batch["hidden_c"][i], state[1][:, 0], atol=1e-6, rtol=1e-5)
+            assert float(batch["logprobs"][i]) == pytest.approx(float(dist.log_prob(torch.tensor(int(action)))), abs=1e-5)
+            assert float(batch["values"][i]) == pytest.approx(float(value), abs=1e-5)
+            expected.setdefault(k, []).append((i, reward, float(value), next_value, terminated or truncated))
+            state = None if terminated or truncated else next_state
+        for k, steps in expected.items():
+            i, reward, value, next_value, done = (np.array(x) for x in zip(*steps))
+            advantages = reference_gae_per_env(reward, value, next_value, done, GAMMA, LAM)
+            np.testing.assert_allclose(batches[k]["advantages"][i].numpy(), advantages, atol=1e-4)
+            np.testing.assert_allclose(batches[k]["returns"][i].numpy(), advantages + value, atol=1e-4)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
 # Argument validation (before any env or process starts)
 # ----------------------------------------------------------------------------------------------------------------------
-def test_sync_is_nover_with_the_whole_batch_and_defaults_follow_habitat_lab():
+def test_defaults_follow_habitat_lab_and_conventions():
     a = ver.resolve_args(ver.Args(num_envs=6, sync=True, cuda=False), world_size=1)
     assert (a.variable_experience, a.inference_min_batch, a.inference_max_batch) == (False, 6, 6)
     a = ver.resolve_args(ver.Args(num_envs=16, cuda=False), world_size=1)
     assert (a.variable_experience, a.inference_min_batch, a.inference_max_batch) == (True, 10, 16)  # N / 1.5, N
+    assert a.bootstrap_at_done == "truncated" and a.toy.autoreset_mode == "same_step" and a.sync_frac == 0.6
     a = ver.resolve_args(ver.Args(num_envs=8, num_steps=16, total_timesteps=10_000, cuda=False), world_size=2)
     assert a.batch_size == 128 and a.num_iterations == 10_000 // 256
+    assert ver.resolve_args(ver.Args(env_id="CartPole-v1", cuda=False), world_size=1).bootstrap_at_done == "truncated"
 
 
 @pytest.mark.parametrize(
     "kwargs, message",
     [
         (dict(sync=True, inference_min_batch=2), "--sync steps all N envs"),
-        (dict(num_envs=6, envs_per_worker=4), "--envs-per-worker"),
         (dict(num_envs=3, num_steps=7, num_minibatches=4), "--num-minibatches 4 equal minibatches"),
-        (dict(inference_min_batch=9, inference_max_batch=4, num_envs=8), "--inference-min-batch"),
         (dict(horizon=10), "--toy.horizon"),
-        (dict(learned_ent_coef=True, ent_coef=0.0), "--learned-ent-coef"),
-        (dict(is_clip_max=0.0), "--is-clip-max"),
         (dict(toy=ToyChainConfig(step_time_mean=-1.0)), "--toy.step-time-mean"),
         (dict(env_id="NoSuchEnv-v9"), "NoSuchEnv-v9"),
         (dict(evaluate=True), "--evaluate needs --checkpoint"),
         (dict(total_timesteps=10), "less than one rollout"),
-        (dict(dist_backend="nccl", cuda=False), "nccl needs CUDA"),
         (dict(env_id="CartPole-v1", capture_video=True), "--capture-video"),
-        (dict(num_envs=4, num_inference_workers=5), "--num-inference-workers must be between 1 and .* = 4, got 5"),
-        (dict(num_envs=8, envs_per_worker=4, num_inference_workers=3), "--num-inference-workers .* = 2, got 3"),
-        (dict(num_inference_workers=0), "--num-inference-workers must be between 1"),
-        (dict(num_inference_workers=2, sync=True), "--num-inference-workers > 1 is not supported with --sync"),
-        (dict(num_inference_workers=2, overlap_learning=True), "not supported with --overlap-learning"),
     ],
 )
 def test_bad_flag_combinations_are_rejected_with_the_flag_named(kwargs, message):
     with pytest.raises(ver.ArgsError, match=message):
-        ver.resolve_args(ver.Args(cuda=kwargs.pop("cuda", False), **kwargs), world_size=1)
-
-
-def test_combined_observation_statistics_of_inference_workers_equal_one_stream():
-    """K inference workers start from the same statistics and each merges its own observations: combining them
-    equals merging all of the observations into the starting statistics."""
-    g = torch.Generator().manual_seed(0)
-    start = ver.RunningMeanStd((3,), "cpu")
-    start.update(torch.randn(50, 3, generator=g) * 2 + 1)
-    parts = [torch.randn(n, 3, generator=g) * (i + 1) - i for i, n in enumerate([7, 30, 12])]
-    results = []
-    for x in parts:
-        worker = copy.deepcopy(start)
-        for chunk in x.split(5):
-            worker.update(chunk)
-        results.append(worker.state_dict())
-    reference = copy.deepcopy(start)
-    reference.update(torch.cat(parts))
-    combined = ver.combine_obs_rms(start.state_dict(), results)
-    for key in ("mean", "var", "count"):
-        torch.testing.assert_close(combined[key], reference.state_dict()[key], rtol=1e-4, atol=1e-4)
+        ver.resolve_args(ver.Args(cuda=False, **kwargs), world_size=1)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
-# Smoke tests: the script as a user runs it, asserting on what it wrote
+# The script as a user runs it, asserting on what it wrote
 # ----------------------------------------------------------------------------------------------------------------------
 SCRIPT = os.path.join(ROOT, "ppo_ver.py")
 HETEROGENEOUS_TOY = ["--env-id", "ToyChain-v0", "--num-envs", "4", "--num-steps", "16", "--toy.horizon", "20",
                      "--toy.step-time-mean", "0.002", "--toy.step-time-spread", "1.0", "--toy.step-time-jitter", "0.3",
-                     "--num-eval-episodes", "4", "--no-progress-bar", "--no-cuda"]
+                     "--num-eval-episodes", "4", "--no-cuda"]
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
 
 
-def run_script(args, tmp_path, timeout=600, check=True, launcher=None):
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+def run_script(args, tmp_path, timeout=300, check=True, launcher=None):
+    """Runs the script in its own process group, killed whole if it runs past `timeout` (no orphans)."""
     command = (launcher or [sys.executable]) + [SCRIPT, "--output-dir", str(tmp_path), *args]
-    proc = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                            env=dict(os.environ, PYTHONUNBUFFERED="1"), start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise
     if check:
-        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    return proc
+        assert proc.returncode == 0, out[-3000:] + err[-5000:]
+    return subprocess.CompletedProcess(command, proc.returncode, out, err)
 
 
 def only_run_dir(tmp_path, pattern="*"):
@@ -554,69 +549,29 @@ def scalars(run_dir):
     return {tag: [e.value for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
 
 
-@pytest.mark.parametrize("mode, autoreset", [("ver", "next_step"), ("nover", "same_step"), ("sync", "same_step"),
-                                            ("overlap", "same_step")])
-def test_toy_chain_with_heterogeneous_step_times(tmp_path, mode, autoreset):
-    """VER, NoVER and SyncOnRL from the same script on ToyChain with episode- and action-level stragglers (and VER
-    with --overlap-learning)."""
-    flag = {"ver": [], "nover": ["--no-variable-experience"], "sync": ["--sync"], "overlap": ["--overlap-learning"]}[mode]
-    run_script(HETEROGENEOUS_TOY + ["--total-timesteps", "640", "--eval-freq", "5", "--toy.autoreset-mode", autoreset]
-               + flag, tmp_path)
+@pytest.mark.parametrize("mode", ["ver", "nover", "sync"])
+def test_toy_chain_with_heterogeneous_step_times(tmp_path, mode):
+    """VER, NoVER and SyncOnRL from the same script on ToyChain with episode- and action-level stragglers."""
+    flag = {"ver": [], "nover": ["--no-variable-experience"], "sync": ["--sync"]}[mode]
+    run_script(HETEROGENEOUS_TOY + ["--total-timesteps", "640", "--eval-freq", "5"] + flag, tmp_path)
     run_dir = only_run_dir(tmp_path)
     summary, config = load_summary(run_dir), json.load(open(os.path.join(run_dir, "config.json")))
-    assert config["variable_experience"] == (mode in ("ver", "overlap")) and config["sync"] == (mode == "sync")
-    assert config["overlap_learning"] == (mode == "overlap")
-    if autoreset == "same_step":
-        assert summary["global_step"] == 640 and summary["iteration"] == 10
-    else:  # the ignored reset steps of next-step mode are env steps too, but not learned from
-        assert summary["global_step"] > 640
-    assert summary["sps"] > 0 and summary["ideal_sps"] > 0 and summary["env_busy_time_s"] > 0
+    assert config["variable_experience"] == (mode == "ver") and config["sync"] == (mode == "sync")
+    assert config["bootstrap_at_done"] == "truncated" and config["toy"]["autoreset_mode"] == "same_step"
+    assert summary["global_step"] == 640 and summary["iteration"] == 10 and summary["env_busy_time_s"] > 0
     for key in ("eval/return", "eval/success_at_end", "charts/episodic_return", "losses/value_loss", "toy/accuracy",
-                "time/collect", "time/learn", "time/inference", "time/wait", "time/env_step", "ver/env_utilization"):
+                "time/collect", "time/learn", "ver/env_utilization"):
         assert key in summary, key
     s = scalars(run_dir)
-    assert s["ver/steps_per_env_mean"] == [16.0] * len(s["charts/SPS"])  # T x N steps per rollout
     steps_min, steps_max = s["ver/steps_per_env_min"], s["ver/steps_per_env_max"]
-    if mode in ("ver", "overlap"):  # no per-env constraint: fast envs give more; inflight actions are carried over
-        assert max(b - a for a, b in zip(steps_min, steps_max)) > 0
-        assert min(s["ver/importance_weight_min"]) < 1.0 and max(s["ver/importance_weight_max"]) == 1.0
-    if mode == "ver":  # carried-over steps come from the previous policy
-        assert 0 < max(s["ver/stale_fraction"]) < 1 and max(s["ver/policy_version_gap_max"]) == 1.0
-    elif mode == "overlap":  # collected during the previous update: all one version old, carried ones two
-        assert set(s["ver/stale_fraction"][1:]) == {1.0} and max(s["ver/policy_version_gap_max"]) == 2.0
+    if mode == "ver":  # no per-env quota: fast envs give more; inflight actions are carried over
+        assert max(b - a for a, b in zip(steps_min, steps_max)) > 0 and max(s["ver/inflight_carried"]) > 0
+        assert min(s["ver/importance_weight_min"]) < 1.0 and 0 < max(s["ver/stale_fraction"]) < 1
     else:
-        assert steps_min == steps_max == [16.0] * len(steps_min)
-        assert set(s["ver/importance_weight_min"]) == {1.0} and set(s["ver/stale_fraction"]) == {0.0}
+        assert steps_min == steps_max == [16.0] * 10 and set(s["ver/importance_weight_min"]) == {1.0}
     if mode == "sync":  # step all envs, wait for all of them, act on all
-        assert set(s["ver/inference_batch_size_min"]) == set(s["ver/inference_batch_size_max"]) == {4.0}
-    assert s["eval/return"] and len(s["eval/return"]) == 2  # at iteration 5 and at the end
-
-
-@pytest.mark.parametrize("mode, autoreset", [("ver", "same_step"), ("nover", "next_step")])
-def test_two_inference_workers_collect_t_by_n_steps_per_rollout(tmp_path, mode, autoreset):
-    """--num-inference-workers 2: two inference processes, each serving 2 of the 4 env workers, collect exactly
-    T x N steps per rollout together (VER: from any envs, inflight actions carried over; NoVER: T from each)."""
-    flag = ["--recurrent"] if mode == "ver" else ["--no-variable-experience"]
-    run_script(HETEROGENEOUS_TOY + ["--total-timesteps", "640", "--eval-freq", "5", "--toy.autoreset-mode", autoreset,
-                                    "--num-inference-workers", "2"] + flag, tmp_path)
-    run_dir = only_run_dir(tmp_path)
-    summary = load_summary(run_dir)
-    config = json.load(open(os.path.join(run_dir, "config.json")))
-    assert summary["iteration"] == 10 and config["num_inference_workers"] == 2
-    if autoreset == "same_step":  # the K = 1 accounting: 10 rollouts of T x N = 64 steps
-        assert summary["global_step"] == 640
-    else:  # the ignored reset steps of next-step mode are env steps too, but not learned from
-        assert summary["global_step"] > 640
-    s = scalars(run_dir)
-    assert s["ver/steps_per_env_mean"] == [16.0] * 10  # T x N steps per rollout, over both inference workers
-    assert max(s["ver/inference_batch_size_max"]) <= 2  # each worker batches only its own 2 envs
-    assert min(s["ver/inference_batches"]) >= 64 / 2
-    if mode == "ver":
-        assert max(b - a for a, b in zip(s["ver/steps_per_env_min"], s["ver/steps_per_env_max"])) > 0
-        assert max(s["ver/inflight_carried"]) > 0 and 0 < max(s["ver/stale_fraction"]) < 1
-    else:
-        assert s["ver/steps_per_env_min"] == s["ver/steps_per_env_max"] == [16.0] * 10
-    assert summary["sps"] > 0 and "eval/return" in summary and "toy/accuracy" in summary
+        assert set(s["ver/inference_batch_size_mean"]) == {4.0}
+    assert len(s["eval/return"]) == 2  # at iteration 5 and at the end
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -624,13 +579,13 @@ def test_recurrent_save_resume_and_evaluate(tmp_path, device):
     """--recurrent (LSTM over packed sequences; cuDNN on a GPU), checkpoints that resume and evaluate."""
     first = tmp_path / "first"
     common = HETEROGENEOUS_TOY[:-1] + ["--recurrent", "--eval-freq", "2", "--toy.step-time-mean", "0.001",
-                                       "--toy.autoreset-mode", "same_step", "--cuda" if device == "cuda" else "--no-cuda"]
+                                       "--cuda" if device == "cuda" else "--no-cuda"]
     run_script(common + ["--total-timesteps", "256", "--save-model"], first)
     run_dir = only_run_dir(first)
     assert sorted(os.path.basename(p) for p in glob.glob(os.path.join(run_dir, "*.pt"))) == \
         ["ckpt_128.pt", "final_ckpt.pt"]
     ckpt = torch.load(os.path.join(run_dir, "final_ckpt.pt"), weights_only=False)
-    assert ckpt["global_step"] == 256 and ckpt["policy_version"] == ckpt["iteration"] == 4
+    assert ckpt["global_step"] == 256 and ckpt["iteration"] == 4
     assert any(k.startswith("lstm.") for k in ckpt["agent"]) and ckpt["optimizer"]["state"]
 
     second = tmp_path / "second"
@@ -639,7 +594,7 @@ def test_recurrent_save_resume_and_evaluate(tmp_path, device):
     assert "resuming from" in proc.stdout
     resumed = load_summary(only_run_dir(second))
     assert resumed["global_step"] == 512 and resumed["iteration"] == 8
-    assert scalars(only_run_dir(second))["charts/SPS"] and len(scalars(only_run_dir(second))["charts/SPS"]) == 4
+    assert len(scalars(only_run_dir(second))["charts/SPS"]) == 4
 
     third = tmp_path / "third"
     run_script(common + ["--evaluate", "--checkpoint", os.path.join(run_dir, "final_ckpt.pt")], third)
@@ -649,65 +604,61 @@ def test_recurrent_save_resume_and_evaluate(tmp_path, device):
 
 
 def test_ver_learns_the_toy_chain_with_heterogeneous_step_times(tmp_path):
-    """VER's uneven sampling, corrected by truncated importance weights, still solves the chain (H = 50)."""
+    """VER's uneven sampling, corrected by truncated importance weights, still solves the chain (H = 50).
+    Seeds 1-5 on this 2-core CPU (second pass): eval success_at_end 1.0 for all five, final toy/accuracy 0.984-0.996
+    (asserted: >= 0.9 and > 0.9)."""
     run_script(["--env-id", "ToyChain-v0", "--num-envs", "8", "--num-steps", "32", "--total-timesteps", "20480",
                 "--toy.horizon", "50", "--toy.step-time-mean", "0.001", "--toy.step-time-spread", "1.0",
-                "--eval-freq", "0", "--num-eval-episodes", "32", "--no-progress-bar", "--no-cuda"], tmp_path)
+                "--eval-freq", "0", "--num-eval-episodes", "32", "--no-cuda"], tmp_path)
     run_dir = only_run_dir(tmp_path)
     summary, s = load_summary(run_dir), scalars(run_dir)
     assert min(s["ver/importance_weight_min"]) < 1.0 and s["toy/accuracy"][0] < 0.2  # 20 actions: ~0.05 at first
     assert summary["eval/success_at_end"] >= 0.9 and summary["toy/accuracy"] > 0.9
 
 
-def test_cartpole_learns(tmp_path):
-    """Any Gymnasium env id through the same workers: CartPole-v1 (same-step autoreset in the workers)."""
-    run_script(["--env-id", "CartPole-v1", "--num-envs", "4", "--total-timesteps", "40960", "--eval-freq", "0",
-                "--num-eval-episodes", "4", "--no-progress-bar", "--no-cuda"], tmp_path)
-    summary = load_summary(only_run_dir(tmp_path))
-    returns = scalars(only_run_dir(tmp_path))["charts/episodic_return"]
-    assert summary["global_step"] == 40960
-    assert np.mean(returns[-5:]) > 3 * np.mean(returns[:3])  # random play lasts about 20 steps
-    assert summary["eval/return"] > 60
-
-
 def test_pendulum_recurrent_continuous_actions(tmp_path):
     run_script(["--env-id", "Pendulum-v1", "--num-envs", "2", "--num-steps", "100", "--total-timesteps", "800",
-                "--recurrent", "--learned-ent-coef", "--eval-freq", "0", "--num-eval-episodes", "2",
-                "--no-progress-bar", "--no-cuda"], tmp_path)
+                "--recurrent", "--learned-ent-coef", "--eval-freq", "0", "--num-eval-episodes", "2", "--no-cuda"],
+               tmp_path)
     summary = load_summary(only_run_dir(tmp_path))
     assert summary["global_step"] == 800 and summary["eval/episode_len"] == 200  # Pendulum's time limit
     assert math.isfinite(summary["losses/value_loss"]) and summary["losses/ent_coef"] != 0.01  # alpha was learned
 
 
 def test_maniskill_cpu_task_with_two_workers(tmp_path):
-    """A ManiSkill3 task on CPU simulation, one physx_cpu env per worker process, with an evaluation video."""
+    """A ManiSkill3 task on CPU simulation, one physx_cpu env per worker process, with an evaluation video; ManiSkill
+    tasks bootstrap at every episode end by default."""
     run_script(["--env-id", "PickCube-v1", "--num-envs", "2", "--num-steps", "20", "--num-minibatches", "2",
                 "--horizon", "20", "--total-timesteps", "120", "--eval-freq", "0", "--num-eval-episodes", "1",
-                "--capture-video", "--no-progress-bar", "--no-cuda"], tmp_path, timeout=900)
+                "--capture-video", "--no-cuda"], tmp_path, timeout=600)
     run_dir = only_run_dir(tmp_path)
     summary = load_summary(run_dir)
     assert summary["global_step"] == 120 and summary["eval/episode_len"] == 20
     assert {"eval/success_once", "eval/success_at_end", "charts/episodic_return"} <= set(summary)
-    assert json.load(open(os.path.join(run_dir, "config.json")))["norm_obs"] is True
+    config = json.load(open(os.path.join(run_dir, "config.json")))
+    assert config["bootstrap_at_done"] == "always"
     assert glob.glob(os.path.join(run_dir, "videos", "**", "*.mp4"), recursive=True)
 
 
-@pytest.mark.parametrize("backend", ["gloo", pytest.param("nccl", marks=pytest.mark.skipif(
-    torch.cuda.device_count() < 2, reason="NCCL with 2 ranks needs 2 GPUs"))])
-def test_torchrun_two_ranks(tmp_path, backend):
-    """DD-PPO: torchrun --nproc_per_node 2, gloo on the CPU (NCCL on 2 GPUs): gradients all-reduced, weights identical
-    at the end, the straggler preemption rule active from the second rollout on."""
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
-    device_flag = ["--cuda"] if backend == "nccl" else ["--no-cuda"]
-    run_script(HETEROGENEOUS_TOY[:-1] + device_flag + ["--total-timesteps", "1280", "--eval-freq", "0",
-                                                       "--toy.step-time-spread", "1.5"], tmp_path, launcher=launcher)
+@pytest.mark.parametrize("mode", ["ver", "sync"])
+def test_torchrun_preempts_the_straggling_rank_and_fills_its_batch(tmp_path, mode):
+    """DD-PPO with 2 ranks (gloo), rank 0's envs 4x slower (--slow-rank-factor). VER: from the second rollout on,
+    every rank stops at the t* of Sec. 2.3, which comes before the slow rank has its T x N steps; --sync: DD-PPO's
+    rule, a rank stops once --sync-frac 0.5 of the ranks (the fast one) finished. Either way rank 0 is preempted and
+    its batch is filled from its previous rollout; the weights stay identical on both ranks."""
+    flags = ["--sync", "--sync-frac", "0.5"] if mode == "sync" else []
+    run_script(HETEROGENEOUS_TOY + ["--total-timesteps", "1280", "--eval-freq", "0", "--toy.step-time-spread", "0.5",
+                                    "--slow-rank-factor", "4"] + flags, tmp_path, launcher=TORCHRUN)
     run_dir = only_run_dir(tmp_path)  # one run directory (rank 0's)
     summary = load_summary(run_dir)
     assert summary["global_step"] >= 1280 and summary["ddp/max_weight_difference"] == 0.0
     assert json.load(open(os.path.join(run_dir, "config.json")))["world_size"] == 2
     s = scalars(run_dir)
-    assert len(s["ver/preemption_time"]) == len(s["charts/SPS"]) - 1 and min(s["ver/preemption_time"]) > 0
-    assert all(0.0 <= f < 1.0 for f in s["ver/filled_fraction"]) and set(s["ver/preempted_ranks"]) <= {0.0, 1.0, 2.0}
+    filled, preempted = s["ver/filled_fraction"], s["ver/preempted_ranks"]
+    assert filled[0] == 0.0 and preempted[0] == 0.0  # no rule before the first rollout's measurements
+    assert max(filled[1:]) > 0.0 and max(preempted[1:]) >= 1, (filled, preempted)
+    if mode == "ver":
+        assert len(s["ver/preemption_time"]) == len(filled) - 1
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -741,12 +692,12 @@ def alive(pid):
 
 
 class Watched:
-    """The script in a subprocess, with every descendant process it ever had recorded."""
+    """The script in a subprocess (its own process group), with every descendant process it ever had recorded."""
 
     def __init__(self, args, tmp_path):
         self.proc = subprocess.Popen([sys.executable, SCRIPT, "--output-dir", str(tmp_path), *args], cwd=ROOT,
                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                     env=dict(os.environ, PYTHONUNBUFFERED="1"))
+                                     env=dict(os.environ, PYTHONUNBUFFERED="1"), start_new_session=True)
         self.seen = {}
         self.start = time.time()
 
@@ -756,10 +707,20 @@ class Watched:
     def workers(self):
         return [pid for pid, depth in process_tree(self.proc.pid) if depth == 2]  # forkserver children
 
+    def wait_for_workers(self, n):
+        deadline = time.time() + 120
+        while time.time() < deadline and len(self.workers()) < n:
+            self.watch()
+            time.sleep(0.2)
+        time.sleep(2.0)
+        self.watch()
+
     def wait(self, timeout):
         while self.proc.poll() is None and time.time() - self.start < timeout:
             self.watch()
             time.sleep(0.1)
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
         out, err = self.proc.communicate(timeout=30)
         return self.proc.returncode, out, err, time.time() - self.start
 
@@ -783,18 +744,13 @@ def test_a_crashing_worker_ends_the_run_with_its_traceback(tmp_path):
 
 def test_a_killed_worker_ends_the_run_and_nothing_is_left_behind(tmp_path):
     run = Watched(HETEROGENEOUS_TOY + ["--total-timesteps", "1000000", "--eval-freq", "0"], tmp_path)
-    deadline = time.time() + 120
-    while time.time() < deadline and len(run.workers()) < 4:
-        run.watch()
-        time.sleep(0.2)
-    time.sleep(2.0)
-    run.watch()
+    run.wait_for_workers(4)
     victim = run.workers()[1]
     os.kill(victim, signal.SIGKILL)
     killed_at = time.time()
     code, _, err, _ = run.wait(timeout=120)
     assert code == 1 and f"(pid {victim}) died with exit code -9" in err, err[-3000:]
-    assert run.proc.returncode is not None and time.time() - killed_at < 60
+    assert time.time() - killed_at < 60
     run.assert_nothing_left()
 
 
@@ -822,35 +778,3 @@ def test_bad_flags_exit_early_with_a_message_and_start_nothing(tmp_path):
     proc = run_script(["--sync", "--inference-min-batch", "2"], tmp_path, check=False)
     assert proc.returncode == 2 and "error: --sync steps all N envs" in proc.stderr
     assert os.listdir(tmp_path) == []
-
-
-def test_a_dead_inference_worker_ends_the_run_and_nothing_is_left_behind(tmp_path):
-    """--num-inference-workers 2: an inference worker killed mid-run stops the run at once (exit 1, naming it), and
-    its env workers, the other inference worker and its env workers all exit."""
-    run = Watched(HETEROGENEOUS_TOY + ["--total-timesteps", "1000000", "--eval-freq", "0",
-                                       "--num-inference-workers", "2"], tmp_path)
-    deadline = time.time() + 120
-    while time.time() < deadline and len([p for p, depth in process_tree(run.proc.pid) if depth == 4]) < 4:
-        run.watch()  # main -> forkserver -> inference workers -> their forkservers -> env workers
-        time.sleep(0.2)
-    time.sleep(2.0)
-    run.watch()
-    victim = run.workers()[0]  # depth 2: an inference worker
-    os.kill(victim, signal.SIGKILL)
-    killed_at = time.time()
-    code, _, err, _ = run.wait(timeout=120)
-    assert code == 1, err[-3000:]
-    assert "error: an inference worker failed" in err and f"(pid {victim}) died with exit code -9" in err, err[-3000:]
-    assert time.time() - killed_at < 30
-    run.assert_nothing_left()
-
-
-def test_a_crashing_env_worker_behind_an_inference_worker_ends_the_run_with_its_traceback(tmp_path):
-    run = Watched(HETEROGENEOUS_TOY + ["--total-timesteps", "1000000", "--toy.crash-at-step", "40",
-                                       "--num-inference-workers", "2"], tmp_path)
-    code, _, err, elapsed = run.wait(timeout=120)
-    assert code == 1, err[-3000:]
-    assert "an env worker failed" in err and "Traceback" in err and "deliberate crash in step() call 40" in err
-    assert elapsed < 60
-    run.assert_nothing_left()
-    assert "deliberate crash" in load_summary(only_run_dir(tmp_path))["error"]
