@@ -75,6 +75,8 @@ class Args:
     """name of this experiment (part of the run directory name)"""
     seed: int = 1
     """seed of python, numpy, torch and the environments (env e of rank r is seeded seed + r * N + e)"""
+    torch_deterministic: bool = True
+    """sets torch.backends.cudnn.deterministic"""
     cuda: bool = True
     """use CUDA for inference and learning when it is available (the envs are always CPU-simulated, in workers)"""
     output_dir: str = "runs"
@@ -1246,7 +1248,7 @@ def main(args: Args) -> dict:
     if device.type == "cpu":
         torch.set_num_threads(1)  # leave the cores to the env workers
     torch.manual_seed(args.seed)  # the same initial weights on every rank
-    torch.backends.cudnn.deterministic = True
+    torch.backends.cudnn.deterministic = args.torch_deterministic
 
     writer, last, run_dir = None, {}, None
     if world.rank == 0:
