@@ -653,6 +653,7 @@ def main(args: Args) -> dict:
         stale, waiting = torch.zeros(N, dtype=torch.bool, device=device), torch.zeros(N, dtype=torch.bool, device=device)
         episode_step = torch.zeros(N, dtype=torch.long, device=device)
         raw_obs, _ = envs.reset(seed=args.seed + global_step)
+        envs.action_space.seed(args.seed + global_step)  # the advance's random actions, reproducible
         obs = observe(raw_obs, update=True)
         for t in range(starts[0]):
             raw_obs, _, terminated, truncated, info = envs.step(torch.as_tensor(envs.action_space.sample(), device=device))
