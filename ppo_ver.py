@@ -271,7 +271,7 @@ def make_env(args: Args, evaluation: bool = False) -> EnvAdapter:
     """ToyChain-v0 (one chain) or a ManiSkill3 task on CPU simulation (physx_cpu).
     Evaluation envs of ToyChain simulate without delays or crashes; ManiSkill evaluation ignores terminations
     (its success_once/success_at_end protocol)."""
-    kind = args.env_kind or env_kind(args.env_id)
+    kind = args.env_kind
     if kind == "toy":
         config = replace(args.toy, autoreset_mode="same_step")
         if evaluation:
@@ -301,16 +301,15 @@ class SharedSlots:
 
     @staticmethod
     def allocate(num_envs: int, env: EnvAdapter) -> "SharedSlots":
-        """Slots for num_envs copies of `env`; a Box is stored as float32, a Discrete space as its int64 index."""
+        """Slots for num_envs copies of `env`; a Box (ManiSkill) is stored as float32, a Discrete space (ToyChain) as
+        its int64 index."""
         def shared(shape, dtype):
             return torch.zeros((num_envs, *shape), dtype=dtype).share_memory_()
 
         def slot_for(space: gym.Space) -> torch.Tensor:
             if isinstance(space, gym.spaces.Discrete):
                 return shared((), torch.int64)
-            if isinstance(space, gym.spaces.Box):
-                return shared(space.shape, torch.float32)
-            raise ArgsError(f"--env-id: space {space} is not supported (a Box or a Discrete one is)")
+            return shared(space.shape, torch.float32)
 
         return SharedSlots(obs=slot_for(env.observation_space), final_obs=slot_for(env.observation_space),
                            action=slot_for(env.action_space), reward=shared((), torch.float64),
@@ -884,11 +883,7 @@ class Collector:
             else:
                 self.completed.append(e)
         if final_rows:  # V(true last observation), from the state the env's own last step left (not zeros)
-            envs = np.array(final_envs)
-            with torch.no_grad():
-                obs = self.slots.final_obs[torch.as_tensor(envs)].to(self.device)
-                values = self.agent.get_value(obs, self.state_of(envs))
-            self.storage.next_values[torch.as_tensor(final_rows, device=self.device)] = values
+            self.bootstrap(np.array(final_rows), np.array(final_envs), self.slots.final_obs)
 
     def record_result(self, e: int, row: int) -> bool:
         """Env e's result completes the step at `row`; returns True if it needs V(true last observation)."""
@@ -959,13 +954,16 @@ class Collector:
         """At the end of a rollout, V (this policy) of the observations waiting for an action bootstraps the envs'
         last steps. (Envs with an action in flight already have it: the value of that step's observation.)"""
         envs = np.flatnonzero(self.awaiting >= 0)
-        if len(envs) == 0:
-            return
-        with torch.no_grad():
-            obs = self.slots.obs[torch.as_tensor(envs)].to(self.device)
-            values = self.agent.get_value(obs, self.state_of(envs))
-        self.storage.next_values[torch.as_tensor(self.awaiting[envs], device=self.device)] = values
+        if len(envs) > 0:
+            self.bootstrap(self.awaiting[envs], envs, self.slots.obs)
         self.awaiting[envs] = -1
+
+    def bootstrap(self, rows: np.ndarray, envs: np.ndarray, observations: torch.Tensor) -> None:
+        """V(s_{t+1}) of the steps at `rows`: the value of `envs`' slots in `observations` from their recurrent
+        states after their last step."""
+        with torch.no_grad():
+            values = self.agent.get_value(observations[torch.as_tensor(envs)].to(self.device), self.state_of(envs))
+        self.storage.next_values[torch.as_tensor(rows, device=self.device)] = values
 
     def start_next_rollout(self) -> None:
         """After the learner's update: the steps in flight are carried into the next rollout ("Inflight actions")."""
@@ -1044,7 +1042,7 @@ def ppo_update(args: Args, agent: Agent, optimizer: torch.optim.Optimizer, batch
     device = batch["obs"].device
     trained = [p for p in agent.parameters() if p.requires_grad]
     policy_params = [p for name, p in agent.named_parameters() if name != "log_ent_coef"]
-    names = ("policy_loss", "value_loss", "entropy", "old_approx_kl", "approx_kl", "clipfrac", "grad_norm")
+    names = ("policy_loss", "value_loss", "entropy", "old_approx_kl", "approx_kl", "clipfrac")
     totals, updates = torch.zeros(len(names), device=device), 0
     for epoch in range(args.update_epochs):
         for mb_idx, piece_lengths in make_minibatches(batch["lengths"], args.num_minibatches, rng):
@@ -1076,21 +1074,20 @@ def ppo_update(args: Args, agent: Agent, optimizer: torch.optim.Optimizer, batch
             loss.backward()
             if dist.is_initialized():
                 allreduce_gradients(trained)
-            grad_norm = nn.utils.clip_grad_norm_(policy_params, args.max_grad_norm)
+            nn.utils.clip_grad_norm_(policy_params, args.max_grad_norm)
             optimizer.step()
             if args.learned_ent_coef:
                 with torch.no_grad():
                     agent.log_ent_coef.clamp_(math.log(1e-4), 0.0)
             totals += torch.stack([pg_loss.detach(), v_loss.detach(), entropy.detach().mean(), old_approx_kl,
-                                   approx_kl, clipfrac, grad_norm.detach()])
+                                   approx_kl, clipfrac])
             updates += 1
         if args.target_kl is not None:  # the mean over ranks: the same decision on every rank
             if float(all_reduce_sum(approx_kl.reshape(1))[0]) / args.world_size > args.target_kl:
                 break
     out = dict(zip(names, (totals / max(updates, 1)).tolist()))
     out["ent_coef"] = float(agent.log_ent_coef.detach().exp())
-    var_returns = batch["returns"].var()
-    out["explained_variance"] = float(1 - (batch["returns"] - batch["values"]).var() / var_returns)
+    out["explained_variance"] = float(1 - (batch["returns"] - batch["values"]).var() / batch["returns"].var())
     return out
 
 
