@@ -568,8 +568,9 @@ def mlp(sizes: list[int], out_std: float) -> nn.Sequential:
 class Agent(nn.Module):
     """Actor-critic for Box or Discrete observations and actions.
 
-    MLP (default): separate actor and critic MLPs. Recurrent (--recurrent): an input layer, an LSTM shared by the
-    actor and critic heads (the paper's policy is an LSTM, Sec. 4), trained over packed sequences. A Discrete
+    MLP (default): separate actor and critic MLPs (hidden_sizes). Recurrent (--recurrent): an input layer, an LSTM
+    shared by the actor and critic heads (the paper's policy is a 2-layer LSTM, Sec. 4; here lstm_layers = 1),
+    trained over packed sequences. The sizes are not flags: their defaults serve the tasks here. A Discrete
     observation (ToyChain's block index) is embedded first. Continuous actions: a Gaussian with a learned,
     state-independent log std. The (learned) entropy coefficient alpha lives here as log_ent_coef."""
 
