@@ -33,14 +33,13 @@ Examples
   python ppo_ver.py                                                      # ToyChain-v0, 16 env workers, VER
   python ppo_ver.py --toy.step-time-mean 0.004 --toy.step-time-spread 1  # heterogeneous simulation time
   python ppo_ver.py --toy.step-time-mean 0.004 --toy.step-time-spread 1 --no-variable-experience   # NoVER
-  python ppo_ver.py --env-id CartPole-v1 --recurrent                     # any Gymnasium env id, LSTM policy
+  python ppo_ver.py --recurrent                                          # an LSTM policy (Sec. 2.2, Fig. 3C)
   python ppo_ver.py --env-id PickCube-v1 --num-envs 8                    # ManiSkill3, one physx_cpu env per worker
   torchrun --standalone --nproc_per_node 2 ppo_ver.py --num-envs 8       # DD-PPO: 2 ranks (gloo on CPU, NCCL on GPUs)
 """
 
 from __future__ import annotations
 
-import ctypes
 import glob
 import json
 import math
@@ -87,8 +86,6 @@ class Args:
     """wandb project name"""
     wandb_entity: Optional[str] = None
     """wandb entity (team)"""
-    capture_video: bool = False
-    """record videos of the evaluation episodes into the run directory (ManiSkill tasks)"""
     save_model: bool = False
     """write checkpoints (ckpt_{global_step}.pt at every evaluation, final_ckpt.pt at the end and on Ctrl-C)"""
     checkpoint: Optional[str] = None
@@ -98,11 +95,11 @@ class Args:
 
     # ---- environment ------------------------------------------------------------------------------------------
     env_id: str = "ToyChain-v0"
-    """ToyChain-v0, a ManiSkill3 task id (PickCube-v1, StackCube-v1, ...) or any Gymnasium env id (CartPole-v1, ...)"""
+    """ToyChain-v0 or a ManiSkill3 task id (PickCube-v1, StackCube-v1, ...)"""
     num_envs: Optional[int] = None
     """N: environments per rank, each stepped in its own env worker process (default: 16 ToyChain, 8 otherwise)"""
     horizon: Optional[int] = None
-    """max_episode_steps of a ManiSkill or Gymnasium env (default: its registered one); ToyChain: --toy.horizon"""
+    """max_episode_steps of a ManiSkill task (default: its registered one); ToyChain: --toy.horizon"""
     toy: ToyChainConfig = field(default_factory=ToyChainConfig)
     """ToyChain-v0 settings (the step-time options make its simulation time heterogeneous, as in VER Sec. 2)"""
     bootstrap_at_done: Optional[Literal["always", "truncated"]] = None
@@ -111,13 +108,11 @@ class Args:
 
     # ---- PPO ------------------------------------------------------------------------------------------------------
     total_timesteps: Optional[int] = None
-    """env steps to train for, all ranks together (default: 300k ToyChain, 200k Gymnasium, 2M ManiSkill)"""
+    """env steps to train for, all ranks together (default: 300k ToyChain, 2M ManiSkill)"""
     learning_rate: Optional[float] = None
     """Adam learning rate (default: 2.5e-4, Sec. 4; 3e-4 ManiSkill)"""
-    anneal_lr: bool = False
-    """decay the learning rate to zero over training with a cosine schedule (the paper's schedule, Sec. 4)"""
     num_steps: Optional[int] = None
-    """T: a rollout collects T x N steps per rank (T per env on average with VER) (default: 32 ToyChain, 128 Gymnasium, 50 ManiSkill)"""
+    """T: a rollout collects T x N steps per rank (T per env on average with VER) (default: 32 ToyChain, 50 ManiSkill)"""
     gamma: Optional[float] = None
     """discount factor (default: 0.99; 0.8 ManiSkill)"""
     gae_lambda: Optional[float] = None
@@ -126,8 +121,6 @@ class Args:
     """minibatches per epoch, each of T x N / num_minibatches steps (Sec. 2.2)"""
     update_epochs: int = 4
     """PPO epochs over each rollout"""
-    norm_adv: bool = True
-    """normalize advantages per minibatch"""
     clip_coef: float = 0.2
     """PPO clipping coefficient"""
     ent_coef: Optional[float] = None
@@ -142,14 +135,8 @@ class Args:
     """gradient-norm clip"""
     target_kl: Optional[float] = None
     """stop an update's epochs once the approximate KL exceeds this (default: off; 0.1 ManiSkill)"""
-    hidden_sizes: tuple[int, ...] = (256, 256)
-    """hidden layers of the MLP actor and critic (recurrent: the first is the LSTM's input layer)"""
     recurrent: bool = False
     """an LSTM policy trained on packed sequences (Sec. 2.2, Fig. 3C); default: an MLP"""
-    lstm_hidden_size: int = 128
-    """LSTM hidden size (--recurrent)"""
-    lstm_layers: int = 1
-    """LSTM layers (--recurrent; the paper's policy has 2)"""
 
     # ---- VER (Sec. 2) ----------------------------------------------------------------------------------------------
     variable_experience: bool = True
@@ -177,8 +164,6 @@ class Args:
 
     # ---- filled in by resolve_args ------------------------------------------------------------------------------
     batch_size: tyro.conf.Suppress[int] = 0
-    minibatch_size: tyro.conf.Suppress[int] = 0
-    num_iterations: tyro.conf.Suppress[int] = 0  # nominal: total_timesteps / (T * N * world_size)
     world_size: tyro.conf.Suppress[int] = 1
     env_kind: tyro.conf.Suppress[str] = ""
 
@@ -187,8 +172,6 @@ TOY_ENV_ID = "ToyChain-v0"
 # Defaults per kind of env (any flag overrides them).
 PRESETS: dict[str, dict] = {
     "toy": dict(num_envs=16, num_steps=32, total_timesteps=300_000, learning_rate=2.5e-4, gamma=0.99,
-                gae_lambda=0.95, ent_coef=0.01, bootstrap_at_done="truncated"),
-    "gym": dict(num_envs=8, num_steps=128, total_timesteps=200_000, learning_rate=2.5e-4, gamma=0.99,
                 gae_lambda=0.95, ent_coef=0.01, bootstrap_at_done="truncated"),
     # ManiSkill's own PPO baseline settings (gamma 0.8, lambda 0.9, target KL 0.1, bootstrap at every episode end).
     "maniskill": dict(num_envs=8, num_steps=50, total_timesteps=2_000_000, learning_rate=3e-4, gamma=0.8,
@@ -204,32 +187,16 @@ class WorkerError(RuntimeError):
     """An env worker raised, died or stopped answering: the run ends with its message."""
 
 
-# ---- Argument resolution: presets, derived sizes, validation (all before any env or process starts) -------------------
-def find_vulkan_problem() -> Optional[str]:
-    """Why ManiSkill3 (SAPIEN) could not start a Vulkan device on this machine, or None if a driver is present."""
-    try:
-        ctypes.CDLL("libvulkan.so.1")
-    except OSError:
-        return "the Vulkan loader (libvulkan.so.1) is not installed"
-    drivers = glob.glob("/usr/share/vulkan/icd.d/*.json") + glob.glob("/etc/vulkan/icd.d/*.json")
-    if not (drivers or os.environ.get("VK_DRIVER_FILES") or os.environ.get("VK_ICD_FILENAMES")):
-        return "no Vulkan driver (ICD) is installed"
-    return None
-
-
+# ---- Argument resolution: presets, derived sizes, checks (all before any env or process starts) -----------------------
 def env_kind(env_id: str) -> str:
-    """'toy', 'maniskill' or 'gym'; raises ArgsError for an id nobody registered."""
+    """'toy' or 'maniskill'; raises ArgsError for any other id."""
     if env_id == TOY_ENV_ID:
         return "toy"
     from mani_skill.utils.registration import REGISTERED_ENVS
 
-    if env_id in REGISTERED_ENVS:
-        return "maniskill"
-    try:
-        gym.spec(env_id)
-    except gym.error.Error as e:
-        raise ArgsError(f"--env-id {env_id!r}: not ToyChain-v0, a ManiSkill3 task or a registered Gymnasium env ({e})") from e
-    return "gym"
+    if env_id not in REGISTERED_ENVS:
+        raise ArgsError(f"--env-id {env_id!r}: neither ToyChain-v0 nor a ManiSkill3 task")
+    return "maniskill"
 
 
 def resolve_args(args: Args, world_size: Optional[int] = None) -> Args:
@@ -241,20 +208,9 @@ def resolve_args(args: Args, world_size: Optional[int] = None) -> Args:
         if getattr(a, name) is None:
             setattr(a, name, value)
     if kind == "toy":
-        if a.horizon is not None:
-            raise ArgsError("--horizon is for ManiSkill and Gymnasium envs; set the toy chain's horizon with --toy.horizon")
-        try:
-            a.toy.validate()
-        except ValueError as e:
-            raise ArgsError(str(e)) from e
         a.toy.autoreset_mode = "same_step"  # the worker resets its chain and reports the true last observation
-    if a.capture_video and kind != "maniskill":
-        raise ArgsError("--capture-video records ManiSkill tasks' evaluation episodes; Gymnasium envs are not recorded")
     N = a.num_envs
-    if a.sync:
-        if a.inference_min_batch is not None or a.inference_max_batch is not None:
-            raise ArgsError("--sync steps all N envs and waits for all of them: it sets the inference batch to N; "
-                            "drop --inference-min-batch/--inference-max-batch")
+    if a.sync:  # step all N envs, wait for all of them, act on all
         a.variable_experience = False
         a.inference_min_batch = a.inference_max_batch = N
     if a.inference_max_batch is None:
@@ -266,16 +222,10 @@ def resolve_args(args: Args, world_size: Optional[int] = None) -> Args:
         raise ArgsError(f"the batch T*N = {a.num_steps}*{N} = {a.batch_size} does not split into --num-minibatches "
                         f"{a.num_minibatches} equal minibatches (Sec. 2.2); pick T, N or the number of minibatches so "
                         f"that it divides")
-    a.minibatch_size = a.batch_size // a.num_minibatches
-    a.num_iterations = a.total_timesteps // (a.batch_size * a.world_size)
-    if a.num_iterations < 1 and not a.evaluate:
-        raise ArgsError(f"--total-timesteps {a.total_timesteps} is less than one rollout of all ranks "
-                        f"(T*N*world_size = {a.batch_size * a.world_size})")
-    if a.evaluate and (not a.checkpoint or a.world_size > 1):
-        raise ArgsError("--evaluate needs --checkpoint PATH and runs in one process (without torchrun)")
-    if kind == "maniskill" and find_vulkan_problem():
-        raise ArgsError(f"ManiSkill3 needs a Vulkan driver even for state-only simulation, and "
-                        f"{find_vulkan_problem()}. See README.md, 'Set-up' (on Debian/Ubuntu: bash .ci/install_system.sh)")
+    icd_files = glob.glob("/usr/share/vulkan/icd.d/*") + glob.glob("/etc/vulkan/icd.d/*")
+    if kind == "maniskill" and not (icd_files or os.environ.get("VK_ICD_FILENAMES")):
+        raise ArgsError("ManiSkill3 needs a Vulkan driver even for state-only simulation, and none is installed; on "
+                        "Debian/Ubuntu run: bash .ci/install_system.sh")
     return a
 
 
@@ -293,7 +243,6 @@ class EnvAdapter:
             self.observation_space, self.action_space = env.single_observation_space, env.single_action_space
         else:
             self.observation_space, self.action_space = env.observation_space, env.action_space
-        self.continuous = isinstance(self.action_space, gym.spaces.Box)
 
     def reset(self, seed: Optional[int] = None) -> np.ndarray:
         obs, _ = self.env.reset(seed=seed)
@@ -305,12 +254,9 @@ class EnvAdapter:
             final = info["final_obs"].numpy()[0] if bool(info["_final_obs"][0]) else None
             return (obs.numpy()[0], float(reward[0]), bool(terminated[0]), bool(truncated[0]), final,
                     bool(info["success"][0]))
-        if self.continuous:
-            action = np.clip(action, self.action_space.low, self.action_space.high)
-        else:
-            action = int(action)
+        action = np.clip(action, self.action_space.low, self.action_space.high)
         obs, reward, terminated, truncated, info = self.env.step(action)
-        success = bool(np.asarray(info.get("success", info.get("is_success", False))).any())
+        success = bool(info.get("success", False))
         final = None
         if terminated or truncated:
             final = np.asarray(obs)
@@ -321,33 +267,21 @@ class EnvAdapter:
         self.env.close()
 
 
-def make_env(args: Args, evaluation: bool = False, video_dir: Optional[str] = None) -> EnvAdapter:
-    """ToyChain-v0 (one chain), a ManiSkill3 task on CPU simulation (physx_cpu) or a Gymnasium env.
+def make_env(args: Args, evaluation: bool = False) -> EnvAdapter:
+    """ToyChain-v0 (one chain) or a ManiSkill3 task on CPU simulation (physx_cpu).
     Evaluation envs of ToyChain simulate without delays or crashes; ManiSkill evaluation ignores terminations
     (its success_once/success_at_end protocol)."""
-    kind = args.env_kind or env_kind(args.env_id)
+    kind = args.env_kind
     if kind == "toy":
         config = replace(args.toy, autoreset_mode="same_step")
         if evaluation:
             config = replace(config, step_time_mean=0.0, crash_at_step=0)
         return EnvAdapter(ToyChainVectorEnv(1, config, device="cpu"), kind)
-    if kind == "maniskill":
-        import mani_skill.envs  # noqa: F401  (registers the tasks in this process)
-        from mani_skill.utils.wrappers.flatten import FlattenActionSpaceWrapper
-        from mani_skill.utils.wrappers.gymnasium import CPUGymWrapper
-        from mani_skill.utils.wrappers.record import RecordEpisode
+    import mani_skill.envs  # noqa: F401  (registers the tasks in this process)
+    from mani_skill.utils.wrappers.gymnasium import CPUGymWrapper
 
-        kwargs = dict(num_envs=1, obs_mode="state", sim_backend="physx_cpu", render_mode="rgb_array" if video_dir else None)
-        if args.horizon:
-            kwargs["max_episode_steps"] = args.horizon
-        env = gym.make(args.env_id, **kwargs)
-        if isinstance(env.action_space, gym.spaces.Dict):
-            env = FlattenActionSpaceWrapper(env)
-        if video_dir:
-            env = RecordEpisode(env, video_dir, save_trajectory=False, video_fps=30)
-        return EnvAdapter(CPUGymWrapper(env, ignore_terminations=evaluation), kind)
-    env = gym.make(args.env_id, max_episode_steps=args.horizon) if args.horizon else gym.make(args.env_id)
-    return EnvAdapter(env, kind)
+    env = gym.make(args.env_id, num_envs=1, obs_mode="state", sim_backend="physx_cpu", max_episode_steps=args.horizon)
+    return EnvAdapter(CPUGymWrapper(env, ignore_terminations=evaluation), kind)
 
 
 # ---- Env workers (Sec. 2.1, Fig. 2): processes that write into preallocated shared CPU memory -------------------------
@@ -367,16 +301,15 @@ class SharedSlots:
 
     @staticmethod
     def allocate(num_envs: int, env: EnvAdapter) -> "SharedSlots":
-        """Slots for num_envs copies of `env`; a Box is stored as float32, a Discrete space as its int64 index."""
+        """Slots for num_envs copies of `env`; a Box (ManiSkill) is stored as float32, a Discrete space (ToyChain) as
+        its int64 index."""
         def shared(shape, dtype):
             return torch.zeros((num_envs, *shape), dtype=dtype).share_memory_()
 
         def slot_for(space: gym.Space) -> torch.Tensor:
             if isinstance(space, gym.spaces.Discrete):
                 return shared((), torch.int64)
-            if isinstance(space, gym.spaces.Box):
-                return shared(space.shape, torch.float32)
-            raise ArgsError(f"--env-id: space {space} is not supported (a Box or a Discrete one is)")
+            return shared(space.shape, torch.float32)
 
         return SharedSlots(obs=slot_for(env.observation_space), final_obs=slot_for(env.observation_space),
                            action=slot_for(env.action_space), reward=shared((), torch.float64),
@@ -635,13 +568,15 @@ def mlp(sizes: list[int], out_std: float) -> nn.Sequential:
 class Agent(nn.Module):
     """Actor-critic for Box or Discrete observations and actions.
 
-    MLP (default): separate actor and critic MLPs. Recurrent (--recurrent): an input layer, an LSTM shared by the
-    actor and critic heads (the paper's policy is an LSTM, Sec. 4), trained over packed sequences. A Discrete
+    MLP (default): separate actor and critic MLPs (hidden_sizes). Recurrent (--recurrent): an input layer, an LSTM
+    shared by the actor and critic heads (the paper's policy is a 2-layer LSTM, Sec. 4; here lstm_layers = 1),
+    trained over packed sequences. The sizes are not flags: their defaults serve the tasks here. A Discrete
     observation (ToyChain's block index) is embedded first. Continuous actions: a Gaussian with a learned,
     state-independent log std. The (learned) entropy coefficient alpha lives here as log_ent_coef."""
 
-    def __init__(self, obs_space: gym.Space, act_space: gym.Space, hidden_sizes: tuple[int, ...], recurrent: bool,
-                 lstm_hidden_size: int, lstm_layers: int, ent_coef: float, learned_ent_coef: bool):
+    def __init__(self, obs_space: gym.Space, act_space: gym.Space, recurrent: bool, ent_coef: float,
+                 learned_ent_coef: bool, hidden_sizes: tuple[int, ...] = (256, 256), lstm_hidden_size: int = 128,
+                 lstm_layers: int = 1):
         super().__init__()
         if isinstance(obs_space, gym.spaces.Discrete):
             self.embed = nn.Embedding(int(obs_space.n), 64)
@@ -738,7 +673,7 @@ class RolloutStorage:
     carried-in rows, T x N completed ones and one in flight per env."""
 
     TENSORS = ("obs", "actions", "logprobs", "values", "next_values", "hidden_h", "hidden_c")
-    ARRAYS = ("rewards", "complete", "env_ids", "episode_ids", "versions")
+    ARRAYS = ("rewards", "complete", "env_ids", "episode_ids")
 
     def __init__(self, capacity: int, slots: SharedSlots, lstm_shape: Optional[tuple], device):
         self.device, self.size = device, 0
@@ -755,7 +690,6 @@ class RolloutStorage:
         self.complete = np.zeros(capacity, dtype=bool)  # its reward has arrived
         self.env_ids = np.zeros(capacity, dtype=np.int64)
         self.episode_ids = np.zeros(capacity, dtype=np.int64)
-        self.versions = np.zeros(capacity, dtype=np.int64)  # policy version that acted
 
     def allocate(self, n: int) -> np.ndarray:
         rows = np.arange(self.size, self.size + n)
@@ -775,7 +709,7 @@ class RolloutStorage:
 
 
 # A batch is a dict of per-step tensors on the training device (obs, actions, logprobs, values, advantages, returns,
-# weights, hidden_h, hidden_c) and numpy arrays (versions, env_ids), its steps sequence after sequence; "lengths"
+# weights, hidden_h, hidden_c) and the numpy array env_ids, its steps sequence after sequence; "lengths"
 # holds the sequence lengths.
 def build_batch(st: RolloutStorage, num_envs: int, num_steps: int, gamma: float, gae_lambda: float) -> dict:
     """The completed steps of a rollout as sequences, with GAE advantages and importance weights."""
@@ -784,8 +718,6 @@ def build_batch(st: RolloutStorage, num_envs: int, num_steps: int, gamma: float,
     rows = rows[order]
     rows_t = torch.as_tensor(rows, device=st.device)
     values, next_values = st.values[rows_t], st.next_values[rows_t]
-    if not bool(torch.isfinite(next_values).all()):
-        raise RuntimeError("internal error: a step of the rollout has no bootstrap value")
     select, batch_sizes, _ = pack_layout(lengths)
     sel = torch.as_tensor(select, device=st.device)
     rewards = torch.as_tensor(st.rewards[rows], device=st.device)
@@ -797,7 +729,7 @@ def build_batch(st: RolloutStorage, num_envs: int, num_steps: int, gamma: float,
                 weights=importance_weights(torch.as_tensor(env_ids, device=st.device), num_envs, num_steps),
                 hidden_h=None if st.hidden_h is None else st.hidden_h[rows_t],
                 hidden_c=None if st.hidden_c is None else st.hidden_c[rows_t],
-                versions=st.versions[rows], env_ids=env_ids, lengths=lengths)
+                env_ids=env_ids, lengths=lengths)
 
 
 def fill_from_previous(batch: dict, previous: dict, size: int, rng: np.random.Generator) -> dict:
@@ -832,7 +764,6 @@ class RolloutStats:
     episodes: list = field(default_factory=list)  # (return, length, success_once, success_at_end)
     preempted: bool = False
     carried: int = 0  # steps in flight carried into the next rollout
-    duration: float = 0.0  # seconds from the start to the end of the rollout
 
 
 class Collector:
@@ -865,7 +796,6 @@ class Collector:
         self.policy_step_time = 0.02  # running mean of one inference, for the adaptive wait
         self.storage = RolloutStorage((self.T + 2) * N, slots, agent.lstm_shape, device)
         self.state = agent.initial_state(N, device)  # recurrent state after each env's last action
-        self.policy_version = 0
         self.inflight = np.full(N, -1)  # stepping or arrived: the row of the env's step whose result is not read yet
         self.awaiting = np.full(N, -1)  # row of the env's last completed step that still needs V(next observation)
         self.episode_id = np.zeros(N, dtype=np.int64)
@@ -899,7 +829,6 @@ class Collector:
                 break
             self.act(self.take_batch())
         self.bootstrap_completed()
-        self.stats.duration = time.perf_counter() - self.rollout_start
         return self.stats
 
     def begin_rollout(self) -> None:
@@ -955,11 +884,7 @@ class Collector:
             else:
                 self.completed.append(e)
         if final_rows:  # V(true last observation), from the state the env's own last step left (not zeros)
-            envs = np.array(final_envs)
-            with torch.no_grad():
-                obs = self.slots.final_obs[torch.as_tensor(envs)].to(self.device)
-                values = self.agent.get_value(obs, self.state_of(envs))
-            self.storage.next_values[torch.as_tensor(final_rows, device=self.device)] = values
+            self.bootstrap(np.array(final_rows), np.array(final_envs), self.slots.final_obs)
 
     def record_result(self, e: int, row: int) -> bool:
         """Env e's result completes the step at `row`; returns True if it needs V(true last observation)."""
@@ -1011,7 +936,7 @@ class Collector:
             st.hidden_h[rows_t], st.hidden_c[rows_t] = state[0].transpose(0, 1), state[1].transpose(0, 1)
             dev_idx = idx.to(self.device)
             self.state[0][:, dev_idx], self.state[1][:, dev_idx] = next_state
-        st.env_ids[rows], st.episode_ids[rows], st.versions[rows] = envs, self.episode_id[envs], self.policy_version
+        st.env_ids[rows], st.episode_ids[rows] = envs, self.episode_id[envs]
         waiting = self.awaiting[envs] >= 0  # V of this observation bootstraps the env's previous step
         if waiting.any():
             st.next_values[torch.as_tensor(self.awaiting[envs][waiting], device=self.device)] = \
@@ -1030,17 +955,19 @@ class Collector:
         """At the end of a rollout, V (this policy) of the observations waiting for an action bootstraps the envs'
         last steps. (Envs with an action in flight already have it: the value of that step's observation.)"""
         envs = np.flatnonzero(self.awaiting >= 0)
-        if len(envs) == 0:
-            return
-        with torch.no_grad():
-            obs = self.slots.obs[torch.as_tensor(envs)].to(self.device)
-            values = self.agent.get_value(obs, self.state_of(envs))
-        self.storage.next_values[torch.as_tensor(self.awaiting[envs], device=self.device)] = values
+        if len(envs) > 0:
+            self.bootstrap(self.awaiting[envs], envs, self.slots.obs)
         self.awaiting[envs] = -1
 
-    def start_next_rollout(self, version: int) -> None:
-        """The learner made update number `version`; the steps in flight are carried over ("Inflight actions")."""
-        self.policy_version = version
+    def bootstrap(self, rows: np.ndarray, envs: np.ndarray, observations: torch.Tensor) -> None:
+        """V(s_{t+1}) of the steps at `rows`: the value of `envs`' slots in `observations` from their recurrent
+        states after their last step."""
+        with torch.no_grad():
+            values = self.agent.get_value(observations[torch.as_tensor(envs)].to(self.device), self.state_of(envs))
+        self.storage.next_values[torch.as_tensor(rows, device=self.device)] = values
+
+    def start_next_rollout(self) -> None:
+        """After the learner's update: the steps in flight are carried into the next rollout ("Inflight actions")."""
         envs = np.flatnonzero(self.inflight >= 0)
         self.stats.carried = len(envs)
         self.storage.keep(self.inflight[envs])
@@ -1067,79 +994,47 @@ class Collector:
 
 
 # ---- DD-PPO (Sec. 2.3): every rank collects and learns; gradients are all-reduced; stragglers are preempted -----------
-@dataclass
-class World:
-    """This process's place in a torchrun launch (world size 1 without torchrun)."""
-
-    rank: int = 0
-    world_size: int = 1
-    device: torch.device = torch.device("cpu")
-    comm_device: torch.device = torch.device("cpu")  # where collectives run: the GPU with NCCL, else the CPU
-    store: Optional[dist.Store] = None  # a key-value store shared by the ranks (DD-PPO's count of finished ranks)
-
-    def all_reduce_sum(self, x: torch.Tensor) -> torch.Tensor:
-        if self.world_size == 1:
-            return x
-        y = x.to(self.comm_device).clone()
-        dist.all_reduce(y)
-        return y.to(x.device)
-
-    def all_gather(self, x: torch.Tensor) -> torch.Tensor:
-        """(world_size, *x.shape): every rank's x, in rank order."""
-        if self.world_size == 1:
-            return x.unsqueeze(0)
-        out = [torch.empty_like(x, device=self.comm_device) for _ in range(self.world_size)]
-        dist.all_gather(out, x.to(self.comm_device))
-        return torch.stack(out).to(x.device)
+def all_reduce_sum(x: torch.Tensor) -> torch.Tensor:
+    """The sum of x over the ranks, in place (x itself without torchrun). x lives on the training device: NCCL
+    reduces GPU tensors, gloo CPU ones."""
+    if dist.is_initialized():
+        dist.all_reduce(x)
+    return x
 
 
-def init_world(args: Args) -> World:
-    """Joins the torchrun process group (NCCL on GPUs, gloo on CPU); one GPU per local rank."""
-    world_size, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
-    use_cuda = args.cuda and torch.cuda.is_available()
-    device = torch.device(f"cuda:{os.environ.get('LOCAL_RANK', '0')}" if use_cuda else "cpu")
-    if use_cuda:
-        torch.cuda.set_device(device)
-    if world_size == 1:
-        return World(device=device)
-    dist.init_process_group(backend="nccl" if use_cuda else "gloo", rank=rank, world_size=world_size)
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size, is_master=False)
-    return World(rank, world_size, device, device if use_cuda else torch.device("cpu"), dist.PrefixStore("ppo_ver", store))
-
-
-def allreduce_gradients(parameters: list[torch.nn.Parameter], world: World) -> None:
+def allreduce_gradients(parameters: list[torch.nn.Parameter]) -> None:
     """DD-PPO: average the gradients of all ranks, flattened into one tensor (one collective per minibatch)."""
-    if world.world_size == 1:
-        return
     grads = [p.grad for p in parameters if p.grad is not None]
-    flat = world.all_reduce_sum(torch.cat([g.reshape(-1) for g in grads])) / world.world_size
+    flat = all_reduce_sum(torch.cat([g.reshape(-1) for g in grads])) / dist.get_world_size()
     offset = 0
     for g in grads:
         g.copy_(flat[offset:offset + g.numel()].view_as(g))
         offset += g.numel()
 
 
-def ver_stop_rule(collector: Collector, world: World, args: Args, learn_time: float) -> tuple[Callable, float]:
+def ver_stop_rule(collector: Collector, args: Args, learn_time: float) -> tuple[Callable, float]:
     """Sec. 2.3: the rollout time t* maximizing S / (Time(S) + LT) over all ranks' envs, from each env's mean step
     time in the previous rollout and the mean learning time LT; every rank computes the same t* from the gathered
     numbers and stops collecting at t* (no rank stops when all of them fill their batch by then)."""
-    local = torch.tensor([*collector.mean_step_times(), learn_time], dtype=torch.float64)
-    gathered = world.all_gather(local).numpy()
+    local = torch.tensor([*collector.mean_step_times(), learn_time], dtype=torch.float64, device=collector.device)
+    gathered = [torch.empty_like(local) for _ in range(args.world_size)]
+    dist.all_gather(gathered, local)
+    gathered = torch.stack(gathered).cpu().numpy()
     t_star, _, t_full = optimal_preemption_time(gathered[:, :args.num_envs], args.batch_size, collector.quota,
                                                 float(gathered[:, args.num_envs].mean()))
     deadline = time.perf_counter() + (t_star if t_star < t_full else math.inf)
     return (lambda steps: time.perf_counter() >= deadline), t_star
 
 
-def ddppo_stop_rule(world: World, args: Args, iteration: int) -> Callable:
+def ddppo_stop_rule(store: dist.Store, args: Args, iteration: int) -> Callable:
     """DD-PPO's preemption (Wijmans et al. 2020, the --sync baseline): a rank stops collecting once a fraction
     --sync-frac of the ranks have finished their rollout, if it has at least a quarter of its own."""
     key = f"done_{iteration}"
-    return lambda steps: steps >= args.batch_size / 4 and world.store.add(key, 0) >= args.sync_frac * world.world_size
+    return lambda steps: steps >= args.batch_size / 4 and store.add(key, 0) >= args.sync_frac * args.world_size
 
 
 # ---- PPO update (Sec. 2.2, 4) -----------------------------------------------------------------------------------------
-def ppo_update(args: Args, agent: Agent, optimizer: torch.optim.Optimizer, batch: dict, world: World,
+def ppo_update(args: Args, agent: Agent, optimizer: torch.optim.Optimizer, batch: dict,
                rng: np.random.Generator) -> dict:
     """PPO epochs over VER minibatches (Sec. 2.2), losses weighted by the truncated importance weights (Sec. 4):
     mean(w * clipped surrogate), mean(w * value loss), mean(w * entropy). With --learned-ent-coef the entropy
@@ -1148,7 +1043,7 @@ def ppo_update(args: Args, agent: Agent, optimizer: torch.optim.Optimizer, batch
     device = batch["obs"].device
     trained = [p for p in agent.parameters() if p.requires_grad]
     policy_params = [p for name, p in agent.named_parameters() if name != "log_ent_coef"]
-    names = ("policy_loss", "value_loss", "entropy", "old_approx_kl", "approx_kl", "clipfrac", "grad_norm")
+    names = ("policy_loss", "value_loss", "entropy", "old_approx_kl", "approx_kl", "clipfrac")
     totals, updates = torch.zeros(len(names), device=device), 0
     for epoch in range(args.update_epochs):
         for mb_idx, piece_lengths in make_minibatches(batch["lengths"], args.num_minibatches, rng):
@@ -1165,8 +1060,7 @@ def ppo_update(args: Args, agent: Agent, optimizer: torch.optim.Optimizer, batch
                 approx_kl = ((ratio - 1) - logratio).mean()
                 clipfrac = ((ratio - 1.0).abs() > args.clip_coef).float().mean()
             advantages = batch["advantages"][idx]
-            if args.norm_adv:
-                advantages = (advantages - advantages.mean()) / (advantages.std() + 1e-8)
+            advantages = (advantages - advantages.mean()) / (advantages.std() + 1e-8)
             w = batch["weights"][idx]
             pg = torch.max(-advantages * ratio, -advantages * ratio.clamp(1 - args.clip_coef, 1 + args.clip_coef))
             returns, old_values = batch["returns"][idx], batch["values"][idx]
@@ -1179,37 +1073,30 @@ def ppo_update(args: Args, agent: Agent, optimizer: torch.optim.Optimizer, batch
                 loss = loss + alpha * (entropy.mean().detach() - args.target_entropy)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
-            allreduce_gradients(trained, world)
-            grad_norm = nn.utils.clip_grad_norm_(policy_params, args.max_grad_norm)
+            if dist.is_initialized():
+                allreduce_gradients(trained)
+            nn.utils.clip_grad_norm_(policy_params, args.max_grad_norm)
             optimizer.step()
             if args.learned_ent_coef:
                 with torch.no_grad():
                     agent.log_ent_coef.clamp_(math.log(1e-4), 0.0)
             totals += torch.stack([pg_loss.detach(), v_loss.detach(), entropy.detach().mean(), old_approx_kl,
-                                   approx_kl, clipfrac, grad_norm.detach()])
+                                   approx_kl, clipfrac])
             updates += 1
         if args.target_kl is not None:  # the mean over ranks: the same decision on every rank
-            if float(world.all_reduce_sum(approx_kl.reshape(1))[0]) / world.world_size > args.target_kl:
+            if float(all_reduce_sum(approx_kl.reshape(1))[0]) / args.world_size > args.target_kl:
                 break
     out = dict(zip(names, (totals / max(updates, 1)).tolist()))
     out["ent_coef"] = float(agent.log_ent_coef.detach().exp())
-    var_returns = batch["returns"].var()
-    out["explained_variance"] = float(1 - (batch["returns"] - batch["values"]).var() / var_returns)
+    out["explained_variance"] = float(1 - (batch["returns"] - batch["values"]).var() / batch["returns"].var())
     return out
 
 
 # ---- Logging, checkpoints, evaluation ---------------------------------------------------------------------------------
 def save_checkpoint(path: Path, agent, optimizer, global_step: int, iteration: int) -> None:
-    """What resuming needs: model, optimizer, global step and iteration (= policy version). Written to a temporary
-    file and renamed, so a crash never leaves a half-written checkpoint."""
-    state = {"agent": agent.state_dict(), "optimizer": optimizer.state_dict(), "global_step": global_step,
-             "iteration": iteration}
-    tmp = path.with_name(path.name + ".tmp")
-    try:
-        torch.save(state, tmp)
-        os.replace(tmp, path)
-    finally:  # also on Ctrl-C during the write
-        tmp.unlink(missing_ok=True)
+    """What resuming needs: model, optimizer, global step and iteration (the number of updates made)."""
+    torch.save({"agent": agent.state_dict(), "optimizer": optimizer.state_dict(), "global_step": global_step,
+                "iteration": iteration}, path)
 
 
 @torch.no_grad()
@@ -1243,15 +1130,23 @@ def _terminate(signum, frame):
 def main(args: Args) -> dict:
     args = resolve_args(args)
     signal.signal(signal.SIGTERM, _terminate)
-    world = init_world(args)
-    device = world.device
+    rank, distributed = int(os.environ.get("RANK", "0")), args.world_size > 1
+    use_cuda = args.cuda and torch.cuda.is_available()
+    device = torch.device(f"cuda:{os.environ.get('LOCAL_RANK', '0')}" if use_cuda else "cpu")
+    if use_cuda:
+        torch.cuda.set_device(device)
+    store = None  # DD-PPO's count of the ranks that finished a rollout (a key-value store shared by the ranks)
+    if distributed:  # torchrun: NCCL on GPUs, gloo on CPU; one GPU per local rank
+        dist.init_process_group(backend="nccl" if use_cuda else "gloo")
+        store = dist.PrefixStore("ppo_ver", dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                                                          args.world_size, is_master=False))
     if device.type == "cpu":
         torch.set_num_threads(1)  # leave the cores to the env workers
     torch.manual_seed(args.seed)  # the same initial weights on every rank
     torch.backends.cudnn.deterministic = args.torch_deterministic
 
     writer, last, run_dir = None, {}, None
-    if world.rank == 0:
+    if rank == 0:
         run_name = f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}"
         run_dir = Path(args.output_dir) / run_name
         run_dir.mkdir(parents=True)
@@ -1264,13 +1159,12 @@ def main(args: Args) -> dict:
         writer = SummaryWriter(str(run_dir))
 
     # The evaluation env (rank 0's) tells the spaces: the shared slots, the network; then the checkpoint.
-    video_dir = str(run_dir / "videos") if args.capture_video and world.rank == 0 else None
-    eval_env = make_env(args, evaluation=True, video_dir=video_dir)
+    eval_env = make_env(args, evaluation=True)
     slots = SharedSlots.allocate(args.num_envs, eval_env)
-    agent = Agent(eval_env.observation_space, eval_env.action_space, args.hidden_sizes, args.recurrent,
-                  args.lstm_hidden_size, args.lstm_layers, args.ent_coef, args.learned_ent_coef).to(device)
+    agent = Agent(eval_env.observation_space, eval_env.action_space, args.recurrent, args.ent_coef,
+                  args.learned_ent_coef).to(device)
     optimizer = torch.optim.Adam(agent.parameters(), lr=args.learning_rate, eps=1e-5)
-    global_step, iteration = 0, 0  # iteration = updates made = the policy version
+    global_step, iteration = 0, 0  # iteration = updates made
     if args.checkpoint:
         ckpt = torch.load(args.checkpoint, map_location=device, weights_only=True)
         agent.load_state_dict(ckpt["agent"])
@@ -1279,12 +1173,10 @@ def main(args: Args) -> dict:
             optimizer.load_state_dict(ckpt["optimizer"])
             print(f"resuming from {args.checkpoint} at iteration {iteration}, global step {global_step}")
     for tensor in agent.state_dict().values():  # DD-PPO: every rank starts from rank 0's weights
-        if world.world_size > 1 and tensor.is_floating_point():
-            synced = tensor.to(world.comm_device)
-            dist.broadcast(synced, src=0)
-            tensor.copy_(synced)
-    torch.manual_seed(args.seed + 1000 * world.rank + iteration)  # per-rank action sampling
-    rng = np.random.default_rng(args.seed + 7919 * world.rank + iteration)
+        if distributed and tensor.is_floating_point():
+            dist.broadcast(tensor, src=0)
+    torch.manual_seed(args.seed + 1000 * rank + iteration)  # per-rank action sampling
+    rng = np.random.default_rng(args.seed + 7919 * rank + iteration)
 
     def log(name: str, value, step: int) -> None:
         last[name] = float(value)
@@ -1303,7 +1195,7 @@ def main(args: Args) -> dict:
     start_time, start_step = time.time(), global_step
     workers = None
     try:
-        if world.rank > 0:
+        if rank > 0:
             eval_env.close()
             eval_env = None
         if args.evaluate:
@@ -1311,33 +1203,28 @@ def main(args: Args) -> dict:
             print(" ".join(f"{k}={v:.4f}" for k, v in last.items()))
             return summary
         worker_args = args
-        if world.rank == 0 and world.world_size > 1:  # --slow-rank-factor: rank 0 simulates slower
+        if rank == 0 and distributed:  # --slow-rank-factor: rank 0 simulates slower
             worker_args = replace(args, toy=replace(args.toy, step_time_mean=args.toy.step_time_mean * args.slow_rank_factor))
-        workers = EnvWorkers(worker_args, slots, base_seed=args.seed + world.rank * args.num_envs)
+        workers = EnvWorkers(worker_args, slots, base_seed=args.seed + rank * args.num_envs)
         collector = Collector(args, workers, slots, agent, device)
-        collector.policy_version = iteration
         if args.env_kind == "toy":
             targets = draw_target_actions(args.toy).to(device)
         previous, learn_time = None, 0.0
         train_start = time.time()
         while global_step < args.total_timesteps:
             iteration += 1
-            lr = args.learning_rate
-            if args.anneal_lr:  # cosine decay to zero (Sec. 4)
-                lr *= 0.5 * (1.0 + math.cos(math.pi * min(global_step / args.total_timesteps, 1.0)))
-            optimizer.param_groups[0]["lr"] = lr
 
             # 1. Collect T x N steps (Sec. 2.1, 2.2); under torchrun, preempt stragglers among the ranks (Sec. 2.3).
             stop_early, t_star = None, math.nan
-            if world.world_size > 1 and previous is not None:
+            if distributed and previous is not None:
                 if args.sync:
-                    stop_early = ddppo_stop_rule(world, args, iteration)
+                    stop_early = ddppo_stop_rule(store, args, iteration)
                 else:
-                    stop_early, t_star = ver_stop_rule(collector, world, args, learn_time)
+                    stop_early, t_star = ver_stop_rule(collector, args, learn_time)
             collect_start = time.perf_counter()
             stats = collector.collect(stop_early)
-            if world.store is not None:
-                world.store.add(f"done_{iteration}", 1)
+            if distributed:
+                store.add(f"done_{iteration}", 1)
             collect_time = time.perf_counter() - collect_start
 
             # 2. Returns over variable-length sequences and importance weights; a preempted rank is filled up.
@@ -1349,36 +1236,34 @@ def main(args: Args) -> dict:
             previous = batch
 
             # 3. PPO update (Sec. 2.2, 4), then the next rollout starts with the steps still in flight.
-            losses = ppo_update(args, agent, optimizer, batch, world, rng)
-            collector.start_next_rollout(iteration)
+            losses = ppo_update(args, agent, optimizer, batch, rng)
+            collector.start_next_rollout()
             learn_time = time.perf_counter() - learn_start
 
             # 4. Counters of all ranks, logging (rank 0), evaluation and checkpoints.
             episodes = np.array(stats.episodes, dtype=np.float64).reshape(-1, 4)
             local = torch.tensor([stats.env_steps, stats.env_busy, len(episodes), *episodes.sum(0),
-                                  float(stats.preempted)], dtype=torch.float64)
-            total = world.all_reduce_sum(local).tolist()
+                                  float(stats.preempted)], dtype=torch.float64, device=device)
+            total = all_reduce_sum(local).tolist()
             global_step += int(total[0])
             env_busy_time += total[1]
             summary["iteration"], summary["global_step"] = iteration, global_step
-            if world.rank > 0:
+            if rank > 0:
                 continue
             log("charts/SPS", (global_step - start_step) / (time.time() - train_start), global_step)
-            log("charts/learning_rate", lr, global_step)
+            log("charts/learning_rate", args.learning_rate, global_step)
             if total[2] > 0:
                 log("charts/episodic_return", total[3] / total[2], global_step)
                 log("charts/episodic_length", total[4] / total[2], global_step)
                 log("charts/success_rate", total[5] / total[2], global_step)
             for name, value in losses.items():
                 log(f"losses/{name}", value, global_step)
-            steps_per_env, version_gap = collector.steps_in_rollout, iteration - 1 - batch["versions"]
-            log("ver/steps_per_env_min", steps_per_env.min(), global_step)
-            log("ver/steps_per_env_max", steps_per_env.max(), global_step)
+            log("ver/steps_per_env_min", collector.steps_in_rollout.min(), global_step)
+            log("ver/steps_per_env_max", collector.steps_in_rollout.max(), global_step)
             log("ver/importance_weight_min", batch["weights"].min(), global_step)
-            log("ver/stale_fraction", (version_gap > 0).mean(), global_step)
             log("ver/inference_batch_size_mean", np.mean(stats.batch_sizes or [0]), global_step)
             log("ver/inflight_carried", collector.stats.carried, global_step)
-            log("ver/env_utilization", stats.env_busy / (args.num_envs * max(stats.duration, 1e-9)), global_step)
+            log("ver/env_utilization", stats.env_busy / (args.num_envs * collect_time), global_step)
             log("ver/preempted_ranks", total[7], global_step)
             log("ver/filled_fraction", 1.0 - fresh / args.batch_size, global_step)  # rank 0's batch
             if not math.isnan(t_star):
@@ -1389,17 +1274,21 @@ def main(args: Args) -> dict:
                 log("toy/accuracy", (batch["actions"][:fresh] == targets[batch["obs"][:fresh]]).float().mean(), global_step)
             if args.eval_freq and iteration % args.eval_freq == 0 and global_step < args.total_timesteps:
                 run_evaluation(final=False)
-        if world.world_size > 1:  # DD-PPO keeps the ranks' weights identical: check it (summary.json)
-            gathered = world.all_gather(torch.cat([p.detach().reshape(-1).float() for p in agent.parameters()]))
-            summary["ddp/max_weight_difference"] = float((gathered - gathered[0]).abs().max())
-        if world.rank == 0:
+        if distributed:  # DD-PPO keeps the ranks' weights identical: check it (summary.json)
+            weights = torch.cat([p.detach().reshape(-1) for p in agent.parameters()])
+            rank0_weights = weights.clone()
+            dist.broadcast(rank0_weights, src=0)
+            difference = (weights - rank0_weights).abs().max()
+            dist.all_reduce(difference, op=dist.ReduceOp.MAX)
+            summary["ddp/max_weight_difference"] = float(difference)
+        if rank == 0:
             run_evaluation(final=True)
     except WorkerError as error:
         summary["error"] = str(error)
         raise
     except (KeyboardInterrupt, SystemExit):
         summary["interrupted"] = True
-        if world.rank == 0 and args.save_model and "iteration" in summary:
+        if rank == 0 and args.save_model and "iteration" in summary:
             print("interrupted: writing summary.json and a checkpoint", file=sys.stderr)
             save_checkpoint(run_dir / "final_ckpt.pt", agent, optimizer, global_step, summary["iteration"])
         raise
@@ -1408,14 +1297,14 @@ def main(args: Args) -> dict:
             workers.close()
         if eval_env is not None:
             eval_env.close()
-        if world.rank == 0:
+        if rank == 0:
             wall = time.time() - start_time
             summary.update(global_step=global_step, wall_time_s=wall, sps=(global_step - start_step) / wall,
                            env_busy_time_s=env_busy_time)
             summary.update(last)
             (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
             writer.close()
-        if world.world_size > 1:
+        if distributed:
             dist.destroy_process_group()
     return summary
 
