@@ -209,6 +209,12 @@ def resolve_args(args: Args, world_size: Optional[int] = None) -> Args:
             setattr(a, name, value)
     if kind == "toy":
         a.toy.autoreset_mode = "same_step"  # the worker resets its chain and reports the true last observation
+        try:
+            a.toy.validate()
+        except ValueError as e:
+            raise ArgsError(str(e)) from e
+    if a.evaluate and not a.checkpoint:
+        raise ArgsError("--evaluate needs --checkpoint PATH")
     N = a.num_envs
     if a.sync:  # step all N envs, wait for all of them, act on all
         a.variable_experience = False

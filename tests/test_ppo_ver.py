@@ -492,6 +492,8 @@ def test_defaults_follow_habitat_lab_and_conventions():
     [
         (dict(num_envs=3, num_steps=7, num_minibatches=4), "--num-minibatches 4 equal minibatches"),
         (dict(env_id="NoSuchEnv-v9"), "NoSuchEnv-v9"),
+        (dict(toy=ToyChainConfig(horizon=52)), "--toy.horizon"),
+        (dict(evaluate=True), "--evaluate needs --checkpoint"),
     ],
 )
 def test_bad_flag_combinations_are_rejected_with_the_flag_named(kwargs, message):
