@@ -1100,9 +1100,12 @@ def ppo_update(args: Args, agent: Agent, optimizer: torch.optim.Optimizer, batch
 
 # ---- Logging, checkpoints, evaluation ---------------------------------------------------------------------------------
 def save_checkpoint(path: Path, agent, optimizer, global_step: int, iteration: int) -> None:
-    """What resuming needs: model, optimizer, global step and iteration (the number of updates made)."""
+    """What resuming needs: model, optimizer, global step and iteration (the number of updates made). Written to a
+    temporary file and renamed, so that a save interrupted by Ctrl-C never leaves a half-written checkpoint."""
+    tmp = path.with_name(path.name + ".tmp")
     torch.save({"agent": agent.state_dict(), "optimizer": optimizer.state_dict(), "global_step": global_step,
-                "iteration": iteration}, path)
+                "iteration": iteration}, tmp)
+    os.replace(tmp, path)
 
 
 @torch.no_grad()
