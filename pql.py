@@ -287,12 +287,7 @@ class ManiSkillVecEnv(gym.vector.VectorEnv):
         return torch.as_tensor(x if torch.is_tensor(x) else np.asarray(x), device=self.device, dtype=dtype)
 
     def reset(self, *, seed: Optional[int] = None, options: Optional[dict] = None):
-        if options is None:
-            obs, _ = self.env.reset(seed=seed)
-        elif self.gpu:
-            obs, _ = self.env.reset(options={"env_idx": options["reset_mask"].nonzero()[:, 0]})
-        else:
-            obs, _ = self.env.reset(options={"reset_mask": options["reset_mask"].cpu().numpy()})
+        obs, _ = self.env.reset(seed=seed, options=options)
         return self.as_tensor(obs, torch.float32).reshape(self.num_envs, -1), {}
 
     def step(self, actions: torch.Tensor):
@@ -303,8 +298,9 @@ class ManiSkillVecEnv(gym.vector.VectorEnv):
             (info.get("success", np.zeros(self.num_envs, bool)), torch.bool)))
         reset_now = truncated | (terminated & self.reset_on_termination)
         final_obs = obs
-        if bool(reset_now.any()):
-            obs, _ = self.reset(options={"reset_mask": reset_now})
+        if bool(reset_now.any()):  # partial reset: ManiSkill on the GPU takes env indices, a vector env a mask
+            obs, _ = self.reset(options={"env_idx": reset_now.nonzero()[:, 0]} if self.gpu
+                                else {"reset_mask": reset_now.cpu().numpy()})
         return obs, reward, terminated, truncated, {"success": success, "final_obs": final_obs, "_final_obs": reset_now}
 
     def close_extras(self, **kwargs):
