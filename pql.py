@@ -45,7 +45,6 @@ import copy
 import glob
 import json
 import os
-import queue
 import signal
 import sys
 import time
@@ -107,8 +106,7 @@ class Args:
     toy: ToyChainContinuousConfig = field(default_factory=lambda: ToyChainContinuousConfig(autoreset_mode="same_step"))
     """ToyChainContinuous-v0 settings (same-step autoreset, as ManiSkill)"""
     bootstrap_at_done: Optional[Literal["always", "truncated"]] = None
-    """which episode ends bootstrap Q'(true last observation): truncated (terminations bootstrap 0; default for the
-    toy chain) or always (default for ManiSkill, whose successes terminate; as ManiSkill's own SAC)"""
+    """episode ends that bootstrap Q'(true last obs): truncated (toy chain default) or always (ManiSkill default)"""
 
     ddpg_n: bool = False
     """the paper's DDPG(n) baseline (Sec. 4.1): one process, 1/beta_a:v x (critic, actor, soft update) per env step"""
@@ -709,11 +707,12 @@ POLL_S = 2e-4
 
 
 def learner_process(role: str, args: Args, obs_dim: int, act_dim: int, capacity: int, inbox: SlotRing,
-                    outbox: SlotRing, counters: torch.Tensor, stats: torch.Tensor, stop, errors, run_dir: str,
+                    outbox: SlotRing, counters: torch.Tensor, stats: torch.Tensor, stop, run_dir: str,
                     threads: int) -> None:
     """The V-learner or P-learner process (Alg. 2, 3): take the Actor's messages, serve checkpoint requests, and update
     whenever the speed ratios allow it (Sec. 3.2), else wait. It ignores Ctrl-C (the Actor stops it through `stop`);
-    an error goes to the Actor with its traceback and stops the run; it exits when the Actor is gone."""
+    an error stops the run, its traceback written to {role}_error.txt in the run directory for the Actor to report;
+    it exits when the Actor is gone."""
     try:
         torch.set_num_threads(threads)
         torch.backends.cudnn.deterministic = args.torch_deterministic
@@ -749,7 +748,7 @@ def learner_process(role: str, args: Args, obs_dim: int, act_dim: int, capacity:
                 return
             time.sleep(POLL_S)
     except BaseException:  # noqa: B036 - everything goes to the Actor
-        errors.put((role, traceback.format_exc()))
+        Path(run_dir, f"{role}_error.txt").write_text(traceback.format_exc())
         stop.set()
 
 
@@ -807,7 +806,7 @@ def main(args: Args) -> dict:
     stats = torch.zeros((2, 2), dtype=torch.float64).share_memory_()  # per learner: loss sum, loss count
     progress = {"actor_step": 0, "global_step": 0, "start_step": 0}
     ctx = mp.get_context("spawn")
-    stop, errors = ctx.Event(), ctx.Queue()
+    stop = ctx.Event()
     start_time = time.time()
     eval_s = 0.0
     learners_ready = False
@@ -819,13 +818,13 @@ def main(args: Args) -> dict:
         dead = [role for role, process in processes.items() if not process.is_alive()]
         if stop.is_set() or dead:
             stop.set()
-            try:
-                role, trace = errors.get(timeout=5.0)
-            except queue.Empty:
-                code = processes[dead[0]].exitcode
-                raise ProcessFailed(f"the {ROLES[dead[0]]} process died (exit code {code}"
-                                    f"{f', killed by signal {-code}' if code and code < 0 else ''})") from None
-            raise ProcessFailed(f"the {ROLES[role]} process failed:\n{trace.rstrip()}")
+            for role in ROLES:
+                error_file = run_dir / f"{role}_error.txt"  # written before the learner set `stop`
+                if error_file.exists():
+                    raise ProcessFailed(f"the {ROLES[role]} process failed:\n{error_file.read_text().rstrip()}")
+            code = processes[dead[0]].exitcode
+            raise ProcessFailed(f"the {ROLES[dead[0]]} process died (exit code {code}"
+                                f"{f', killed by signal {-code}' if code and code < 0 else ''})")
 
     def wait_for(condition, timeout: float = float("inf"), interruptible: bool = True) -> None:
         """Waits (bounded) until condition() holds, at safe points."""
@@ -907,7 +906,7 @@ def main(args: Args) -> dict:
             for role in ROLES:
                 processes[role] = ctx.Process(target=learner_process, name=f"pql-{role}", daemon=True, args=(
                     role, args, obs_dim, act_dim, capacity, to_learner[role], from_learner[role], counters,
-                    stats, stop, errors, str(run_dir), threads))
+                    stats, stop, str(run_dir), threads))
             # SIGINT blocked while they start: the learners inherit the blocked signal (they never see Ctrl-C),
             # the Actor gets it when it unblocks
             signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
@@ -1044,9 +1043,6 @@ def main(args: Args) -> dict:
                 save(run_dir / "final_ckpt.pt")
             except (ProcessFailed, TimeoutError) as e:
                 print(f"could not write the checkpoint: {e}", file=sys.stderr)
-    except ProcessFailed as e:
-        summary["failed"] = str(e).splitlines()[0]
-        raise
     finally:
         wall = time.time() - start_time
         summary.update(global_step=progress["global_step"], actor_steps=progress["actor_step"], wall_time_s=wall,
@@ -1064,7 +1060,6 @@ def main(args: Args) -> dict:
             if process.is_alive():
                 process.kill()
                 process.join(timeout=5.0)
-        errors.cancel_join_thread()
         for env in (envs, eval_envs):
             if env is not None:
                 env.close()
@@ -1075,11 +1070,6 @@ if __name__ == "__main__":
     try:
         if main(tyro.cli(Args))["interrupted"]:
             sys.exit(130)
-    except ArgsError as error:
+    except (ArgsError, ProcessFailed) as error:
         print(f"error: {error}", file=sys.stderr)
-        sys.exit(2)
-    except ProcessFailed as error:
-        print(f"error: {error}", file=sys.stderr)
-        sys.exit(1)
-    except KeyboardInterrupt:
-        sys.exit(130)
+        sys.exit(2 if isinstance(error, ArgsError) else 1)
