@@ -36,25 +36,15 @@ discount comes from --gamma (the original hard-codes 0.99); episode ends follow 
 time limit bootstraps Q'(true final observation) and a termination bootstraps 0; always: both bootstrap, ManiSkill's
 default, whose successes terminate with positive reward); the original treats time-outs as terminal. Autoreset
 (autoreset_modes.txt): same-step only, as ManiSkill; the true last observation is info["final_obs"].
-Evaluation runs in the Actor: while it runs, the learners soon run out of updates and wait (time/eval_frac and
-summary.json's eval_time_s say how much of the run that is).
-
-Examples
-  python pql.py --env-id ToyChainContinuous-v0                     # toy chain on the CPU, a few minutes
-  python pql.py --env-id ToyChainContinuous-v0 --ddpg-n            # the paper's DDPG(n) baseline
-  python pql.py --env-id PickCube-v1                               # GPU: 4096 envs (physx_cuda), all three on one GPU
-  python pql.py --env-id PushCube-v1 --v-learner-device cuda:1 --p-learner-device cuda:1 --distributional
-  python pql.py --env-id PickCube-v1 --num-envs 2 --total-timesteps 2000 --no-cuda   # CPU simulation
+Evaluation runs in the Actor and the learners soon wait for it (summary.json's eval_time_s says for how long).
 """
 
 from __future__ import annotations
 
 import copy
-import ctypes
 import glob
 import json
 import os
-import queue
 import signal
 import sys
 import time
@@ -116,8 +106,7 @@ class Args:
     toy: ToyChainContinuousConfig = field(default_factory=lambda: ToyChainContinuousConfig(autoreset_mode="same_step"))
     """ToyChainContinuous-v0 settings (same-step autoreset, as ManiSkill)"""
     bootstrap_at_done: Optional[Literal["always", "truncated"]] = None
-    """which episode ends bootstrap Q'(true last observation): truncated (terminations bootstrap 0; default for the
-    toy chain) or always (default for ManiSkill, whose successes terminate; as ManiSkill's own SAC)"""
+    """episode ends that bootstrap Q'(true last obs): truncated (toy chain default) or always (ManiSkill default)"""
 
     ddpg_n: bool = False
     """the paper's DDPG(n) baseline (Sec. 4.1): one process, 1/beta_a:v x (critic, actor, soft update) per env step"""
@@ -136,8 +125,6 @@ class Args:
 
     total_timesteps: Optional[int] = None
     """training env steps, warm-up included (default: 30M GPU simulation, 200k CPU simulation, 64 * 600 toy chain)"""
-    max_time: Optional[float] = None
-    """also stop after this many seconds of training (the original code's time budget)"""
     gamma: float = 0.99
     """discount factor (Table B.1)"""
     nstep: int = 3
@@ -163,28 +150,16 @@ class Args:
     sigma_max: float = 0.8
     """mixed exploration: largest noise std, of env N (Sec. 3.3)"""
     target_noise_std: float = 0.8
-    """std of the noise added to the target policy's action (the original code's value)"""
-    target_noise_clip: float = 0.2
-    """the target policy noise is clipped to +-this (the original code's value)"""
+    """std of the noise added to the target policy's action, clipped to +-0.2 (the original code's values)"""
     actor_hidden_dims: Optional[tuple[int, ...]] = None
     """hidden layers of the policy MLP (default: 512 256 128, ELU, as the original code; 256 256 on the toy chain)"""
     critic_hidden_dims: Optional[tuple[int, ...]] = None
     """hidden layers of each Q MLP (default: 512 256 128, ELU; 256 256 on the toy chain)"""
     distributional: bool = False
-    """PQL-D: categorical Q distributions with the C51 projection (App. C)"""
-    num_atoms: int = 51
-    """PQL-D: atoms of the support (App. C)"""
-    v_min: float = -10.0
-    """PQL-D: lowest atom (App. C)"""
-    v_max: float = 10.0
-    """PQL-D: highest atom (App. C)"""
+    """PQL-D: categorical Q distributions with the C51 projection, 51 atoms on [-10, 10] (App. C)"""
 
     eval_freq: Optional[int] = None
     """evaluate every this many Actor steps (default: 200 GPU simulation, 50 CPU simulation, 25 toy chain)"""
-    num_eval_steps: Optional[int] = None
-    """steps per evaluation (default: H, one full episode per eval env)"""
-    log_freq: int = 5
-    """write training scalars every this many Actor steps"""
     debug_crash: Optional[Literal["v_learner", "p_learner"]] = None
     """make this learner process raise an error after 20 of its updates (checks that a failure ends the run)"""
 
@@ -207,6 +182,8 @@ MANISKILL_GPU = dict(num_envs=4096, num_eval_envs=16, batch_size=8192, total_tim
 MANISKILL_CPU = dict(MANISKILL_GPU, num_envs=8, num_eval_envs=2, batch_size=1024, total_timesteps=200_000,
                      eval_freq=50)
 CRASH_AFTER_UPDATES = 20  # --debug-crash
+LOG_EVERY = 5  # Actor steps between two writes of the training scalars
+NUM_ATOMS, V_MIN, V_MAX = 51, -10.0, 10.0  # PQL-D's support (App. C)
 ROLES = {"v_learner": "V-learner", "p_learner": "P-learner"}
 
 
@@ -216,26 +193,6 @@ class ArgsError(ValueError):
 
 class ProcessFailed(RuntimeError):
     """A learner process failed or died; the message holds its traceback (or its exit code)."""
-
-
-class Interrupted(Exception):
-    """Ctrl-C (SIGINT) or SIGTERM, raised by the Actor itself at a safe point (never inside a transfer)."""
-
-
-def vulkan_problem() -> Optional[str]:
-    """Why ManiSkill3 (SAPIEN) cannot start a Vulkan device on this machine, or None."""
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        ctypes.CDLL("libvulkan.so.1")
-    except OSError:
-        return "the Vulkan loader (libvulkan.so.1) is not installed"
-    if os.environ.get("VK_ICD_FILENAMES") or os.environ.get("VK_DRIVER_FILES"):
-        return None
-    dirs = ["/usr/share", "/usr/local/share", "/etc", "/usr/local/nvidia/share"]
-    if not any(glob.glob(os.path.join(d, "vulkan", "icd.d", "*.json")) for d in dirs):
-        return "no Vulkan driver (ICD) is installed"
-    return None
 
 
 def resolve_args(args: Args) -> Args:
@@ -267,11 +224,10 @@ def resolve_args(args: Args) -> Args:
         a.resolved_horizon = a.toy.horizon
     else:
         a.resolved_horizon = a.horizon or gym.spec(a.env_id).max_episode_steps
-        problem = vulkan_problem()
-        if problem:
-            raise ArgsError(f"ManiSkill3 needs a Vulkan driver even for state-only simulation, and {problem}; "
-                            f"see README.md, Set-up")
-    a.num_eval_steps = a.num_eval_steps or a.resolved_horizon
+        icd_files = glob.glob("/usr/share/vulkan/icd.d/*.json") + glob.glob("/etc/vulkan/icd.d/*.json")
+        if sys.platform == "linux" and not (icd_files or os.environ.get("VK_ICD_FILENAMES")):
+            raise ArgsError("ManiSkill3 needs a Vulkan driver even for state-only simulation, and none is installed; "
+                            "on Debian/Ubuntu run: bash .ci/install_system.sh")
     a.num_actor_steps = a.total_timesteps // a.num_envs
     if not a.evaluate and a.num_actor_steps <= a.warm_up_steps + a.nstep:
         raise ArgsError(f"--total-timesteps {a.total_timesteps} gives {a.num_actor_steps} Actor steps of "
@@ -281,9 +237,7 @@ def resolve_args(args: Args) -> Args:
     return a
 
 
-# =====================================================================================================================
-# Environments (same-step autoreset: the true last observation is info["final_obs"])
-# =====================================================================================================================
+# ---- Environments (same-step autoreset: the true last observation is info["final_obs"]) ------------------------------
 def make_maniskill_env(env_id: str, num_envs: int, backend: str, horizon: int, video_dir: Optional[str]):
     """A state-observation ManiSkill env with a flat action space (episode videos into video_dir when given)."""
     import mani_skill.envs  # noqa: F401  (registers the tasks in this process)
@@ -331,12 +285,7 @@ class ManiSkillVecEnv(gym.vector.VectorEnv):
         return torch.as_tensor(x if torch.is_tensor(x) else np.asarray(x), device=self.device, dtype=dtype)
 
     def reset(self, *, seed: Optional[int] = None, options: Optional[dict] = None):
-        if options is None:
-            obs, _ = self.env.reset(seed=seed)
-        elif self.gpu:
-            obs, _ = self.env.reset(options={"env_idx": options["reset_mask"].nonzero()[:, 0]})
-        else:
-            obs, _ = self.env.reset(options={"reset_mask": options["reset_mask"].cpu().numpy()})
+        obs, _ = self.env.reset(seed=seed, options=options)
         return self.as_tensor(obs, torch.float32).reshape(self.num_envs, -1), {}
 
     def step(self, actions: torch.Tensor):
@@ -347,8 +296,9 @@ class ManiSkillVecEnv(gym.vector.VectorEnv):
             (info.get("success", np.zeros(self.num_envs, bool)), torch.bool)))
         reset_now = truncated | (terminated & self.reset_on_termination)
         final_obs = obs
-        if bool(reset_now.any()):
-            obs, _ = self.reset(options={"reset_mask": reset_now})
+        if bool(reset_now.any()):  # partial reset: ManiSkill on the GPU takes env indices, a vector env a mask
+            obs, _ = self.reset(options={"env_idx": reset_now.nonzero()[:, 0]} if self.gpu
+                                else {"reset_mask": reset_now.cpu().numpy()})
         return obs, reward, terminated, truncated, {"success": success, "final_obs": final_obs, "_final_obs": reset_now}
 
     def close_extras(self, **kwargs):
@@ -361,9 +311,7 @@ def make_env(args: Args, num_envs: int, device: torch.device, evaluation: bool, 
     return ManiSkillVecEnv(args, num_envs, device, evaluation, video_dir)
 
 
-# =====================================================================================================================
-# Pure functions the algorithm relies on (importable, tested in tests/test_pql.py)
-# =====================================================================================================================
+# ---- Pure functions the algorithm relies on (importable, tested in tests/test_pql.py) --------------------------------
 def mixed_exploration_sigmas(num_envs: int, sigma_min: float, sigma_max: float, device=None) -> torch.Tensor:
     """Sec. 3.3, mixed exploration: env i of N explores with noise std
     sigma_i = sigma_min + (i - 1) / (N - 1) * (sigma_max - sigma_min), i = 1..N (sigma_min when N = 1)."""
@@ -488,8 +436,8 @@ class RunningMeanStd:
     def update(self, x: torch.Tensor) -> None:
         batch_mean, batch_var, n = x.mean(0), x.var(0, unbiased=False), x.shape[0]
         delta, total = batch_mean - self.mean, self.count + n
-        self.mean = self.mean + delta * n / total
-        self.var = (self.var * self.count + batch_var * n + delta.square() * self.count * n / total) / total
+        self.mean += delta * n / total  # in place: the Actor's normalizer statistics are views of mean and var
+        self.var.copy_((self.var * self.count + batch_var * n + delta.square() * self.count * n / total) / total)
         self.count = total
 
 
@@ -503,11 +451,11 @@ def normalize_obs(obs: torch.Tensor, stats: Optional[tuple[torch.Tensor, torch.T
 
 class ReplayBuffer:
     """A ring buffer of preallocated tensors on one device, sampled uniformly (Sec. 3.1: each learner keeps its own,
-    on its GPU). `spec` maps field names to (shape, dtype) of one entry."""
+    on its GPU). `shapes` maps field names to the shape of one float32 entry."""
 
-    def __init__(self, capacity: int, spec: dict, device: torch.device):
+    def __init__(self, capacity: int, shapes: dict, device: torch.device):
         self.capacity, self.device, self.pos, self.size = capacity, device, 0, 0
-        self.data = {k: torch.empty((capacity, *shape), dtype=dtype, device=device) for k, (shape, dtype) in spec.items()}
+        self.data = {k: torch.empty((capacity, *shape), device=device) for k, shape in shapes.items()}
 
     def add(self, batch: dict) -> None:
         n = next(iter(batch.values())).shape[0]
@@ -522,9 +470,7 @@ class ReplayBuffer:
         return {k: v[index] for k, v in self.data.items()}
 
 
-# =====================================================================================================================
-# Networks
-# =====================================================================================================================
+# ---- Networks --------------------------------------------------------------------------------------------------------
 def mlp(sizes: list[int]) -> nn.Sequential:
     """Linear layers with ELU between them (the original code's MLPNet: no normalization, PyTorch's default init)."""
     layers: list[nn.Module] = []
@@ -547,16 +493,16 @@ class Policy(nn.Module):
 
 
 class Critic(nn.Module):
-    """Two Q functions Q1, Q2 (double Q), MLPs on [s, a]. With num_atoms > 1 (PQL-D, App. C) each outputs the logits
-    of a categorical distribution over the fixed support linspace(v_min, v_max, num_atoms)."""
+    """Two Q functions Q1, Q2 (double Q), MLPs on [s, a]. With PQL-D (App. C) each outputs the logits of a
+    categorical distribution over the fixed support linspace(V_MIN, V_MAX, NUM_ATOMS)."""
 
-    def __init__(self, obs_dim: int, act_dim: int, hidden: tuple[int, ...], num_atoms: int = 1,
-                 v_min: float = -10.0, v_max: float = 10.0):
+    def __init__(self, obs_dim: int, act_dim: int, hidden: tuple[int, ...], distributional: bool = False):
         super().__init__()
-        self.distributional = num_atoms > 1
+        self.distributional = distributional
+        num_atoms = NUM_ATOMS if distributional else 1
         self.q1 = mlp([obs_dim + act_dim, *hidden, num_atoms])
         self.q2 = mlp([obs_dim + act_dim, *hidden, num_atoms])
-        self.register_buffer("support", torch.linspace(v_min, v_max, num_atoms))
+        self.register_buffer("support", torch.linspace(V_MIN, V_MAX, num_atoms))
 
     def forward(self, obs: torch.Tensor, action: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Raw outputs of both heads: Q values (B, 1), or logits (B, num_atoms) with PQL-D."""
@@ -584,8 +530,7 @@ def initial_networks(args: Args, obs_dim: int, act_dim: int, device) -> tuple[Po
     """The same initial networks in all three processes (seeded), or those of --checkpoint (then also returned)."""
     torch.manual_seed(args.seed)
     policy = Policy(obs_dim, act_dim, args.actor_hidden_dims)
-    critic = Critic(obs_dim, act_dim, args.critic_hidden_dims, args.num_atoms if args.distributional else 1,
-                    args.v_min, args.v_max)
+    critic = Critic(obs_dim, act_dim, args.critic_hidden_dims, args.distributional)
     state = None
     if args.checkpoint:
         state = torch.load(args.checkpoint, map_location="cpu", weights_only=True)
@@ -598,9 +543,7 @@ def initial_networks(args: Args, obs_dim: int, act_dim: int, device) -> tuple[Po
     return policy.to(device), critic.to(device), state
 
 
-# =====================================================================================================================
-# The learners (Alg. 2, Alg. 3): the same classes run in their own processes or, with --ddpg-n / --sequential, here
-# =====================================================================================================================
+# ---- The learners (Alg. 2, Alg. 3): the same classes run in their own processes or, with --ddpg-n / --sequential, here ---
 class VLearner:
     """Sec. 3.1 V-learner: a replay buffer of n-step transitions, Q1, Q2 with target networks, and a lagged copy of
     the policy that plays the target policy (Sec. 3.2, third point: no separate target policy)."""
@@ -613,9 +556,8 @@ class VLearner:
         if state is not None:
             self.critic_target.load_state_dict(state["critic_target"])
             self.optimizer.load_state_dict(state["critic_optimizer"])
-        f32 = torch.float32
-        self.buffer = ReplayBuffer(capacity, {"obs": ((obs_dim,), f32), "action": ((act_dim,), f32), "reward": ((), f32),
-                                              "next_obs": ((obs_dim,), f32), "discount": ((), f32)}, device)
+        self.buffer = ReplayBuffer(capacity, {"obs": (obs_dim,), "action": (act_dim,), "reward": (), "next_obs": (obs_dim,),
+                                              "discount": ()}, device)
         self.generator = torch.Generator(device=device).manual_seed(args.seed + 1)
         self.obs_stats = None
 
@@ -630,11 +572,11 @@ class VLearner:
     @torch.no_grad()
     def target(self, returns: torch.Tensor, discounts: torch.Tensor, next_obs: torch.Tensor) -> torch.Tensor:
         """The n-step double-Q target y = R + discount * min(Q1', Q2')(s', pi^v(s') + clip(noise)) (target networks
-        Q', the lagged policy pi^v); with PQL-D the projected target distribution (B, num_atoms)."""
+        Q', the lagged policy pi^v); with PQL-D the projected target distribution (B, NUM_ATOMS)."""
         a = self.args
         next_action = self.policy(next_obs)
         noise = (torch.randn(next_action.shape, device=self.device, generator=self.generator)
-                 * a.target_noise_std).clamp(-a.target_noise_clip, a.target_noise_clip)
+                 * a.target_noise_std).clamp(-0.2, 0.2)
         next_action = (next_action + noise).clamp(-1.0, 1.0)
         if self.critic.distributional:
             logits1, logits2 = self.critic_target(next_obs, next_action)
@@ -681,7 +623,7 @@ class PLearner:
         self.optimizer = torch.optim.Adam(self.policy.parameters(), lr=args.learning_rate)
         if state is not None:
             self.optimizer.load_state_dict(state["policy_optimizer"])
-        self.buffer = ReplayBuffer(capacity, {"obs": ((obs_dim,), torch.float32)}, device)
+        self.buffer = ReplayBuffer(capacity, {"obs": (obs_dim,)}, device)
         self.generator = torch.Generator(device=device).manual_seed(args.seed + 2)
         self.obs_stats = None
 
@@ -709,14 +651,7 @@ class PLearner:
         return {"policy": self.policy.state_dict(), "policy_optimizer": self.optimizer.state_dict()}
 
 
-# =====================================================================================================================
-# Moving data and networks between the processes (Sec. 3.1: "Data Transfer", "Network Transfer")
-# =====================================================================================================================
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
+# ---- Moving data and networks between the processes (Sec. 3.1: "Data Transfer", "Network Transfer") ------------------
 class SlotRing:
     """A one-way channel between two processes: `num_slots` preallocated slots (dicts of tensors) in shared memory
     (CPU) or CUDA memory shared by CUDA IPC, plus two counters. The writer fills slot `written % num_slots` and counts
@@ -724,14 +659,12 @@ class SlotRing:
     when the reader is done with it (has_room), so there is no lock, nothing is pickled and a process that stops at
     any moment leaves no transfer half done for the other."""
 
-    def __init__(self, spec: dict, device, num_slots: int):
+    def __init__(self, shapes: dict, device, num_slots: int):
         self.device, self.num_slots = torch.device(device), num_slots
-        self.slots = [{k: self.shared(shape, dtype) for k, (shape, dtype) in spec.items()} for _ in range(num_slots)]
+        # share_memory_() moves CPU tensors to shared memory; CUDA tensors go to the other process by CUDA IPC
+        self.slots = [{k: torch.zeros(shape, device=self.device).share_memory_() for k, shape in shapes.items()}
+                      for _ in range(num_slots)]
         self.counters = torch.zeros(2, dtype=torch.int64).share_memory_()  # written, read
-
-    def shared(self, shape, dtype) -> torch.Tensor:
-        tensor = torch.zeros(shape, dtype=dtype, device=self.device)
-        return tensor.share_memory_() if self.device.type == "cpu" else tensor
 
     def has_room(self) -> bool:
         written, read = self.counters.tolist()
@@ -742,7 +675,8 @@ class SlotRing:
         slot = self.slots[int(self.counters[0]) % self.num_slots]
         for k, tensor in slot.items():
             tensor.copy_(message[k])
-        synchronize(self.device)  # the data is in place before the reader can see the slot
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # the data is in place before the reader can see the slot
         self.counters[0] += 1
 
     def take(self, consume, newest_only: bool = False) -> int:
@@ -750,37 +684,35 @@ class SlotRing:
         written, read = self.counters.tolist()
         for i in range(max(read, written - 1) if newest_only else read, written):
             consume(self.slots[i % self.num_slots])
-        if written > read:
-            synchronize(self.device)  # done reading before the writer may reuse the slots
-            self.counters[1] = written
+        if written > read and self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # done reading before the writer may reuse the slots
+        self.counters[1] = written
         return written - read
 
 
-def message_specs(num_envs: int, obs_dim: int, act_dim: int, policy_numel: int, critic_numel: int) -> dict:
-    """What travels each Actor step: to the V-learner (Alg. 3) and P-learner (Alg. 2), and back."""
-    f32, stats = torch.float32, {"obs_mean": ((obs_dim,), torch.float32), "obs_var": ((obs_dim,), torch.float32)}
-    n = num_envs
-    return {"v_learner": {"obs": ((n, obs_dim), f32), "action": ((n, act_dim), f32), "reward": ((n,), f32),
-                          "next_obs": ((n, obs_dim), f32), "discount": ((n,), f32), "policy": ((policy_numel,), f32),
-                          **stats},
-            "p_learner": {"obs": ((n, obs_dim), f32), "critic": ((critic_numel,), f32), **stats},
-            "from_v_learner": {"critic": ((critic_numel,), f32)},
-            "from_p_learner": {"policy": ((policy_numel,), f32)}}
+def message_shapes(n: int, obs_dim: int, act_dim: int, policy_numel: int, critic_numel: int) -> dict:
+    """What travels each Actor step (float32): to the V-learner (Alg. 3) and P-learner (Alg. 2), and back."""
+    stats = {"obs_mean": (obs_dim,), "obs_var": (obs_dim,)}
+    return {"v_learner": {"obs": (n, obs_dim), "action": (n, act_dim), "reward": (n,), "next_obs": (n, obs_dim),
+                          "discount": (n,), "policy": (policy_numel,), **stats},
+            "p_learner": {"obs": (n, obs_dim), "critic": (critic_numel,), **stats},
+            "from_v_learner": {"critic": (critic_numel,)}, "from_p_learner": {"policy": (policy_numel,)}}
 
 
 # Shared counters (int64): Actor learning steps A, V-updates V, P-updates P, checkpoint requests, and the checkpoint
-# requests each learner has served. Statistics (float64) per learner: loss sum, loss count, wait s, update s.
+# requests each learner has served. Statistics (float64) per learner: loss sum, loss count.
 A, V, P, CKPT_REQUEST, CKPT_SERVED_V, CKPT_SERVED_P = range(6)
-LOSS_SUM, LOSS_COUNT, WAIT_S, UPDATE_S = range(4)
+LOSS_SUM, LOSS_COUNT = range(2)
 POLL_S = 2e-4
 
 
 def learner_process(role: str, args: Args, obs_dim: int, act_dim: int, capacity: int, inbox: SlotRing,
-                    outbox: SlotRing, counters: torch.Tensor, stats: torch.Tensor, stop, errors, run_dir: str,
+                    outbox: SlotRing, counters: torch.Tensor, stats: torch.Tensor, stop, run_dir: str,
                     threads: int) -> None:
     """The V-learner or P-learner process (Alg. 2, 3): take the Actor's messages, serve checkpoint requests, and update
     whenever the speed ratios allow it (Sec. 3.2), else wait. It ignores Ctrl-C (the Actor stops it through `stop`);
-    an error goes to the Actor with its traceback and stops the run; it exits when the Actor is gone."""
+    an error stops the run, its traceback written to {role}_error.txt in the run directory for the Actor to report;
+    it exits when the Actor is gone."""
     try:
         torch.set_num_threads(threads)
         torch.backends.cudnn.deterministic = args.torch_deterministic
@@ -791,9 +723,8 @@ def learner_process(role: str, args: Args, obs_dim: int, act_dim: int, capacity:
         learner = (VLearner if is_v else PLearner)(args, obs_dim, act_dim, capacity, device)
         row, served = (0 if is_v else 1), (CKPT_SERVED_V if is_v else CKPT_SERVED_P)
         loss_sum, loss_count = torch.zeros((), device=device), 0
-        parent, last_parent_check = mp.parent_process(), time.time()
+        parent = mp.parent_process()
         while not stop.is_set():
-            start = time.time()
             if inbox.take(learner.receive) and outbox.has_room():  # new data: send back my network
                 outbox.put({"critic" if is_v else "policy": parameters_to_vector(
                     (learner.critic if is_v else learner.policy).parameters())})
@@ -808,89 +739,37 @@ def learner_process(role: str, args: Args, obs_dim: int, act_dim: int, capacity:
                 loss = learner.update()
                 loss_sum += loss[0] if is_v else loss
                 loss_count += 1
-                synchronize(device)  # time the kernels, not their launches
-                stats[row, UPDATE_S] += time.time() - start
                 counters[V if is_v else P] += 1
                 if args.debug_crash == role and loss_count >= CRASH_AFTER_UPDATES:
                     raise RuntimeError(f"--debug-crash {role}: the {ROLES[role]} fails on purpose")
                 continue
             stats[row, LOSS_SUM], stats[row, LOSS_COUNT] = loss_sum.item(), loss_count
-            if time.time() - last_parent_check > 0.5:
-                if not parent.is_alive():  # the Actor was killed (SIGKILL): no orphans
-                    return
-                last_parent_check = time.time()
+            if not parent.is_alive():  # the Actor was killed (SIGKILL): no orphans
+                return
             time.sleep(POLL_S)
-            stats[row, WAIT_S] += time.time() - start
     except BaseException:  # noqa: B036 - everything goes to the Actor
-        errors.put((role, traceback.format_exc()))
+        Path(run_dir, f"{role}_error.txt").write_text(traceback.format_exc())
         stop.set()
 
 
-# =====================================================================================================================
-# Logging, checkpoints, evaluation
-# =====================================================================================================================
-class Logger:
-    """TensorBoard scalars (mirrored to wandb with --track); keeps the last value of each for summary.json."""
-
-    def __init__(self, run_dir: Path, args: Args, run_name: str):
-        if args.track:
-            import wandb
-
-            wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, sync_tensorboard=True,
-                       config=asdict(args), name=run_name, save_code=True)
-        self.writer = SummaryWriter(str(run_dir))
-        self.writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(
-            f"|{k}|{v}|" for k, v in asdict(args).items()))
-        self.last: dict[str, float] = {}
-
-    def scalar(self, name: str, value, step: int) -> None:
-        self.writer.add_scalar(name, float(value), step)
-        self.last[name] = float(value)
-
-
-def save_checkpoint(path: Path, learner_state: dict, obs_rms: Optional[RunningMeanStd], global_step: int,
-                    actor_step: int, args: Args) -> None:
-    """Policy and its optimizer (P-learner), Q functions, their targets and optimizer (V-learner), the normalizer and
-    the counters. The replay buffers are not saved (up to 2 x 5M entries): a resumed run refills them. Written to a
-    temporary file and renamed, so that an interrupted save leaves nothing half-written."""
-    state = {**learner_state, "global_step": global_step, "actor_step": actor_step, "args": json.dumps(asdict(args)),
-             "obs_rms": None if obs_rms is None else {"mean": obs_rms.mean, "var": obs_rms.var, "count": obs_rms.count}}
-    tmp = path.with_name(path.name + ".tmp")
-    torch.save(state, tmp)
-    os.replace(tmp, path)
-
-
+# ---- Evaluation ------------------------------------------------------------------------------------------------------
 @torch.no_grad()
-def evaluate(policy: Policy, eval_envs, obs_stats, num_steps: int, seed: int, act_low, act_high, check) -> dict:
-    """The deterministic policy (no exploration noise), one episode per eval env: eval/return (unscaled), success_once
-    (success at any step), success_at_end (at the last step) and episode_len, averaged over the episodes that ended
-    within num_steps. ManiSkill eval envs keep running after a termination (H-step episodes)."""
+def evaluate(policy: Policy, eval_envs, obs_stats, horizon: int, seed: int, act_low, act_high, check) -> dict:
+    """One H-step episode of every eval env with the deterministic policy (no exploration noise; ManiSkill's protocol:
+    a termination does not end an evaluation episode). Means over the eval envs of the return (unscaled) and of
+    success at any step (success_once) and at the last step (success_at_end)."""
     obs, _ = eval_envs.reset(seed=seed)
-    n, device = eval_envs.num_envs, obs.device
-    ep_return, ep_len = torch.zeros(n, device=device), torch.zeros(n, dtype=torch.long, device=device)
-    success_once, finished = torch.zeros(n, dtype=torch.bool, device=device), torch.zeros(n, dtype=torch.bool, device=device)
-    ended: dict[str, list] = {"return": [], "success_once": [], "success_at_end": [], "episode_len": []}
-    for _ in range(num_steps):
+    ret, success_once = 0.0, False
+    for _ in range(horizon):
         check()  # Ctrl-C ends an evaluation too
         action = act_low + (policy(normalize_obs(obs, obs_stats)) + 1.0) * 0.5 * (act_high - act_low)
         obs, reward, terminated, truncated, info = eval_envs.step(action)
-        live = ~finished
-        ep_return += reward * live
-        ep_len += live.long()
-        success_once |= info["success"] & live
-        end = live & (truncated | (terminated & info["_final_obs"]))
-        for key, value in (("return", ep_return), ("success_once", success_once),
-                           ("success_at_end", info["success"]), ("episode_len", ep_len)):
-            ended[key].append(value[end].float())
-        finished |= end
-        if bool(finished.all()):
-            break
-    return {k: torch.cat(v).mean().item() for k, v in ended.items() if torch.cat(v).numel() > 0}
+        ret, success_once = ret + reward, success_once | info["success"]
+    return {"return": ret.mean().item(), "success_once": success_once.float().mean().item(),
+            "success_at_end": info["success"].float().mean().item(), "episode_len": horizon}
 
 
-# =====================================================================================================================
-# The Actor (Alg. 1): the main process
-# =====================================================================================================================
+# ---- The Actor (Alg. 1): the main process ----------------------------------------------------------------------------
 def main(args: Args) -> dict:
     # Ctrl-C / SIGTERM only set a flag; the Actor stops at its next safe point (a step, a wait, an evaluation step).
     stop_requested = []
@@ -908,49 +787,53 @@ def main(args: Args) -> dict:
     torch.backends.cudnn.deterministic = args.torch_deterministic
     device = torch.device(args.actor_device)
     k_v = round(1 / args.beta_a_v)
+    if args.track:
+        import wandb
 
-    logger = Logger(run_dir, args, run_name)
-    mode = "ddpg_n" if args.ddpg_n else ("sequential" if args.sequential else "parallel")
-    summary: dict = {"run_dir": str(run_dir), "mode": mode, "interrupted": False}
+        wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, sync_tensorboard=True,
+                   config=asdict(args), name=run_name, save_code=True)
+    writer = SummaryWriter(str(run_dir))
+    last: dict[str, float] = {}  # the last value of every scalar, for summary.json
+
+    def log(name: str, value, step: int) -> None:
+        writer.add_scalar(name, float(value), step)
+        last[name] = float(value)
+
+    summary: dict = {"interrupted": False}
     envs = eval_envs = None
     processes: dict = {}
     counters = torch.zeros(6, dtype=torch.int64).share_memory_()  # A, V, P, checkpoint requests and serves
-    stats = torch.zeros((2, 4), dtype=torch.float64).share_memory_()  # per learner: loss sum, count, wait s, update s
+    stats = torch.zeros((2, 2), dtype=torch.float64).share_memory_()  # per learner: loss sum, loss count
     progress = {"actor_step": 0, "global_step": 0, "start_step": 0}
     ctx = mp.get_context("spawn")
-    stop, errors = ctx.Event(), ctx.Queue()
-    obs_rms = None
+    stop = ctx.Event()
     start_time = time.time()
     eval_s = 0.0
     learners_ready = False
 
-    def check() -> None:
-        """A safe point: raises Interrupted after Ctrl-C, ProcessFailed when a learner failed or died."""
-        if stop_requested:
-            raise Interrupted
+    def check(interruptible: bool = True) -> None:
+        """A safe point: raises KeyboardInterrupt after Ctrl-C, ProcessFailed when a learner failed or died."""
+        if stop_requested and interruptible:
+            raise KeyboardInterrupt  # at a safe point, never inside a transfer
         dead = [role for role, process in processes.items() if not process.is_alive()]
         if stop.is_set() or dead:
             stop.set()
-            try:
-                role, trace = errors.get(timeout=5.0)
-                raise ProcessFailed(f"the {ROLES[role]} process failed:\n{trace.rstrip()}")
-            except queue.Empty:
-                code = processes[dead[0]].exitcode if dead else None
-                raise ProcessFailed(f"the {ROLES[dead[0] if dead else 'v_learner']} process died (exit code {code}"
-                                    f"{f', killed by signal {-code}' if code and code < 0 else ''})") from None
+            for role in ROLES:
+                error_file = run_dir / f"{role}_error.txt"  # written before the learner set `stop`
+                if error_file.exists():
+                    raise ProcessFailed(f"the {ROLES[role]} process failed:\n{error_file.read_text().rstrip()}")
+            code = processes[dead[0]].exitcode
+            raise ProcessFailed(f"the {ROLES[dead[0]]} process died (exit code {code}"
+                                f"{f', killed by signal {-code}' if code and code < 0 else ''})")
 
-    def wait_for(condition, timeout: float = float("inf"), interruptible: bool = True) -> float:
-        """Waits (bounded) until condition() holds, at safe points; returns the seconds waited."""
+    def wait_for(condition, timeout: float = float("inf"), interruptible: bool = True) -> None:
+        """Waits (bounded) until condition() holds, at safe points."""
         start = time.time()
         while not condition():
-            if interruptible:
-                check()
-            elif processes and (stop.is_set() or not all(p.is_alive() for p in processes.values())):
-                raise ProcessFailed("a learner stopped while the Actor waited for it")
+            check(interruptible)
             if time.time() - start > timeout:
                 raise TimeoutError(f"the learners did not answer within {timeout:.0f} s")
             time.sleep(POLL_S)
-        return time.time() - start
 
     try:
         eval_envs = make_env(args, args.num_eval_envs, device, evaluation=True,
@@ -960,31 +843,30 @@ def main(args: Args) -> dict:
         act_low, act_high = (torch.as_tensor(x, dtype=torch.float32, device=device)
                              for x in (eval_envs.single_action_space.low, eval_envs.single_action_space.high))
         policy, critic, ckpt = initial_networks(args, obs_dim, act_dim, device)
-        obs_rms = RunningMeanStd((obs_dim,), device) if args.norm_obs else None
+        obs_rms = RunningMeanStd((obs_dim,), device)
         if ckpt is not None:
             progress.update(actor_step=ckpt["actor_step"], global_step=ckpt["global_step"],
                             start_step=ckpt["global_step"])
-            if obs_rms is not None and ckpt["obs_rms"] is not None:
-                obs_rms.mean, obs_rms.var, obs_rms.count = (ckpt["obs_rms"][k].to(device) for k in ("mean", "var", "count"))
-
-        def obs_stats():
-            return None if obs_rms is None else (obs_rms.mean, obs_rms.var)
+            obs_rms.mean, obs_rms.var, obs_rms.count = (ckpt["obs_rms"][k].to(device) for k in ("mean", "var", "count"))
+        obs_stats = (obs_rms.mean, obs_rms.var) if args.norm_obs else None  # updated in place
 
         def run_eval(final: bool = False) -> None:
             nonlocal eval_s
             start = time.time()
-            metrics = evaluate(policy, eval_envs, obs_stats(), args.num_eval_steps, args.seed + 10_000 +
+            metrics = evaluate(policy, eval_envs, obs_stats, args.resolved_horizon, args.seed + 10_000 +
                                progress["actor_step"], act_low, act_high, check)
-            eval_s += time.time() - start
+            eval_s += time.time() - start  # the learners idle meanwhile (summary.json's eval_time_s)
             for k, v in metrics.items():
-                logger.scalar(f"eval/{k}", v, progress["global_step"])
+                log(f"eval/{k}", v, progress["global_step"])
             if args.evaluate:
                 print(" ".join(f"eval/{k}={v:.4f}" for k, v in metrics.items()))
             elif args.save_model and (final or progress["actor_step"] > first_step):
                 save(run_dir / ("final_ckpt.pt" if final else f"ckpt_{progress['global_step']}.pt"))
 
         def save(path: Path) -> None:
-            """A checkpoint: the learners write their parts to files when asked (nothing large crosses a pipe)."""
+            """Policy and its optimizer (P-learner), Q functions, their targets and optimizer (V-learner), the
+            normalizer and the counters; not the replay buffers (up to 2 x 5M entries): a resumed run refills them.
+            The learners write their parts to files when asked; written to a temporary file and renamed."""
             if parallel:
                 counters[CKPT_REQUEST] += 1
                 request = int(counters[CKPT_REQUEST])
@@ -996,7 +878,11 @@ def main(args: Args) -> dict:
                     (run_dir / f"{role}_state.pt").unlink()
             else:
                 state = {**v_learner.state_dict(), **p_learner.state_dict()}
-            save_checkpoint(path, state, obs_rms, progress["global_step"], progress["actor_step"], args)
+            state.update(global_step=progress["global_step"], actor_step=progress["actor_step"],
+                         args=json.dumps(asdict(args)), obs_rms={"mean": obs_rms.mean, "var": obs_rms.var,
+                                                                 "count": obs_rms.count})
+            torch.save(state, path.with_name(path.name + ".tmp"))
+            os.replace(path.with_name(path.name + ".tmp"), path)
 
         if args.evaluate:
             run_eval()
@@ -1014,13 +900,13 @@ def main(args: Args) -> dict:
         policy_numel = parameters_to_vector(policy.parameters()).numel()
         critic_vector = parameters_to_vector(critic.parameters()).detach().to(args.p_learner_device)
         if parallel:  # Sec. 3.1: the V-learner and the P-learner as two processes
-            specs = message_specs(args.num_envs, obs_dim, act_dim, policy_numel, critic_vector.numel())
+            specs = message_shapes(args.num_envs, obs_dim, act_dim, policy_numel, critic_vector.numel())
             to_learner = {role: SlotRing(specs[role], getattr(args, f"{role}_device"), 4) for role in ROLES}
             from_learner = {role: SlotRing(specs[f"from_{role}"], getattr(args, f"{role}_device"), 2) for role in ROLES}
             for role in ROLES:
                 processes[role] = ctx.Process(target=learner_process, name=f"pql-{role}", daemon=True, args=(
                     role, args, obs_dim, act_dim, capacity, to_learner[role], from_learner[role], counters,
-                    stats, stop, errors, str(run_dir), threads))
+                    stats, stop, str(run_dir), threads))
             # SIGINT blocked while they start: the learners inherit the blocked signal (they never see Ctrl-C),
             # the Actor gets it when it unblocks
             signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
@@ -1043,30 +929,23 @@ def main(args: Args) -> dict:
         sigmas = mixed_exploration_sigmas(N, args.sigma_min, args.sigma_max, device)  # Sec. 3.3
         assembler = NStepAssembler(args.nstep, args.gamma, args.bootstrap_at_done)
         raw_obs, _ = envs.reset(seed=args.seed + progress["actor_step"])
-        if obs_rms is not None:
+        if args.norm_obs:
             obs_rms.update(raw_obs)
         ep_return, ep_len = torch.zeros(N, device=device), torch.zeros(N, dtype=torch.long, device=device)
         success_once = torch.zeros(N, dtype=torch.bool, device=device)
         episodes = torch.zeros(4, device=device)  # count, return, length, success of the episodes since the last log
-        timers = dict.fromkeys(("actor_wait", "eval"), 0.0)  # time/actor_wait_frac, time/eval_frac
         warm_up_end = first_step + max(args.warm_up_steps, args.nstep - 1)  # learning starts after the warm-up
-        train_start = last_log_time = time.time()
+        last_log_time = time.time()
         last_stats, last_log_step = stats.clone(), progress["global_step"]
 
         for actor_step in range(first_step, args.num_actor_steps):
             check()
             if (actor_step - first_step) % args.eval_freq == 0:
-                start = time.time()
                 run_eval()
-                timers["eval"] += time.time() - start  # the learners idle meanwhile (time/eval_frac)
-            if args.max_time is not None and time.time() - train_start > args.max_time:
-                print(f"--max-time {args.max_time} s reached", flush=True)
-                break
             learning = actor_step >= warm_up_end
             if parallel:
                 if learning:  # Sec. 3.2: wait while ahead of the V-learner
-                    timers["actor_wait"] += wait_for(lambda: actor_may_step(int(counters[A]), int(counters[V]),
-                                                                            args.beta_a_v))
+                    wait_for(lambda: actor_may_step(int(counters[A]), int(counters[V]), args.beta_a_v))
                 from_learner["p_learner"].take(lambda slot: load_vector(policy, slot["policy"]), newest_only=True)
                 from_learner["v_learner"].take(lambda slot: critic_vector.copy_(slot["critic"]), newest_only=True)
             else:
@@ -1077,22 +956,21 @@ def main(args: Args) -> dict:
                 if actor_step < warm_up_end and ckpt is None:  # Table B.1 warm-up: uniform random actions
                     action = torch.rand((N, act_dim), device=device) * 2.0 - 1.0
                 else:  # Sec. 3.3: pi(s) + N(0, sigma_i^2), sigma_i fixed per env
-                    action = explore(policy(normalize_obs(raw_obs, obs_stats())), sigmas)
+                    action = explore(policy(normalize_obs(raw_obs, obs_stats)), sigmas)
             next_raw, reward, terminated, truncated, info = envs.step(act_low + (action + 1.0) * 0.5 * (act_high - act_low))
             # the true next observation: where an env reset in this step (same-step autoreset), info["final_obs"]
             true_next = torch.where(info["_final_obs"][:, None], info["final_obs"].reshape(N, -1), next_raw)
             transitions = assembler.push(raw_obs, action, reward * args.reward_scale, terminated, truncated, true_next)
-            if obs_rms is not None:
+            if args.norm_obs:
                 obs_rms.update(next_raw)
             if transitions is not None:  # Alg. 1: send data, the normalizer and the newest networks
-                mean, var = obs_stats() or (torch.zeros(obs_dim, device=device), torch.ones(obs_dim, device=device))
-                messages = {"v_learner": {**transitions, "obs_mean": mean, "obs_var": var,
-                                          "policy": parameters_to_vector(policy.parameters())},
-                            "p_learner": {"obs": transitions["obs"], "obs_mean": mean, "obs_var": var,
-                                          "critic": critic_vector}}
+                normalizer = {"obs_mean": obs_rms.mean, "obs_var": obs_rms.var}
+                policy_vector = parameters_to_vector(policy.parameters())
+                messages = {"v_learner": {**transitions, **normalizer, "policy": policy_vector},
+                            "p_learner": {"obs": transitions["obs"], **normalizer, "critic": critic_vector}}
                 if parallel:
                     for role in ROLES:
-                        timers["actor_wait"] += wait_for(to_learner[role].has_room)
+                        wait_for(to_learner[role].has_room)
                         to_learner[role].put(messages[role])
                 else:
                     v_learner.receive({k: t.to(args.v_learner_device) for k, t in messages["v_learner"].items()})
@@ -1133,30 +1011,31 @@ def main(args: Args) -> dict:
             progress["actor_step"] = actor_step + 1
             progress["global_step"] += N
 
-            if progress["actor_step"] % args.log_freq == 0:
+            if progress["actor_step"] % LOG_EVERY == 0:
                 step, now = progress["global_step"], time.time()
-                elapsed = now - last_log_time
-                logger.scalar("charts/SPS", (step - last_log_step) / elapsed, step)
+                log("charts/SPS", (step - last_log_step) / (now - last_log_time), step)
                 if episodes[0] > 0:
                     for i, name in ((1, "episodic_return"), (2, "episodic_length"), (3, "success_rate")):
-                        logger.scalar(f"charts/{name}", episodes[i] / episodes[0], step)
-                for name, seconds in timers.items():
-                    logger.scalar(f"time/{name}_frac", seconds / elapsed, step)
-                log_learners(logger, args, counters, stats, last_stats, elapsed, step)
+                        log(f"charts/{name}", episodes[i] / episodes[0], step)
+                steps, v_updates, p_updates = counters[:3].tolist()
+                if v_updates > 0:  # the measured speed ratios (Sec. 3.2)
+                    log("pql/ratio_a_v", steps / v_updates, step)
+                    log("pql/ratio_p_v", p_updates / v_updates, step)
+                new = (stats - last_stats).tolist()  # the learners' mean losses since the last log
+                for row, name in enumerate(("losses/qf_loss", "losses/actor_loss")):
+                    if new[row][LOSS_COUNT] > 0:
+                        log(name, new[row][LOSS_SUM] / new[row][LOSS_COUNT], step)
                 last_stats, last_log_time, last_log_step = stats.clone(), now, step
                 episodes.zero_()
-                timers = dict.fromkeys(timers, 0.0)
 
         if parallel:  # the learners finish the updates the last Actor steps paid for
             wait_for(lambda: not v_may_update(*counters[[V, A, P]].tolist(), args.beta_a_v, args.beta_p_v)
                      and not p_may_update(int(counters[P]), int(counters[V]), args.beta_p_v))
             from_learner["p_learner"].take(lambda slot: load_vector(policy, slot["policy"]), newest_only=True)
-            wait_for(lambda: stats[:, LOSS_COUNT].tolist() == counters[[V, P]].tolist(), timeout=10.0)
         else:
             load_vector(policy, parameters_to_vector(p_learner.policy.parameters()))
-        log_learners(logger, args, counters, stats, last_stats, None, progress["global_step"])
         run_eval(final=True)
-    except Interrupted:
+    except KeyboardInterrupt:
         summary["interrupted"] = True
         print("interrupted: writing summary.json" + (" and a checkpoint" if args.save_model else ""), flush=True)
         if args.save_model and learners_ready:
@@ -1164,58 +1043,33 @@ def main(args: Args) -> dict:
                 save(run_dir / "final_ckpt.pt")
             except (ProcessFailed, TimeoutError) as e:
                 print(f"could not write the checkpoint: {e}", file=sys.stderr)
-    except ProcessFailed as e:
-        summary["failed"] = str(e).splitlines()[0]
-        raise
     finally:
         wall = time.time() - start_time
         summary.update(global_step=progress["global_step"], actor_steps=progress["actor_step"], wall_time_s=wall,
                        sps=(progress["global_step"] - progress["start_step"]) / wall, eval_time_s=eval_s)
-        summary.update(logger.last)
-        summary.update({"pql/learning_steps": int(counters[A]), "pql/v_updates": int(counters[V]),
-                        "pql/p_updates": int(counters[P])})
+        summary.update(last)
+        steps, v_updates, p_updates = counters[:3].tolist()
+        summary.update({"pql/learning_steps": steps, "pql/v_updates": v_updates, "pql/p_updates": p_updates})
+        if v_updates > 0:
+            summary.update({"pql/ratio_a_v": steps / v_updates, "pql/ratio_p_v": p_updates / v_updates})
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-        logger.writer.close()
+        writer.close()
         stop.set()  # every wait below is bounded
         for process in processes.values():
             process.join(timeout=5.0)
             if process.is_alive():
                 process.kill()
                 process.join(timeout=5.0)
-        errors.cancel_join_thread()
         for env in (envs, eval_envs):
             if env is not None:
                 env.close()
     return summary
 
 
-def log_learners(logger: Logger, args: Args, counters, stats, last_stats, elapsed: Optional[float], step: int):
-    """Losses, the measured speed ratios (Sec. 3.2) and where each learner's time goes since the last log."""
-    steps, v_updates, p_updates = counters[:3].tolist()
-    if v_updates > 0:
-        logger.scalar("pql/ratio_a_v", steps / v_updates, step)
-        logger.scalar("pql/ratio_p_v", p_updates / v_updates, step)
-    logger.scalar("pql/learning_steps", steps, step)
-    logger.scalar("pql/v_updates", v_updates, step)
-    logger.scalar("pql/p_updates", p_updates, step)
-    new = (stats - last_stats).tolist()
-    for row, (role, loss_name) in enumerate((("v_learner", "losses/qf_loss"), ("p_learner", "losses/actor_loss"))):
-        if new[row][LOSS_COUNT] > 0:
-            logger.scalar(loss_name, new[row][LOSS_SUM] / new[row][LOSS_COUNT], step)
-        if elapsed is not None and not (args.ddpg_n or args.sequential):
-            logger.scalar(f"time/{role}_wait_frac", new[row][WAIT_S] / elapsed, step)
-            logger.scalar(f"time/{role}_update_frac", new[row][UPDATE_S] / elapsed, step)
-
-
 if __name__ == "__main__":
     try:
         if main(tyro.cli(Args))["interrupted"]:
             sys.exit(130)
-    except ArgsError as error:
+    except (ArgsError, ProcessFailed) as error:
         print(f"error: {error}", file=sys.stderr)
-        sys.exit(2)
-    except ProcessFailed as error:
-        print(f"error: {error}", file=sys.stderr)
-        sys.exit(1)
-    except KeyboardInterrupt:
-        sys.exit(130)
+        sys.exit(2 if isinstance(error, ArgsError) else 1)

@@ -14,12 +14,14 @@ Suites
   maniskill  PickCube-v1 and PushCube-v1 with 4096 GPU-simulated envs (Table B.1 settings), all three processes on
              one GPU: eval/success_once >= --threshold (default 0.8). Needs CUDA. --fasttd3 adds a third run with
              FastTD3's published IsaacLab-manipulation settings (batch 32768, tau 0.1, noise std in [0.001, 0.4],
-             distributional critic of 101 atoms, 1024-512-256 critic), as far as pql.py has them (no AdamW weight
-             decay, no torch.compile / AMP). --smoke checks this suite end to end on CPU simulation (tiny settings).
+             distributional critic, 1024-512-256 critic), as far as pql.py has them (51 atoms, not 101; target
+             noise clip 0.2, not 0.5; no AdamW weight decay, no torch.compile / AMP). --smoke checks this suite end
+             to end on CPU simulation (tiny settings).
 Every run is a subprocess (python pql.py ...); time to threshold is the TensorBoard event's wall time of the first
 evaluation at or above the threshold minus the moment the run was launched (start-up, warm-up and evaluations
-included, the same for every variant). Variants are interleaved per seed, in an order that alternates from seed
-to seed, so that slow drifts of a shared machine do not favour one of them. Run it alone on the machine (here:
+included, the same for every variant). --max-time ends a run with Ctrl-C (SIGINT: pql.py stops cleanly and writes
+summary.json). Variants are interleaved per seed, in an order that alternates from seed to seed, so that slow
+drifts of a shared machine do not favour one of them. Run it alone on the machine (here:
 under `flock /tmp/cpu-heavy.lock`).
 
 Writes benchmarks/results/pql_{suite}.md, .json and .png.
@@ -34,6 +36,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import signal
 import subprocess
 import sys
 import tempfile
@@ -63,7 +66,7 @@ class Options:
     total_timesteps: Optional[int] = None
     """env steps per run (default: 64 * 600 toy chain, 50M ManiSkill)"""
     max_time: Optional[float] = None
-    """seconds per run (default: none toy chain, 1800 ManiSkill)"""
+    """seconds per run, then SIGINT ends it (default: none toy chain, 1800 ManiSkill)"""
     fasttd3: bool = False
     """maniskill: also run PQL with FastTD3's published manipulation settings"""
     smoke: bool = False
@@ -82,9 +85,9 @@ def variants(options: Options) -> dict[str, list[str]]:
            "ablation, PQL's schedule serially: --sequential": ["--sequential"]}
     if options.fasttd3:
         out["PQL, FastTD3 settings"] = ["--batch-size", "32768", "--tau", "0.1", "--sigma-min", "0.001",
-                                        "--sigma-max", "0.4", "--distributional", "--num-atoms", "101",
+                                        "--sigma-max", "0.4", "--distributional",
                                         "--critic-hidden-dims", "1024", "512", "256", "--learning-rate", "3e-4",
-                                        "--target-noise-std", "0.001", "--target-noise-clip", "0.5"]
+                                        "--target-noise-std", "0.001"]
     return out
 
 
@@ -93,8 +96,6 @@ def settings(options: Options) -> tuple[str, float, list[tuple[str, list[str]]]]
     if options.suite == "toy":
         common = ["--env-id", "ToyChainContinuous-v0", "--toy.horizon", "50", "--eval-freq", "5", "--no-cuda",
                   "--total-timesteps", str(options.total_timesteps or 64 * 600)]
-        if options.max_time:
-            common += ["--max-time", str(options.max_time)]
         return "eval/return", options.threshold if options.threshold is not None else 20.0, \
             [("ToyChainContinuous-v0", common + options.extra)]
     tasks = []
@@ -105,7 +106,7 @@ def settings(options: Options) -> tuple[str, float, list[tuple[str, list[str]]]]
                       "--actor-hidden-dims", "32", "--critic-hidden-dims", "32"]
         else:
             common = ["--env-id", env_id, "--eval-freq", "50", "--total-timesteps",
-                      str(options.total_timesteps or 50_000_000), "--max-time", str(options.max_time or 1800)]
+                      str(options.total_timesteps or 50_000_000)]
         tasks.append((env_id, common + options.extra))
     threshold = options.threshold if options.threshold is not None else 0.8
     return "eval/success_once", threshold, tasks
@@ -119,14 +120,20 @@ def read_scalars(run_dir: str) -> dict:
     return {tag: [(e.wall_time, e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
 
 
-def run_one(flags: list[str], seed: int, name: str, metric: str, threshold: float, workdir: str) -> dict:
+def run_one(flags: list[str], seed: int, name: str, metric: str, threshold: float, workdir: str,
+            max_time: Optional[float]) -> dict:
     out_dir = tempfile.mkdtemp(dir=workdir)
     launched = time.time()
-    proc = subprocess.run([sys.executable, str(SCRIPT), *flags, "--seed", str(seed), "--output-dir", out_dir],
-                           capture_output=True, text=True, cwd=ROOT)
+    proc = subprocess.Popen([sys.executable, str(SCRIPT), *flags, "--seed", str(seed), "--output-dir", out_dir],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    try:
+        _, stderr = proc.communicate(timeout=max_time)
+    except subprocess.TimeoutExpired:  # the time budget: Ctrl-C, pql.py writes summary.json and exits 130
+        proc.send_signal(signal.SIGINT)
+        _, stderr = proc.communicate(timeout=120)
     total = time.time() - launched
-    if proc.returncode != 0:
-        raise RuntimeError(f"{name} seed {seed} failed:\n{proc.stderr[-3000:]}")
+    if proc.returncode not in (0, 130):
+        raise RuntimeError(f"{name} seed {seed} failed:\n{stderr[-3000:]}")
     run_dir = os.path.join(out_dir, os.listdir(out_dir)[0])
     scalars = read_scalars(run_dir)
     with open(os.path.join(run_dir, "summary.json")) as f:
@@ -231,7 +238,8 @@ def main(options: Options) -> None:
             for seed in range(1, options.seeds + 1):
                 order = names if seed % 2 == 1 else names[::-1]  # alternate who runs first
                 for name, flags in order:
-                    r = run_one(common + flags, seed, name, metric, threshold, workdir)
+                    max_time = options.max_time or (None if options.suite == "toy" or options.smoke else 1800)
+                    r = run_one(common + flags, seed, name, metric, threshold, workdir, max_time)
                     print(f"{task} {name} seed {seed}: time to threshold {fmt(r['time_to_threshold_s'])} s, "
                           f"steps {r['steps_to_threshold']}, final {r['final']:.3f}, "
                           f"{r['v_updates_per_s']:.1f} V-updates/s", flush=True)

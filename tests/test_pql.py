@@ -266,7 +266,7 @@ def test_ratio_control_never_deadlocks_and_keeps_the_ratios(beta_a_v, beta_p_v):
 # Other pieces
 # ----------------------------------------------------------------------------------------------------------------------
 def test_replay_buffer_wraps_around_and_samples_only_what_it_holds():
-    buf = pql.ReplayBuffer(5, {"x": ((), torch.float32)}, torch.device("cpu"))
+    buf = pql.ReplayBuffer(5, {"x": ()}, torch.device("cpu"))
     buf.add({"x": torch.tensor([1.0, 2.0, 3.0])})
     g = torch.Generator().manual_seed(0)
     assert set(buf.sample(200, g)["x"].tolist()) == {1.0, 2.0, 3.0}
@@ -289,10 +289,10 @@ def test_running_mean_std_matches_numpy():
     batches = [rng.normal(3.0, 2.0, size=(n, 4)) for n in (7, 50, 13)]
     rms = pql.RunningMeanStd((4,), "cpu", epsilon=1e-12)
     for batch in batches:
-        rms.update(torch.as_tensor(batch, dtype=torch.float64))
+        rms.update(torch.as_tensor(batch, dtype=torch.float32))  # updated in place: float32 statistics
     data = np.concatenate(batches)
-    np.testing.assert_allclose(rms.mean.numpy(), data.mean(0), rtol=1e-9)
-    np.testing.assert_allclose(rms.var.numpy(), data.var(0), rtol=1e-9)
+    np.testing.assert_allclose(rms.mean.numpy(), data.mean(0), rtol=1e-5)
+    np.testing.assert_allclose(rms.var.numpy(), data.var(0), rtol=1e-5)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -303,7 +303,7 @@ def test_defaults_are_table_b1():
     assert (a.batch_size, a.buffer_size, a.learning_rate, a.max_grad_norm, a.nstep, a.tau, a.gamma) == \
         (None, 5_000_000, 5e-4, 0.5, 3, 0.05, 0.99)
     assert (a.warm_up_steps, a.sigma_min, a.sigma_max, a.beta_a_v, a.beta_p_v) == (32, 0.05, 0.8, 1 / 8, 1 / 2)
-    assert (a.num_atoms, a.v_min, a.v_max) == (51, -10.0, 10.0)
+    assert (pql.NUM_ATOMS, pql.V_MIN, pql.V_MAX) == (51, -10.0, 10.0)
     assert pql.MANISKILL_GPU["num_envs"] == 4096 and pql.MANISKILL_GPU["batch_size"] == 8192
     r = pql.resolve_args(pql.Args(env_id="PickCube-v1", cuda=False))
     assert r.sim_backend == "physx_cpu" and r.num_envs == 8 and r.resolved_horizon == 50
@@ -407,14 +407,14 @@ def pid_alive(pid):
 @pytest.mark.parametrize("mode", ["parallel", "sequential", "ddpg_n"])
 @pytest.mark.parametrize("device", DEVICES)
 def test_toy_chain_smoke(tmp_path, mode, device):
-    args = TOY_SMALL + ["--total-timesteps", str(32 * 60), "--log-freq", "5"]
+    args = TOY_SMALL + ["--total-timesteps", str(32 * 60)]
     args += {"parallel": [], "sequential": ["--sequential"], "ddpg_n": ["--ddpg-n"]}[mode]
     args += ["--cuda"] if device == "cuda" else []
     proc = run_script(args, tmp_path)
     run_dir = only_run_dir(tmp_path)
     summary, config = read_summary(run_dir), json.load(open(os.path.join(run_dir, "config.json")))
     assert summary["global_step"] == 32 * 60 and summary["actor_steps"] == 60 and summary["sps"] > 0
-    assert summary["mode"] == mode and config["bootstrap_at_done"] == "truncated"  # the toy chain's default
+    assert config["bootstrap_at_done"] == "truncated"  # the toy chain's default
     assert config["actor_device"] == ("cpu" if device == "cpu" else "cuda")
     # 60 Actor steps, learning from step 8: 52 learning steps, 8 V-updates each; PQL's schedule (parallel and its
     # serial ablation) 1 P-update per 2 V-updates, DDPG(n) an actor update with every critic update
@@ -428,24 +428,18 @@ def test_toy_chain_smoke(tmp_path, mode, device):
     assert ("started: pid" in proc.stdout) == (mode == "parallel")
 
 
-def ratio_values(run_dir, name, min_learning_steps):
-    s = scalars(run_dir)
-    steps = dict(s["pql/learning_steps"])
-    return [v for step, v in s[name] if steps.get(step, 0) >= min_learning_steps]
-
-
 def test_ratio_control_holds_on_a_short_run(tmp_path):
-    """Non-default ratios beta_a:v = 1:4, beta_p:v = 1:1, three processes: every logged ratio (from 25 learning steps
-    on) is within 10% of its target, and the run ends exactly on it."""
-    args = TOY_SMALL + ["--total-timesteps", str(32 * 100), "--beta-a-v", "0.25", "--beta-p-v", "1.0",
-                        "--log-freq", "2"]
+    """Non-default ratios beta_a:v = 1:4, beta_p:v = 1:1, three processes: every ratio logged from 25 learning steps
+    on (Actor step 33 = 8 warm-up + 25) is within 10% of its target, and the run ends exactly on it."""
+    args = TOY_SMALL + ["--total-timesteps", str(32 * 100), "--beta-a-v", "0.25", "--beta-p-v", "1.0"]
     run_script(args, tmp_path)
     run_dir = only_run_dir(tmp_path)
     summary = read_summary(run_dir)
     assert summary["pql/ratio_a_v"] == 0.25 and summary["pql/ratio_p_v"] == 1.0
     assert summary["pql/v_updates"] == 4 * 92
-    a_v, p_v = ratio_values(run_dir, "pql/ratio_a_v", 25), ratio_values(run_dir, "pql/ratio_p_v", 25)
-    assert len(a_v) >= 30
+    logged = scalars(run_dir)
+    a_v, p_v = ([v for step, v in logged[name] if step >= 32 * 33] for name in ("pql/ratio_a_v", "pql/ratio_p_v"))
+    assert len(a_v) >= 13
     assert all(abs(v / 0.25 - 1) <= 0.1 for v in a_v), a_v
     assert all(abs(v - 1) <= 0.1 for v in p_v), p_v
 
@@ -596,8 +590,7 @@ def test_a_crashing_learner_ends_the_run_with_its_traceback(tmp_path, role):
     name = {"v_learner": "V-learner", "p_learner": "P-learner"}[role]
     assert f"error: the {name} process failed" in proc.stderr
     assert "Traceback" in proc.stderr and f"RuntimeError: --debug-crash {role}" in proc.stderr
-    summary = read_summary(only_run_dir(tmp_path))
-    assert summary["failed"].startswith(f"the {name} process failed")
+    assert read_summary(only_run_dir(tmp_path))["interrupted"] is False  # summary.json is written on failure too
     for pid in learner_pids(proc.stdout).values():
         assert not pid_alive(pid)
 
@@ -655,8 +648,8 @@ CTRL_C_MOMENTS = {
     "updates": ([], "ckpt_*.pt", 1.0),
     # inside the first evaluation, which lasts about 58 s (64 eval envs of slow steps, H = 300): it must not finish
     "evaluation": (["--toy.step-time-mean", "0.003", "--toy.horizon", "300", "--num-eval-envs", "64"], None, 2.0),
-    # an evaluation of one step and a checkpoint at every Actor step: most of the time is spent saving
-    "checkpoint_save": (["--eval-freq", "1", "--num-eval-steps", "1"], "ckpt_*.pt", 0.3),
+    # an evaluation of five steps (H = 5) and a checkpoint at every Actor step: most of the time is spent saving
+    "checkpoint_save": (["--eval-freq", "1", "--toy.horizon", "5"], "ckpt_*.pt", 0.3),
 }
 
 
