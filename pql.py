@@ -37,6 +37,11 @@ time limit bootstraps Q'(true final observation) and a termination bootstraps 0;
 default, whose successes terminate with positive reward); the original treats time-outs as terminal. Autoreset
 (autoreset_modes.txt): same-step only, as ManiSkill; the true last observation is info["final_obs"].
 Evaluation runs in the Actor and the learners soon wait for it (summary.json's eval_time_s says for how long).
+
+Examples
+  python pql.py --env-id ToyChainContinuous-v0 --ddpg-n            # the paper's DDPG(n) baseline, on the toy chain
+  python pql.py --env-id PickCube-v1                               # GPU: 4096 envs, all three processes on one GPU
+  python pql.py --env-id PickCube-v1 --num-envs 2 --total-timesteps 2000 --no-cuda   # CPU simulation
 """
 
 from __future__ import annotations
