@@ -454,7 +454,9 @@ def test_bad_flag_exits_early_with_a_message_and_writes_nothing(tmp_path):
 def test_ctrl_c_writes_the_summary_and_a_checkpoint(tmp_path):
     proc = subprocess.Popen([sys.executable, SCRIPT, "--output-dir", str(tmp_path), "--save-model", "--no-cuda",
                              *TOY_SMALL, "--total-timesteps", str(10**8)], cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+                            stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # as if from a terminal,
+    # even when pytest itself runs in the background (where a shell starts jobs with SIGINT ignored)
     try:
         deadline = time.time() + 300
         trained = lambda: [p for p in glob.glob(os.path.join(str(tmp_path), "*", "ckpt_*.pt"))  # noqa: E731

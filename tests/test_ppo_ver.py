@@ -684,7 +684,9 @@ class Watched:
     def __init__(self, args, tmp_path):
         self.proc = subprocess.Popen([sys.executable, SCRIPT, "--output-dir", str(tmp_path), *args], cwd=ROOT,
                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                     env=dict(os.environ, PYTHONUNBUFFERED="1"), start_new_session=True)
+                                     env=dict(os.environ, PYTHONUNBUFFERED="1"), start_new_session=True,
+                                     preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+        # SIGINT as from a terminal, even when pytest runs in the background (a shell starts jobs with it ignored)
         self.seen = {}
         self.start = time.time()
 
