@@ -827,8 +827,8 @@ def main(args: Args) -> dict:
                 error_file = run_dir / f"{role}_error.txt"  # written before the learner set `stop`
                 if error_file.exists():
                     raise ProcessFailed(f"the {ROLES[role]} process failed:\n{error_file.read_text().rstrip()}")
-            code = processes[dead[0]].exitcode
-            raise ProcessFailed(f"the {ROLES[dead[0]]} process died (exit code {code}"
+            code = processes[dead[0]].exitcode if dead else None  # (stop set, no traceback: its file write failed)
+            raise ProcessFailed(f"the {ROLES[dead[0]] if dead else 'learner'} process stopped (exit code {code}"
                                 f"{f', killed by signal {-code}' if code and code < 0 else ''})")
 
     def wait_for(condition, timeout: float = float("inf"), interruptible: bool = True) -> None:
