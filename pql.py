@@ -680,15 +680,6 @@ class SlotRing:
         return written - read
 
 
-def message_shapes(n: int, obs_dim: int, act_dim: int, policy_numel: int, critic_numel: int) -> dict:
-    """What travels each Actor step (float32): to the V-learner (Alg. 3) and P-learner (Alg. 2), and back."""
-    stats = {"obs_mean": (obs_dim,), "obs_var": (obs_dim,)}
-    return {"v_learner": {"obs": (n, obs_dim), "action": (n, act_dim), "reward": (n,), "next_obs": (n, obs_dim),
-                          "discount": (n,), "policy": (policy_numel,), **stats},
-            "p_learner": {"obs": (n, obs_dim), "critic": (critic_numel,), **stats},
-            "from_v_learner": {"critic": (critic_numel,)}, "from_p_learner": {"policy": (policy_numel,)}}
-
-
 # Shared counters (int64): Actor learning steps A, V-updates V, P-updates P, checkpoint requests, and the checkpoint
 # requests each learner has served. Losses (float64): the last loss of the V-learner at index V, of the P-learner at P.
 A, V, P, CKPT_REQUEST, CKPT_SERVED_V, CKPT_SERVED_P = range(6)
@@ -880,12 +871,17 @@ def main(args: Args) -> dict:
             raise ArgsError(f"--buffer-size {args.buffer_size}: the replay buffers need {bytes_needed / 2**30:.1f} "
                             f"GiB, more than the {free / 2**30:.1f} GiB free; use a smaller --buffer-size")
         first_step = actor_step
-        policy_numel = parameters_to_vector(policy.parameters()).numel()
         critic_vector = parameters_to_vector(critic.parameters()).detach().to(args.p_learner_device)
         if parallel:  # Sec. 3.1: the V-learner and the P-learner as two processes
-            specs = message_shapes(args.num_envs, obs_dim, act_dim, policy_numel, critic_vector.numel())
-            to_learner = {role: SlotRing(specs[role], getattr(args, f"{role}_device"), 4) for role in ROLES}
-            from_learner = {role: SlotRing(specs[f"from_{role}"], getattr(args, f"{role}_device"), 2) for role in ROLES}
+            # what travels each Actor step (float32): to the V-learner (Alg. 3) and the P-learner (Alg. 2), and back
+            n, stats = args.num_envs, {"obs_mean": (obs_dim,), "obs_var": (obs_dim,)}
+            policy_numel, critic_numel = sum(p.numel() for p in policy.parameters()), critic_vector.numel()
+            to_shapes = {"v_learner": {"obs": (n, obs_dim), "action": (n, act_dim), "reward": (n,),
+                                       "next_obs": (n, obs_dim), "discount": (n,), "policy": (policy_numel,), **stats},
+                         "p_learner": {"obs": (n, obs_dim), "critic": (critic_numel,), **stats}}
+            back_shapes = {"v_learner": {"critic": (critic_numel,)}, "p_learner": {"policy": (policy_numel,)}}
+            to_learner = {role: SlotRing(to_shapes[role], getattr(args, f"{role}_device"), 4) for role in ROLES}
+            from_learner = {role: SlotRing(back_shapes[role], getattr(args, f"{role}_device"), 2) for role in ROLES}
             for role in ROLES:
                 processes[role] = ctx.Process(target=learner_process, name=f"pql-{role}", daemon=True, args=(
                     role, args, obs_dim, act_dim, capacity, to_learner[role], from_learner[role], counters,
@@ -1018,10 +1014,7 @@ def main(args: Args) -> dict:
         summary["interrupted"] = True
         print("interrupted: writing summary.json" + (" and a checkpoint" if args.save_model else ""), flush=True)
         if args.save_model and learners_ready:
-            try:
-                save(run_dir / "final_ckpt.pt")
-            except (ProcessFailed, TimeoutError) as e:
-                print(f"could not write the checkpoint: {e}", file=sys.stderr)
+            save(run_dir / "final_ckpt.pt")  # (a learner that cannot answer: ProcessFailed or TimeoutError, exit 1)
     finally:
         wall = time.time() - start_time
         summary.update(global_step=global_step, actor_steps=actor_step, wall_time_s=wall,
@@ -1047,6 +1040,6 @@ if __name__ == "__main__":
     try:
         if main(tyro.cli(Args))["interrupted"]:
             sys.exit(130)
-    except (ArgsError, ProcessFailed) as error:
+    except (ArgsError, ProcessFailed, TimeoutError) as error:
         print(f"error: {error}", file=sys.stderr)
         sys.exit(2 if isinstance(error, ArgsError) else 1)
