@@ -154,10 +154,6 @@ class Args:
     """mixed exploration: largest noise std, of env N (Sec. 3.3)"""
     target_noise_std: float = 0.8
     """std of the noise added to the target policy's action, clipped to +-0.2 (the original code's values)"""
-    actor_hidden_dims: Optional[tuple[int, ...]] = None
-    """hidden layers of the policy MLP (default: 512 256 128, ELU, as the original code; 256 256 on the toy chain)"""
-    critic_hidden_dims: Optional[tuple[int, ...]] = None
-    """hidden layers of each Q MLP (default: 512 256 128, ELU; 256 256 on the toy chain)"""
     distributional: bool = False
     """PQL-D: categorical Q distributions with the C51 projection, 51 atoms on [-10, 10] (App. C)"""
 
@@ -170,17 +166,16 @@ class Args:
     num_actor_steps: tyro.conf.Suppress[int] = 0
     resolved_horizon: tyro.conf.Suppress[int] = 0
     sim_backend: tyro.conf.Suppress[str] = ""
+    hidden_dims: tyro.conf.Suppress[Optional[tuple[int, ...]]] = None  # of the policy and each Q MLP (presets)
 
 
 TOY_ENV_ID = "ToyChainContinuous-v0"
 # Small networks and batches on the toy chain, so that a run takes about a minute on two CPU cores.
 TOY_PRESET = dict(num_envs=64, num_eval_envs=64, batch_size=1024, total_timesteps=64 * 600, eval_freq=25,
-                  norm_obs=False, actor_hidden_dims=(256, 256), critic_hidden_dims=(256, 256),
-                  bootstrap_at_done="truncated")
+                  norm_obs=False, hidden_dims=(256, 256), bootstrap_at_done="truncated")
 # ManiSkill3 with GPU simulation: Table B.1 (4096 envs, batch 8192) and the original code's networks.
 MANISKILL_GPU = dict(num_envs=4096, num_eval_envs=16, batch_size=8192, total_timesteps=30_000_000, eval_freq=200,
-                     norm_obs=True, actor_hidden_dims=(512, 256, 128), critic_hidden_dims=(512, 256, 128),
-                     bootstrap_at_done="always")
+                     norm_obs=True, hidden_dims=(512, 256, 128), bootstrap_at_done="always")
 # ManiSkill3 with CPU simulation (one worker process per env): for trying things out.
 MANISKILL_CPU = dict(MANISKILL_GPU, num_envs=8, num_eval_envs=2, batch_size=1024, total_timesteps=200_000,
                      eval_freq=50)
@@ -521,8 +516,8 @@ def load_vector(module: nn.Module, vector: torch.Tensor) -> None:
 def initial_networks(args: Args, obs_dim: int, act_dim: int, device) -> tuple[Policy, Critic, Optional[dict]]:
     """The same initial networks in all three processes (seeded), or those of --checkpoint (then also returned)."""
     torch.manual_seed(args.seed)
-    policy = Policy(obs_dim, act_dim, args.actor_hidden_dims)
-    critic = Critic(obs_dim, act_dim, args.critic_hidden_dims, args.distributional)
+    policy = Policy(obs_dim, act_dim, args.hidden_dims)
+    critic = Critic(obs_dim, act_dim, args.hidden_dims, args.distributional)
     state = None
     if args.checkpoint:
         state = torch.load(args.checkpoint, map_location="cpu", weights_only=True)
@@ -777,7 +772,7 @@ def main(args: Args) -> dict:
         writer.add_scalar(name, float(value), step)
         last[name] = float(value)
 
-    summary: dict = {"interrupted": False}
+    summary: dict = {"interrupted": False, "eval_time_s": 0.0}
     envs = eval_envs = None
     processes: dict = {}
     counters = torch.zeros(6, dtype=torch.int64).share_memory_()  # A, V, P, checkpoint requests and serves
@@ -786,7 +781,6 @@ def main(args: Args) -> dict:
     ctx = mp.get_context("spawn")
     stop = ctx.Event()
     start_time = time.time()
-    eval_s = 0.0
     learners_ready = False
 
     def check(interruptible: bool = True) -> None:
@@ -825,11 +819,10 @@ def main(args: Args) -> dict:
         obs_stats = (obs_rms.mean, obs_rms.var)  # updated in place (with --norm-obs)
 
         def run_eval(final: bool = False) -> None:
-            nonlocal eval_s
             start = time.time()
             metrics = evaluate(policy, eval_envs, obs_stats, args.resolved_horizon, args.seed + 10_000 +
                                actor_step, act_low, act_high, check)
-            eval_s += time.time() - start  # the learners idle meanwhile (summary.json's eval_time_s)
+            summary["eval_time_s"] += time.time() - start  # the learners idle meanwhile
             for k, v in metrics.items():
                 log(f"eval/{k}", v, global_step)
             if args.evaluate:
@@ -852,9 +845,8 @@ def main(args: Args) -> dict:
                     (run_dir / f"{role}_state.pt").unlink()
             else:
                 state = {**v_learner.state_dict(), **p_learner.state_dict()}
-            state.update(global_step=global_step, actor_step=actor_step,
-                         args=json.dumps(asdict(args)), obs_rms={"mean": obs_rms.mean, "var": obs_rms.var,
-                                                                 "count": obs_rms.count})
+            state.update(global_step=global_step, actor_step=actor_step, args=json.dumps(asdict(args)),
+                         obs_rms=vars(obs_rms))  # its mean, var and count
             torch.save(state, path.with_name(path.name + ".tmp"))
             os.replace(path.with_name(path.name + ".tmp"), path)
 
@@ -1018,7 +1010,7 @@ def main(args: Args) -> dict:
     finally:
         wall = time.time() - start_time
         summary.update(global_step=global_step, actor_steps=actor_step, wall_time_s=wall,
-                       sps=(global_step - start_step) / wall, eval_time_s=eval_s)
+                       sps=(global_step - start_step) / wall)
         summary.update(last)
         steps, v_updates, p_updates = counters[:3].tolist()
         summary.update({"pql/learning_steps": steps, "pql/v_updates": v_updates, "pql/p_updates": p_updates})
