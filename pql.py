@@ -904,8 +904,6 @@ def main(args: Args) -> dict:
         success_once = torch.zeros(N, dtype=torch.bool, device=device)
         episodes = torch.zeros(4, device=device)  # count, return, length, success of the episodes since the last log
         warm_up_end = first_step + max(args.warm_up_steps, args.nstep - 1)  # learning starts after the warm-up
-        last_log_time = time.time()
-        last_log_step = global_step
 
         while actor_step < args.num_actor_steps:
             check()
@@ -980,19 +978,17 @@ def main(args: Args) -> dict:
             global_step += N
 
             if actor_step % LOG_EVERY == 0:
-                step, now = global_step, time.time()
-                log("charts/SPS", (step - last_log_step) / (now - last_log_time), step)
+                log("charts/SPS", (global_step - start_step) / (time.time() - start_time), global_step)  # since the start
                 if episodes[0] > 0:
                     for i, name in ((1, "episodic_return"), (2, "episodic_length"), (3, "success_rate")):
-                        log(f"charts/{name}", episodes[i] / episodes[0], step)
+                        log(f"charts/{name}", episodes[i] / episodes[0], global_step)
                 steps, v_updates, p_updates = counters[:3].tolist()
                 if v_updates > 0:  # the measured speed ratios (Sec. 3.2)
-                    log("pql/ratio_a_v", steps / v_updates, step)
-                    log("pql/ratio_p_v", p_updates / v_updates, step)
+                    log("pql/ratio_a_v", steps / v_updates, global_step)
+                    log("pql/ratio_p_v", p_updates / v_updates, global_step)
                 for index, name in ((V, "losses/qf_loss"), (P, "losses/actor_loss")):
                     if counters[index] > 0:  # the learner's last loss
-                        log(name, losses[index], step)
-                last_log_time, last_log_step = now, step
+                        log(name, losses[index], global_step)
                 episodes.zero_()
 
         if parallel:  # the learners finish the updates the last Actor steps paid for
