@@ -15,8 +15,8 @@ Suites
              one GPU: eval/success_once >= --threshold (default 0.8). Needs CUDA. --fasttd3 adds a third run with
              FastTD3's published IsaacLab-manipulation settings (batch 32768, tau 0.1, noise std in [0.001, 0.4],
              distributional critic), as far as pql.py has them (51 atoms, not 101; a 512-256-128 critic, not
-             1024-512-256; target noise clip 0.2, not 0.5; no AdamW weight decay, no torch.compile / AMP). --smoke checks this suite end
-             to end on CPU simulation (tiny settings).
+             1024-512-256; target noise clip 0.2, not 0.5; no AdamW weight decay, no torch.compile / AMP). --smoke
+             checks this suite end to end on CPU simulation (tiny settings).
 Every run is a subprocess (python pql.py ...); time to threshold is the TensorBoard event's wall time of the first
 evaluation at or above the threshold minus the moment the run was launched (start-up, warm-up and evaluations
 included, the same for every variant). --max-time ends a run with Ctrl-C (SIGINT: pql.py stops cleanly and writes
