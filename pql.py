@@ -91,8 +91,6 @@ class Args:
     """wandb project name"""
     wandb_entity: Optional[str] = None
     """wandb entity (team)"""
-    capture_video: bool = False
-    """record videos of the evaluation episodes into the run directory (ManiSkill tasks)"""
     save_model: bool = False
     """write checkpoints (ckpt_{global_step}.pt at every evaluation, final_ckpt.pt at the end and on Ctrl-C)"""
     checkpoint: Optional[str] = None
@@ -149,17 +147,13 @@ class Args:
     reward_scale: float = 0.1
     """rewards are multiplied by this for learning (Table B.2: 0.01-1); returns are logged unscaled"""
     norm_obs: Optional[bool] = None
-    """running mean/std observation normalization (Table B.1; default: on, off for the toy chain's one-hot)"""
+    """running mean/std observation normalization (Table B.1; default: on, off for the toy chain; off: clip to +-5)"""
     sigma_min: float = 0.05
     """mixed exploration: smallest noise std, of env 1 (Sec. 3.3)"""
     sigma_max: float = 0.8
     """mixed exploration: largest noise std, of env N (Sec. 3.3)"""
     target_noise_std: float = 0.8
     """std of the noise added to the target policy's action, clipped to +-0.2 (the original code's values)"""
-    actor_hidden_dims: Optional[tuple[int, ...]] = None
-    """hidden layers of the policy MLP (default: 512 256 128, ELU, as the original code; 256 256 on the toy chain)"""
-    critic_hidden_dims: Optional[tuple[int, ...]] = None
-    """hidden layers of each Q MLP (default: 512 256 128, ELU; 256 256 on the toy chain)"""
     distributional: bool = False
     """PQL-D: categorical Q distributions with the C51 projection, 51 atoms on [-10, 10] (App. C)"""
 
@@ -172,21 +166,19 @@ class Args:
     num_actor_steps: tyro.conf.Suppress[int] = 0
     resolved_horizon: tyro.conf.Suppress[int] = 0
     sim_backend: tyro.conf.Suppress[str] = ""
+    hidden_dims: tyro.conf.Suppress[Optional[tuple[int, ...]]] = None  # of the policy and each Q MLP (presets)
 
 
 TOY_ENV_ID = "ToyChainContinuous-v0"
 # Small networks and batches on the toy chain, so that a run takes about a minute on two CPU cores.
 TOY_PRESET = dict(num_envs=64, num_eval_envs=64, batch_size=1024, total_timesteps=64 * 600, eval_freq=25,
-                  norm_obs=False, actor_hidden_dims=(256, 256), critic_hidden_dims=(256, 256),
-                  bootstrap_at_done="truncated")
+                  norm_obs=False, hidden_dims=(256, 256), bootstrap_at_done="truncated")
 # ManiSkill3 with GPU simulation: Table B.1 (4096 envs, batch 8192) and the original code's networks.
 MANISKILL_GPU = dict(num_envs=4096, num_eval_envs=16, batch_size=8192, total_timesteps=30_000_000, eval_freq=200,
-                     norm_obs=True, actor_hidden_dims=(512, 256, 128), critic_hidden_dims=(512, 256, 128),
-                     bootstrap_at_done="always")
+                     norm_obs=True, hidden_dims=(512, 256, 128), bootstrap_at_done="always")
 # ManiSkill3 with CPU simulation (one worker process per env): for trying things out.
 MANISKILL_CPU = dict(MANISKILL_GPU, num_envs=8, num_eval_envs=2, batch_size=1024, total_timesteps=200_000,
                      eval_freq=50)
-CRASH_AFTER_UPDATES = 20  # --debug-crash
 LOG_EVERY = 5  # Actor steps between two writes of the training scalars
 NUM_ATOMS, V_MIN, V_MAX = 51, -10.0, 10.0  # PQL-D's support (App. C)
 ROLES = {"v_learner": "V-learner", "p_learner": "P-learner"}
@@ -243,20 +235,16 @@ def resolve_args(args: Args) -> Args:
 
 
 # ---- Environments (same-step autoreset: the true last observation is info["final_obs"]) ------------------------------
-def make_maniskill_env(env_id: str, num_envs: int, backend: str, horizon: int, video_dir: Optional[str]):
-    """A state-observation ManiSkill env with a flat action space (episode videos into video_dir when given)."""
+def make_maniskill_env(env_id: str, num_envs: int, backend: str, horizon: int):
+    """A state-observation ManiSkill env with a flat action space."""
     import mani_skill.envs  # noqa: F401  (registers the tasks in this process)
     from mani_skill.utils.wrappers.flatten import FlattenActionSpaceWrapper
     from mani_skill.utils.wrappers.gymnasium import CPUGymWrapper
-    from mani_skill.utils.wrappers.record import RecordEpisode
 
-    kwargs = dict(num_envs=num_envs, obs_mode="state", sim_backend=backend, max_episode_steps=horizon,
-                  render_mode="rgb_array" if video_dir else None)
-    env = gym.make(env_id, **kwargs)  # the task's default controller
+    # the task's default controller
+    env = gym.make(env_id, num_envs=num_envs, obs_mode="state", sim_backend=backend, max_episode_steps=horizon)
     if isinstance(env.action_space, gym.spaces.Dict):
         env = FlattenActionSpaceWrapper(env)
-    if video_dir:
-        env = RecordEpisode(env, video_dir, save_trajectory=False, max_steps_per_video=horizon, video_fps=30)
     if backend == "physx_cpu":
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # a worker process: the Actor handles Ctrl-C
         env = CPUGymWrapper(env)
@@ -270,21 +258,17 @@ class ManiSkillVecEnv(gym.vector.VectorEnv):
 
     metadata = {"autoreset_mode": gym.vector.AutoresetMode.SAME_STEP}
 
-    def __init__(self, args: Args, num_envs: int, device: torch.device, evaluation: bool, video_dir: Optional[str]):
+    def __init__(self, args: Args, num_envs: int, device: torch.device, evaluation: bool):
         self.num_envs, self.device, self.reset_on_termination = num_envs, device, not evaluation
         self.gpu = args.sim_backend == "physx_cuda"
         make = partial(make_maniskill_env, args.env_id, backend=args.sim_backend, horizon=args.resolved_horizon)
         if self.gpu:
-            self.env = make(num_envs=num_envs, video_dir=video_dir)
-            self.single_observation_space = self.env.unwrapped.single_observation_space
-            self.single_action_space = self.env.unwrapped.single_action_space
+            self.env = make(num_envs=num_envs)
         else:
-            fns = [partial(make, num_envs=1, video_dir=f"{video_dir}/env{i}" if video_dir else None)
-                   for i in range(num_envs)]
-            self.env = gym.vector.AsyncVectorEnv(fns, context="forkserver",
+            self.env = gym.vector.AsyncVectorEnv([partial(make, num_envs=1)] * num_envs, context="forkserver",
                                                  autoreset_mode=gym.vector.AutoresetMode.DISABLED)
-            self.single_observation_space = self.env.single_observation_space
-            self.single_action_space = self.env.single_action_space
+        self.single_observation_space = self.env.unwrapped.single_observation_space  # (a vector env's is itself)
+        self.single_action_space = self.env.unwrapped.single_action_space
 
     def as_tensor(self, x, dtype) -> torch.Tensor:
         return torch.as_tensor(x if torch.is_tensor(x) else np.asarray(x), device=self.device, dtype=dtype)
@@ -310,10 +294,10 @@ class ManiSkillVecEnv(gym.vector.VectorEnv):
         self.env.close()
 
 
-def make_env(args: Args, num_envs: int, device: torch.device, evaluation: bool, video_dir: Optional[str] = None):
+def make_env(args: Args, num_envs: int, device: torch.device, evaluation: bool):
     if args.env_id == TOY_ENV_ID:
         return gym.make_vec(TOY_ENV_ID, num_envs=num_envs, config=args.toy, device=device)
-    return ManiSkillVecEnv(args, num_envs, device, evaluation, video_dir)
+    return ManiSkillVecEnv(args, num_envs, device, evaluation)
 
 
 # ---- Pure functions the algorithm relies on (importable, tested in tests/test_pql.py) --------------------------------
@@ -446,10 +430,8 @@ class RunningMeanStd:
         self.count = total
 
 
-def normalize_obs(obs: torch.Tensor, stats: Optional[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-    """(obs - mean) / sqrt(var + 1e-8), clipped to [-5, 5]; the same in all three processes (None: unnormalized)."""
-    if stats is None:
-        return obs
+def normalize_obs(obs: torch.Tensor, stats: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """(obs - mean) / sqrt(var + 1e-8), clipped to [-5, 5]; the same in all three processes."""
     mean, var = stats
     return ((obs - mean) / torch.sqrt(var + 1e-8)).clamp(-5.0, 5.0)
 
@@ -534,8 +516,8 @@ def load_vector(module: nn.Module, vector: torch.Tensor) -> None:
 def initial_networks(args: Args, obs_dim: int, act_dim: int, device) -> tuple[Policy, Critic, Optional[dict]]:
     """The same initial networks in all three processes (seeded), or those of --checkpoint (then also returned)."""
     torch.manual_seed(args.seed)
-    policy = Policy(obs_dim, act_dim, args.actor_hidden_dims)
-    critic = Critic(obs_dim, act_dim, args.critic_hidden_dims, args.distributional)
+    policy = Policy(obs_dim, act_dim, args.hidden_dims)
+    critic = Critic(obs_dim, act_dim, args.hidden_dims, args.distributional)
     state = None
     if args.checkpoint:
         state = torch.load(args.checkpoint, map_location="cpu", weights_only=True)
@@ -571,8 +553,7 @@ class VLearner:
         Actor acts with (the lagged target policy) and the normalizer statistics."""
         self.buffer.add({k: message[k] for k in self.buffer.data})
         load_vector(self.policy, message["policy"])
-        if self.args.norm_obs:
-            self.obs_stats = (message["obs_mean"].clone(), message["obs_var"].clone())
+        self.obs_stats = (message["obs_mean"].clone(), message["obs_var"].clone())
 
     @torch.no_grad()
     def target(self, returns: torch.Tensor, discounts: torch.Tensor, next_obs: torch.Tensor) -> torch.Tensor:
@@ -636,8 +617,7 @@ class PLearner:
         """One Actor step's message (Alg. 2): its states, the newest Q functions and the normalizer statistics."""
         self.buffer.add({"obs": message["obs"]})
         load_vector(self.critic, message["critic"])
-        if self.args.norm_obs:
-            self.obs_stats = (message["obs_mean"].clone(), message["obs_var"].clone())
+        self.obs_stats = (message["obs_mean"].clone(), message["obs_var"].clone())
 
     def update(self, obs: Optional[torch.Tensor] = None) -> torch.Tensor:
         """One policy update: maximize min_i Q_i(s, pi(s)) over a batch of (normalized) states, sampled from the
@@ -695,24 +675,14 @@ class SlotRing:
         return written - read
 
 
-def message_shapes(n: int, obs_dim: int, act_dim: int, policy_numel: int, critic_numel: int) -> dict:
-    """What travels each Actor step (float32): to the V-learner (Alg. 3) and P-learner (Alg. 2), and back."""
-    stats = {"obs_mean": (obs_dim,), "obs_var": (obs_dim,)}
-    return {"v_learner": {"obs": (n, obs_dim), "action": (n, act_dim), "reward": (n,), "next_obs": (n, obs_dim),
-                          "discount": (n,), "policy": (policy_numel,), **stats},
-            "p_learner": {"obs": (n, obs_dim), "critic": (critic_numel,), **stats},
-            "from_v_learner": {"critic": (critic_numel,)}, "from_p_learner": {"policy": (policy_numel,)}}
-
-
 # Shared counters (int64): Actor learning steps A, V-updates V, P-updates P, checkpoint requests, and the checkpoint
-# requests each learner has served. Statistics (float64) per learner: loss sum, loss count.
+# requests each learner has served. Losses (float64): the last loss of the V-learner at index V, of the P-learner at P.
 A, V, P, CKPT_REQUEST, CKPT_SERVED_V, CKPT_SERVED_P = range(6)
-LOSS_SUM, LOSS_COUNT = range(2)
 POLL_S = 2e-4
 
 
 def learner_process(role: str, args: Args, obs_dim: int, act_dim: int, capacity: int, inbox: SlotRing,
-                    outbox: SlotRing, counters: torch.Tensor, stats: torch.Tensor, stop, run_dir: str,
+                    outbox: SlotRing, counters: torch.Tensor, losses: torch.Tensor, stop, run_dir: str,
                     threads: int) -> None:
     """The V-learner or P-learner process (Alg. 2, 3): take the Actor's messages, serve checkpoint requests, and update
     whenever the speed ratios allow it (Sec. 3.2), else wait. It ignores Ctrl-C (the Actor stops it through `stop`);
@@ -726,13 +696,12 @@ def learner_process(role: str, args: Args, obs_dim: int, act_dim: int, capacity:
         if device.type == "cuda":
             torch.cuda.set_device(device)
         learner = (VLearner if is_v else PLearner)(args, obs_dim, act_dim, capacity, device)
-        row, served = (0 if is_v else 1), (CKPT_SERVED_V if is_v else CKPT_SERVED_P)
-        loss_sum, loss_count = torch.zeros((), device=device), 0
+        mine, served = (V, CKPT_SERVED_V) if is_v else (P, CKPT_SERVED_P)
+        name, network = ("critic", learner.critic) if is_v else ("policy", learner.policy)
         parent = mp.parent_process()
         while not stop.is_set():
             if inbox.take(learner.receive) and outbox.has_room():  # new data: send back my network
-                outbox.put({"critic" if is_v else "policy": parameters_to_vector(
-                    (learner.critic if is_v else learner.policy).parameters())})
+                outbox.put({name: parameters_to_vector(network.parameters())})
             if counters[CKPT_REQUEST] > counters[served]:
                 request = int(counters[CKPT_REQUEST])
                 torch.save(learner.state_dict(), Path(run_dir, f"{role}_state.pt"))
@@ -742,18 +711,17 @@ def learner_process(role: str, args: Args, obs_dim: int, act_dim: int, capacity:
                        else p_may_update(p_updates, v_updates, args.beta_p_v))
             if allowed and learner.buffer.size > 0:
                 loss = learner.update()
-                loss_sum += loss[0] if is_v else loss
-                loss_count += 1
-                counters[V if is_v else P] += 1
-                if args.debug_crash == role and loss_count >= CRASH_AFTER_UPDATES:
+                counters[mine] += 1
+                if args.debug_crash == role and counters[mine] >= 20:
                     raise RuntimeError(f"--debug-crash {role}: the {ROLES[role]} fails on purpose")
                 continue
-            stats[row, LOSS_SUM], stats[row, LOSS_COUNT] = loss_sum.item(), loss_count
+            if counters[mine] > 0:  # idle: its last loss for the Actor's log (read here: no GPU sync per update)
+                losses[mine] = (loss[0] if is_v else loss).item()
             if not parent.is_alive():  # the Actor was killed (SIGKILL): no orphans
                 return
             time.sleep(POLL_S)
     except BaseException:  # noqa: B036 - everything goes to the Actor
-        Path(run_dir, f"{role}_error.txt").write_text(traceback.format_exc())
+        Path(run_dir, f"{role}_error.txt").write_text(f"the {ROLES[role]} process failed:\n{traceback.format_exc()}")
         stop.set()
 
 
@@ -778,8 +746,8 @@ def evaluate(policy: Policy, eval_envs, obs_stats, horizon: int, seed: int, act_
 def main(args: Args) -> dict:
     # Ctrl-C / SIGTERM only set a flag; the Actor stops at its next safe point (a step, a wait, an evaluation step).
     stop_requested = []
-    signal.signal(signal.SIGINT, lambda signum, frame: stop_requested.append(signum))
-    signal.signal(signal.SIGTERM, lambda signum, frame: stop_requested.append(signum))
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, lambda signum, frame: stop_requested.append(signum))
     args = resolve_args(args)
     run_name = f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}"
     run_dir = Path(args.output_dir, run_name)
@@ -804,16 +772,15 @@ def main(args: Args) -> dict:
         writer.add_scalar(name, float(value), step)
         last[name] = float(value)
 
-    summary: dict = {"interrupted": False}
+    summary: dict = {"interrupted": False, "eval_time_s": 0.0}
     envs = eval_envs = None
     processes: dict = {}
     counters = torch.zeros(6, dtype=torch.int64).share_memory_()  # A, V, P, checkpoint requests and serves
-    stats = torch.zeros((2, 2), dtype=torch.float64).share_memory_()  # per learner: loss sum, loss count
-    progress = {"actor_step": 0, "global_step": 0, "start_step": 0}
+    losses = torch.zeros(3, dtype=torch.float64).share_memory_()  # the learners' last losses, at V and P
+    actor_step = global_step = start_step = 0  # Actor steps and env steps taken; env steps before this run
     ctx = mp.get_context("spawn")
     stop = ctx.Event()
     start_time = time.time()
-    eval_s = 0.0
     learners_ready = False
 
     def check(interruptible: bool = True) -> None:
@@ -823,12 +790,10 @@ def main(args: Args) -> dict:
         dead = [role for role, process in processes.items() if not process.is_alive()]
         if stop.is_set() or dead:
             stop.set()
-            for role in ROLES:
-                error_file = run_dir / f"{role}_error.txt"  # written before the learner set `stop`
-                if error_file.exists():
-                    raise ProcessFailed(f"the {ROLES[role]} process failed:\n{error_file.read_text().rstrip()}")
-            code = processes[dead[0]].exitcode if dead else None  # (stop set, no traceback: its file write failed)
-            raise ProcessFailed(f"the {ROLES[dead[0]] if dead else 'learner'} process stopped (exit code {code}"
+            errors = sorted(run_dir.glob("*_error.txt"))  # a failing learner writes its traceback, then sets `stop`
+            code = processes[dead[0]].exitcode if dead else None
+            raise ProcessFailed(errors[0].read_text().rstrip() if errors else
+                                f"the {ROLES[dead[0]] if dead else 'learner'} process stopped (exit code {code}"
                                 f"{f', killed by signal {-code}' if code and code < 0 else ''})")
 
     def wait_for(condition, timeout: float = float("inf"), interruptible: bool = True) -> None:
@@ -841,8 +806,7 @@ def main(args: Args) -> dict:
             time.sleep(POLL_S)
 
     try:
-        eval_envs = make_env(args, args.num_eval_envs, device, evaluation=True,
-                             video_dir=str(run_dir / "videos") if args.capture_video else None)
+        eval_envs = make_env(args, args.num_eval_envs, device, evaluation=True)
         obs_dim = int(np.prod(eval_envs.single_observation_space.shape))
         act_dim = int(np.prod(eval_envs.single_action_space.shape))
         act_low, act_high = (torch.as_tensor(x, dtype=torch.float32, device=device)
@@ -850,23 +814,21 @@ def main(args: Args) -> dict:
         policy, critic, ckpt = initial_networks(args, obs_dim, act_dim, device)
         obs_rms = RunningMeanStd((obs_dim,), device)
         if ckpt is not None:
-            progress.update(actor_step=ckpt["actor_step"], global_step=ckpt["global_step"],
-                            start_step=ckpt["global_step"])
+            actor_step, global_step, start_step = ckpt["actor_step"], ckpt["global_step"], ckpt["global_step"]
             obs_rms.mean, obs_rms.var, obs_rms.count = (ckpt["obs_rms"][k].to(device) for k in ("mean", "var", "count"))
-        obs_stats = (obs_rms.mean, obs_rms.var) if args.norm_obs else None  # updated in place
+        obs_stats = (obs_rms.mean, obs_rms.var)  # updated in place (with --norm-obs)
 
         def run_eval(final: bool = False) -> None:
-            nonlocal eval_s
             start = time.time()
             metrics = evaluate(policy, eval_envs, obs_stats, args.resolved_horizon, args.seed + 10_000 +
-                               progress["actor_step"], act_low, act_high, check)
-            eval_s += time.time() - start  # the learners idle meanwhile (summary.json's eval_time_s)
+                               actor_step, act_low, act_high, check)
+            summary["eval_time_s"] += time.time() - start  # the learners idle meanwhile
             for k, v in metrics.items():
-                log(f"eval/{k}", v, progress["global_step"])
+                log(f"eval/{k}", v, global_step)
             if args.evaluate:
                 print(" ".join(f"eval/{k}={v:.4f}" for k, v in metrics.items()))
-            elif args.save_model and (final or progress["actor_step"] > first_step):
-                save(run_dir / ("final_ckpt.pt" if final else f"ckpt_{progress['global_step']}.pt"))
+            elif args.save_model and (final or actor_step > first_step):
+                save(run_dir / ("final_ckpt.pt" if final else f"ckpt_{global_step}.pt"))
 
         def save(path: Path) -> None:
             """Policy and its optimizer (P-learner), Q functions, their targets and optimizer (V-learner), the
@@ -883,9 +845,8 @@ def main(args: Args) -> dict:
                     (run_dir / f"{role}_state.pt").unlink()
             else:
                 state = {**v_learner.state_dict(), **p_learner.state_dict()}
-            state.update(global_step=progress["global_step"], actor_step=progress["actor_step"],
-                         args=json.dumps(asdict(args)), obs_rms={"mean": obs_rms.mean, "var": obs_rms.var,
-                                                                 "count": obs_rms.count})
+            state.update(global_step=global_step, actor_step=actor_step, args=json.dumps(asdict(args)),
+                         obs_rms=vars(obs_rms))  # its mean, var and count
             torch.save(state, path.with_name(path.name + ".tmp"))
             os.replace(path.with_name(path.name + ".tmp"), path)
 
@@ -901,17 +862,22 @@ def main(args: Args) -> dict:
         if bytes_needed > free:
             raise ArgsError(f"--buffer-size {args.buffer_size}: the replay buffers need {bytes_needed / 2**30:.1f} "
                             f"GiB, more than the {free / 2**30:.1f} GiB free; use a smaller --buffer-size")
-        first_step = progress["actor_step"]
-        policy_numel = parameters_to_vector(policy.parameters()).numel()
+        first_step = actor_step
         critic_vector = parameters_to_vector(critic.parameters()).detach().to(args.p_learner_device)
         if parallel:  # Sec. 3.1: the V-learner and the P-learner as two processes
-            specs = message_shapes(args.num_envs, obs_dim, act_dim, policy_numel, critic_vector.numel())
-            to_learner = {role: SlotRing(specs[role], getattr(args, f"{role}_device"), 4) for role in ROLES}
-            from_learner = {role: SlotRing(specs[f"from_{role}"], getattr(args, f"{role}_device"), 2) for role in ROLES}
+            # what travels each Actor step (float32): to the V-learner (Alg. 3) and the P-learner (Alg. 2), and back
+            n, stats = args.num_envs, {"obs_mean": (obs_dim,), "obs_var": (obs_dim,)}
+            policy_numel, critic_numel = sum(p.numel() for p in policy.parameters()), critic_vector.numel()
+            to_shapes = {"v_learner": {"obs": (n, obs_dim), "action": (n, act_dim), "reward": (n,),
+                                       "next_obs": (n, obs_dim), "discount": (n,), "policy": (policy_numel,), **stats},
+                         "p_learner": {"obs": (n, obs_dim), "critic": (critic_numel,), **stats}}
+            back_shapes = {"v_learner": {"critic": (critic_numel,)}, "p_learner": {"policy": (policy_numel,)}}
+            to_learner = {role: SlotRing(to_shapes[role], getattr(args, f"{role}_device"), 4) for role in ROLES}
+            from_learner = {role: SlotRing(back_shapes[role], getattr(args, f"{role}_device"), 2) for role in ROLES}
             for role in ROLES:
                 processes[role] = ctx.Process(target=learner_process, name=f"pql-{role}", daemon=True, args=(
                     role, args, obs_dim, act_dim, capacity, to_learner[role], from_learner[role], counters,
-                    stats, stop, str(run_dir), threads))
+                    losses, stop, str(run_dir), threads))
             # SIGINT blocked while they start: the learners inherit the blocked signal (they never see Ctrl-C),
             # the Actor gets it when it unblocks
             signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
@@ -926,24 +892,20 @@ def main(args: Args) -> dict:
                                  torch.device(args.p_learner_device))
             if args.ddpg_n:  # live networks: one policy and one critic, no lag, no copies
                 v_learner.policy, p_learner.critic = p_learner.policy, v_learner.critic
-            loss_sums = torch.zeros(2, device=args.v_learner_device)
+            qf_loss = actor_loss = torch.zeros((), device=args.v_learner_device)
         learners_ready = True
 
         # ---- the Actor loop (Alg. 1) ----------------------------------------------------------------------------
         N = args.num_envs
         sigmas = mixed_exploration_sigmas(N, args.sigma_min, args.sigma_max, device)  # Sec. 3.3
         assembler = NStepAssembler(args.nstep, args.gamma, args.bootstrap_at_done)
-        raw_obs, _ = envs.reset(seed=args.seed + progress["actor_step"])
-        if args.norm_obs:
-            obs_rms.update(raw_obs)
+        raw_obs, _ = envs.reset(seed=args.seed + actor_step)
         ep_return, ep_len = torch.zeros(N, device=device), torch.zeros(N, dtype=torch.long, device=device)
         success_once = torch.zeros(N, dtype=torch.bool, device=device)
         episodes = torch.zeros(4, device=device)  # count, return, length, success of the episodes since the last log
         warm_up_end = first_step + max(args.warm_up_steps, args.nstep - 1)  # learning starts after the warm-up
-        last_log_time = time.time()
-        last_stats, last_log_step = stats.clone(), progress["global_step"]
 
-        for actor_step in range(first_step, args.num_actor_steps):
+        while actor_step < args.num_actor_steps:
             check()
             if (actor_step - first_step) % args.eval_freq == 0:
                 run_eval()
@@ -985,23 +947,22 @@ def main(args: Args) -> dict:
                 counters[A] += 1
             if learning and args.ddpg_n:  # DDPG(n): k_v x (critic update, actor update on the same batch)
                 for _ in range(k_v):
-                    loss, obs_batch = v_learner.update()
-                    loss_sums += torch.stack([loss, p_learner.update(obs_batch)])
+                    qf_loss, obs_batch = v_learner.update()
+                    actor_loss = p_learner.update(obs_batch)
                 counters[V] += k_v
                 counters[P] += k_v
             elif learning and args.sequential:  # PQL's schedule in one process: p:v ratio, lagged networks
                 while True:
                     if p_may_update(int(counters[P]), int(counters[V]), args.beta_p_v):
-                        loss_sums[1] += p_learner.update().to(loss_sums.device)
+                        actor_loss = p_learner.update()
                         counters[P] += 1
                     elif v_may_update(*counters[[V, A, P]].tolist(), args.beta_a_v, args.beta_p_v):
-                        loss_sums[0] += v_learner.update()[0]
+                        qf_loss = v_learner.update()[0]
                         counters[V] += 1
                     else:
                         break
-            if not parallel and learning:
-                stats[:, LOSS_SUM] = loss_sums.double().cpu()
-                stats[:, LOSS_COUNT] = counters[[V, P]].double()
+            if learning and not parallel:
+                losses[[V, P]] = torch.stack([qf_loss, actor_loss.to(qf_loss.device)]).double().cpu()
             raw_obs = next_raw
 
             # episode statistics (unscaled rewards) of the training episodes
@@ -1013,24 +974,21 @@ def main(args: Args) -> dict:
                                      (success_once & done).sum()]).float()
             ep_return, ep_len = ep_return * ~done, ep_len * ~done
             success_once &= ~done
-            progress["actor_step"] = actor_step + 1
-            progress["global_step"] += N
+            actor_step += 1
+            global_step += N
 
-            if progress["actor_step"] % LOG_EVERY == 0:
-                step, now = progress["global_step"], time.time()
-                log("charts/SPS", (step - last_log_step) / (now - last_log_time), step)
+            if actor_step % LOG_EVERY == 0:
+                log("charts/SPS", (global_step - start_step) / (time.time() - start_time), global_step)  # since the start
                 if episodes[0] > 0:
                     for i, name in ((1, "episodic_return"), (2, "episodic_length"), (3, "success_rate")):
-                        log(f"charts/{name}", episodes[i] / episodes[0], step)
+                        log(f"charts/{name}", episodes[i] / episodes[0], global_step)
                 steps, v_updates, p_updates = counters[:3].tolist()
                 if v_updates > 0:  # the measured speed ratios (Sec. 3.2)
-                    log("pql/ratio_a_v", steps / v_updates, step)
-                    log("pql/ratio_p_v", p_updates / v_updates, step)
-                new = (stats - last_stats).tolist()  # the learners' mean losses since the last log
-                for row, name in enumerate(("losses/qf_loss", "losses/actor_loss")):
-                    if new[row][LOSS_COUNT] > 0:
-                        log(name, new[row][LOSS_SUM] / new[row][LOSS_COUNT], step)
-                last_stats, last_log_time, last_log_step = stats.clone(), now, step
+                    log("pql/ratio_a_v", steps / v_updates, global_step)
+                    log("pql/ratio_p_v", p_updates / v_updates, global_step)
+                for index, name in ((V, "losses/qf_loss"), (P, "losses/actor_loss")):
+                    if counters[index] > 0:  # the learner's last loss
+                        log(name, losses[index], global_step)
                 episodes.zero_()
 
         if parallel:  # the learners finish the updates the last Actor steps paid for
@@ -1044,14 +1002,11 @@ def main(args: Args) -> dict:
         summary["interrupted"] = True
         print("interrupted: writing summary.json" + (" and a checkpoint" if args.save_model else ""), flush=True)
         if args.save_model and learners_ready:
-            try:
-                save(run_dir / "final_ckpt.pt")
-            except (ProcessFailed, TimeoutError) as e:
-                print(f"could not write the checkpoint: {e}", file=sys.stderr)
+            save(run_dir / "final_ckpt.pt")  # (a learner that cannot answer: ProcessFailed or TimeoutError, exit 1)
     finally:
         wall = time.time() - start_time
-        summary.update(global_step=progress["global_step"], actor_steps=progress["actor_step"], wall_time_s=wall,
-                       sps=(progress["global_step"] - progress["start_step"]) / wall, eval_time_s=eval_s)
+        summary.update(global_step=global_step, actor_steps=actor_step, wall_time_s=wall,
+                       sps=(global_step - start_step) / wall)
         summary.update(last)
         steps, v_updates, p_updates = counters[:3].tolist()
         summary.update({"pql/learning_steps": steps, "pql/v_updates": v_updates, "pql/p_updates": p_updates})
@@ -1062,9 +1017,7 @@ def main(args: Args) -> dict:
         stop.set()  # every wait below is bounded
         for process in processes.values():
             process.join(timeout=5.0)
-            if process.is_alive():
-                process.kill()
-                process.join(timeout=5.0)
+            process.kill()  # (nothing happens to one that has ended)
         for env in (envs, eval_envs):
             if env is not None:
                 env.close()
@@ -1075,6 +1028,6 @@ if __name__ == "__main__":
     try:
         if main(tyro.cli(Args))["interrupted"]:
             sys.exit(130)
-    except (ArgsError, ProcessFailed) as error:
+    except (ArgsError, ProcessFailed, TimeoutError) as error:
         print(f"error: {error}", file=sys.stderr)
         sys.exit(2 if isinstance(error, ArgsError) else 1)

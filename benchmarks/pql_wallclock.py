@@ -14,9 +14,9 @@ Suites
   maniskill  PickCube-v1 and PushCube-v1 with 4096 GPU-simulated envs (Table B.1 settings), all three processes on
              one GPU: eval/success_once >= --threshold (default 0.8). Needs CUDA. --fasttd3 adds a third run with
              FastTD3's published IsaacLab-manipulation settings (batch 32768, tau 0.1, noise std in [0.001, 0.4],
-             distributional critic, 1024-512-256 critic), as far as pql.py has them (51 atoms, not 101; target
-             noise clip 0.2, not 0.5; no AdamW weight decay, no torch.compile / AMP). --smoke checks this suite end
-             to end on CPU simulation (tiny settings).
+             distributional critic), as far as pql.py has them (51 atoms, not 101; a 512-256-128 critic, not
+             1024-512-256; target noise clip 0.2, not 0.5; no AdamW weight decay, no torch.compile / AMP). --smoke
+             checks this suite end to end on CPU simulation (tiny settings).
 Every run is a subprocess (python pql.py ...); time to threshold is the TensorBoard event's wall time of the first
 evaluation at or above the threshold minus the moment the run was launched (start-up, warm-up and evaluations
 included, the same for every variant). --max-time ends a run with Ctrl-C (SIGINT: pql.py stops cleanly and writes
@@ -85,8 +85,7 @@ def variants(options: Options) -> dict[str, list[str]]:
            "ablation, PQL's schedule serially: --sequential": ["--sequential"]}
     if options.fasttd3:
         out["PQL, FastTD3 settings"] = ["--batch-size", "32768", "--tau", "0.1", "--sigma-min", "0.001",
-                                        "--sigma-max", "0.4", "--distributional",
-                                        "--critic-hidden-dims", "1024", "512", "256", "--learning-rate", "3e-4",
+                                        "--sigma-max", "0.4", "--distributional", "--learning-rate", "3e-4",
                                         "--target-noise-std", "0.001"]
     return out
 
@@ -102,8 +101,7 @@ def settings(options: Options) -> tuple[str, float, list[tuple[str, list[str]]]]
     for env_id in options.env_ids:
         if options.smoke:
             common = ["--env-id", env_id, "--no-cuda", "--num-envs", "2", "--num-eval-envs", "1", "--horizon", "20",
-                      "--total-timesteps", "100", "--warm-up-steps", "10", "--batch-size", "32", "--eval-freq", "20",
-                      "--actor-hidden-dims", "32", "--critic-hidden-dims", "32"]
+                      "--total-timesteps", "100", "--warm-up-steps", "10", "--batch-size", "32", "--eval-freq", "20"]
         else:
             common = ["--env-id", env_id, "--eval-freq", "50", "--total-timesteps",
                       str(options.total_timesteps or 50_000_000)]

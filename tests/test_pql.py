@@ -331,8 +331,7 @@ def test_bad_input_is_rejected_with_the_flag_named(kwargs, message):
 # ----------------------------------------------------------------------------------------------------------------------
 SCRIPT = os.path.join(ROOT, "pql.py")
 TOY_SMALL = ["--env-id", "ToyChainContinuous-v0", "--toy.horizon", "50", "--num-envs", "32", "--num-eval-envs", "16",
-             "--batch-size", "256", "--warm-up-steps", "8", "--actor-hidden-dims", "64", "64",
-             "--critic-hidden-dims", "64", "64", "--eval-freq", "20", "--no-cuda"]
+             "--batch-size", "256", "--warm-up-steps", "8", "--eval-freq", "20", "--no-cuda"]
 
 
 def start_script(args, tmp_path):
@@ -456,8 +455,8 @@ def test_ratio_control_holds_on_a_short_run(tmp_path):
 CHAIN_GAMMA = 0.9
 CHAIN = ["--env-id", "ToyChainContinuous-v0", "--toy.block-length", "1", "--toy.progression-prob", "1.0",
          "--num-envs", "16", "--num-eval-envs", "2", "--batch-size", "256", "--warm-up-steps", "8",
-         "--actor-hidden-dims", "64", "64", "--critic-hidden-dims", "64", "64", "--gamma", str(CHAIN_GAMMA),
-         "--reward-scale", "1", "--target-noise-std", "0", "--norm-obs", "True", "--save-model", "--no-cuda"]
+         "--gamma", str(CHAIN_GAMMA), "--reward-scale", "1", "--target-noise-std", "0", "--norm-obs", "True",
+         "--save-model", "--no-cuda"]
 
 
 def closed_form_q(rewards, gamma, bootstrap_last):
@@ -474,8 +473,8 @@ def learned_and_true_q(run_dir, gamma, bootstrap_last):
     ckpt = torch.load(os.path.join(run_dir, "final_ckpt.pt"), weights_only=True)
     config = json.load(open(os.path.join(run_dir, "config.json")))
     toy = ToyChainContinuousConfig(**config["toy"])
-    policy = pql.Policy(toy.horizon, toy.action_dim, tuple(config["actor_hidden_dims"]))
-    critic = pql.Critic(toy.horizon, toy.action_dim, tuple(config["critic_hidden_dims"]))
+    policy = pql.Policy(toy.horizon, toy.action_dim, tuple(config["hidden_dims"]))
+    critic = pql.Critic(toy.horizon, toy.action_dim, tuple(config["hidden_dims"]))
     policy.load_state_dict(ckpt["policy"])
     critic.load_state_dict(ckpt["critic"])
     stats = (ckpt["obs_rms"]["mean"], ckpt["obs_rms"]["var"])
@@ -498,9 +497,9 @@ def learned_and_true_q(run_dir, gamma, bootstrap_last):
 def test_v_learner_finds_the_closed_form_q_of_a_fixed_policy(tmp_path, episode_end, bootstrap_last):
     """The V-learner alone (three processes; beta_p:v ~ 0: the P-learner never updates, so the policy stays the
     initial one; no exploration or target noise) on the 5-block deterministic chain: after 150 Actor steps of 16 envs
-    every Q(s_t, pi(s_t)) is within 6% of the closed form. Measured (seeds 1-5, all three cases): at most 1.6% off.
-    Breaking the normalizer hand-over (learners on raw observations) puts it 33% off (seed 1), bootstrapping a
-    truncation from the reset observation 45% (seed 1; the closed forms of the two differ by 20-42% for seeds 1-5),
+    every Q(s_t, pi(s_t)) is within 6% of the closed form. Measured (seeds 1-5, all three cases): at most 1.9% off.
+    Breaking the normalizer hand-over (learners on raw observations) puts it 30% off (seed 1), bootstrapping a
+    truncation from the reset observation 24% (seed 1; the closed forms of the two differ by 20-42% for seeds 1-5),
     a wrong --bootstrap-at-done rule several times."""
     args = CHAIN + ["--toy.horizon", "5", "--toy.task-seed", "2", "--total-timesteps", str(16 * 150),
                     "--beta-p-v", "1e-9", "--sigma-min", "0", "--sigma-max", "0", "--eval-freq", "1000", *episode_end]
@@ -514,12 +513,13 @@ def test_v_learner_finds_the_closed_form_q_of_a_fixed_policy(tmp_path, episode_e
 @pytest.mark.parametrize("mode", ["parallel", "ddpg_n"])
 def test_learning_on_the_deterministic_chain_with_the_q_of_the_learned_policy(tmp_path, mode):
     """The 10-block deterministic chain, gamma 0.8, 1-step targets (n-step returns of exploratory actions would bias
-    Q below the Q of the deterministic policy): the eval return rises from that of the untrained policy (2.05-2.56
-    for seeds 1-5, of at most 5) to 4.77-4.85 after 200 Actor steps of 16 envs, and the critic's Q of the final
-    policy is within 30% of its closed form (measured 14-19% below it, seeds 1-5, both modes: the critic smooths the
-    peak of the reward around the target action). Without the network syncs this fails: an Actor that never gets
-    the P-learner's policy does not improve; a P-learner that never gets the critics climbs a random Q (returns
-    below 0); a V-learner whose target policy stays the initial one learns the Q of that policy (50% below)."""
+    Q below the Q of the deterministic policy): the eval return rises from that of the untrained policy (2.62-2.80
+    for seeds 1-5, of at most 5) to 4.82-4.88 after 200 Actor steps of 16 envs, and the critic's Q of the final
+    policy is within 30% of its closed form (measured 13-15% below it, seeds 1-5, both modes: the critic smooths the
+    peak of the reward around the target action). Without the network syncs this fails (seed 1): an Actor that never
+    gets the P-learner's policy explores around the initial one, and Q ends 54% below; a P-learner that never gets the
+    critics climbs a random Q (returns below 0); a V-learner whose target policy stays the initial one learns the Q
+    of that policy (49% below)."""
     args = CHAIN + ["--toy.horizon", "10", "--total-timesteps", str(16 * 200), "--eval-freq", "25", "--nstep", "1",
                     "--gamma", "0.8"]
     run_script(args + (["--ddpg-n"] if mode == "ddpg_n" else []), tmp_path)
@@ -533,8 +533,7 @@ def test_learning_on_the_deterministic_chain_with_the_q_of_the_learned_policy(tm
 def test_maniskill_cpu_simulation_smoke(tmp_path):
     """PickCube-v1 on CPU simulation (physx_cpu, 2 env worker processes) with the three processes."""
     args = ["--env-id", "PickCube-v1", "--num-envs", "2", "--num-eval-envs", "1", "--horizon", "20",
-            "--total-timesteps", "120", "--warm-up-steps", "10", "--batch-size", "32", "--eval-freq", "25",
-            "--actor-hidden-dims", "64", "--critic-hidden-dims", "64", "--no-cuda"]
+            "--total-timesteps", "120", "--warm-up-steps", "10", "--batch-size", "32", "--eval-freq", "25", "--no-cuda"]
     run_script(args, tmp_path, timeout=900)
     run_dir = only_run_dir(tmp_path)
     summary = read_summary(run_dir)
@@ -557,7 +556,7 @@ def test_save_model_then_evaluate_then_resume(tmp_path):
     assert set(ckpt) >= {"policy", "policy_optimizer", "critic", "critic_target", "critic_optimizer", "obs_rms",
                          "args", "global_step", "actor_step"}
     assert ckpt["global_step"] == 1280 and ckpt["policy_optimizer"]["state"] and ckpt["critic_optimizer"]["state"]
-    assert ckpt["critic"]["q1.0.weight"].shape == (64, 10 + 4) and ckpt["critic"]["q1.4.weight"].shape[0] == 51
+    assert ckpt["critic"]["q1.0.weight"].shape == (256, 10 + 4) and ckpt["critic"]["q1.4.weight"].shape[0] == 51
     assert "eval/return" in read_summary(run_dir)
 
     second = tmp_path / "second"
