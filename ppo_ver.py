@@ -296,9 +296,8 @@ class SharedSlots:
             return torch.zeros((num_envs, *shape), dtype=dtype).share_memory_()
 
         def slot_for(space: gym.Space) -> torch.Tensor:
-            if isinstance(space, gym.spaces.Discrete):
-                return shared((), torch.int64)
-            return shared(space.shape, torch.float32)
+            discrete = isinstance(space, gym.spaces.Discrete)
+            return shared((), torch.int64) if discrete else shared(space.shape, torch.float32)
 
         return SharedSlots(obs=slot_for(env.observation_space), final_obs=slot_for(env.observation_space),
                            action=slot_for(env.action_space), reward=shared((), torch.float64),
@@ -594,30 +593,21 @@ class Agent(nn.Module):
 
     def _heads(self, features):
         out = self.actor(features)
-        if self.continuous:
-            dist = torch.distributions.Normal(out, self.actor_logstd.expand_as(out).exp(), validate_args=False)
+        if self.continuous:  # independent action dimensions: log_prob and entropy sum over them
+            normal = torch.distributions.Normal(out, self.actor_logstd.expand_as(out).exp(), validate_args=False)
+            dist = torch.distributions.Independent(normal, 1, validate_args=False)
         else:
             dist = torch.distributions.Categorical(logits=out, validate_args=False)
         return dist, self.critic(features).squeeze(-1)
 
-    def _log_prob_entropy(self, dist, action):
-        if self.continuous:
-            return dist.log_prob(action).sum(-1), dist.entropy().sum(-1)
-        return dist.log_prob(action), dist.entropy()
-
     def step(self, obs, state):
-        """One step of every env in the batch (inference): returns (dist, value, next_state)."""
+        """One step of every env in the batch (inference): returns (dist, value, next_state); `state` is zeros at
+        episode starts."""
         x = self.embed(obs)
         if not self.recurrent:
             return (*self._heads(x), None)
         out, next_state = self.lstm(self.input_layer(x).unsqueeze(0), state)
         return (*self._heads(out[0]), next_state)
-
-    def act(self, obs, state):
-        """Samples actions: returns (action, logprob, value, next_state). `state` must be zeros at episode starts."""
-        dist, value, next_state = self.step(obs, state)
-        action = dist.sample()
-        return action, self._log_prob_entropy(dist, action)[0], value, next_state
 
     def evaluate(self, obs, actions, state0=None, piece_lengths: Optional[np.ndarray] = None):
         """Log-probabilities, entropies and values of a minibatch of stored steps (learning).
@@ -635,8 +625,7 @@ class Agent(nn.Module):
             x = torch.empty_like(out.data)
             x[select_t] = out.data  # back from packed order to the minibatch's order
         dist, value = self._heads(x)
-        logprob, entropy = self._log_prob_entropy(dist, actions)
-        return logprob, entropy, value
+        return dist.log_prob(actions), dist.entropy(), value
 
 
 # ---- Rollout storage and collection (Sec. 2.1, 2.2) -------------------------------------------------------------------
@@ -646,7 +635,7 @@ class RolloutStorage:
     the policy acts and completed when the env's result (reward, flags) arrives. Capacity (T + 2) x N: at most N
     carried-in rows, T x N completed ones and one in flight per env."""
 
-    TENSORS = ("obs", "actions", "logprobs", "values", "next_values", "hidden_h", "hidden_c")
+    TENSORS = ("obs", "actions", "logprobs", "values", "next_values", "hidden")
     ARRAYS = ("rewards", "complete", "env_ids", "episode_ids")
 
     def __init__(self, capacity: int, slots: SharedSlots, lstm_shape: Optional[tuple], device):
@@ -656,19 +645,12 @@ class RolloutStorage:
         self.logprobs = torch.zeros(capacity, device=device)
         self.values = torch.zeros(capacity, device=device)
         self.next_values = torch.full((capacity,), math.nan, device=device)  # V(s_{t+1}) for GAE, once known
-        self.hidden_h = self.hidden_c = None
-        if lstm_shape is not None:  # the recurrent state the policy acted from (zeros at an episode start)
-            self.hidden_h = torch.zeros((capacity, *lstm_shape), device=device)
-            self.hidden_c = torch.zeros((capacity, *lstm_shape), device=device)
+        # (h, c) of the recurrent state the policy acted from (zeros at an episode start): (capacity, 2, layers, hidden)
+        self.hidden = None if lstm_shape is None else torch.zeros((capacity, 2, *lstm_shape), device=device)
         self.rewards = np.zeros(capacity, dtype=np.float32)
         self.complete = np.zeros(capacity, dtype=bool)  # its reward has arrived
         self.env_ids = np.zeros(capacity, dtype=np.int64)
         self.episode_ids = np.zeros(capacity, dtype=np.int64)
-
-    def allocate(self, n: int) -> np.ndarray:
-        rows = np.arange(self.size, self.size + n)
-        self.size += n
-        return rows
 
     def keep(self, rows: np.ndarray) -> None:
         """Starts a new rollout that holds only `rows` (moved to the front, in order): the carried-over steps."""
@@ -683,7 +665,7 @@ class RolloutStorage:
 
 
 # A batch is a dict of per-step tensors on the training device (obs, actions, logprobs, values, advantages, returns,
-# weights, hidden_h, hidden_c) and the numpy array env_ids, its steps sequence after sequence; "lengths"
+# weights, hidden) and the numpy array env_ids, its steps sequence after sequence; "lengths"
 # holds the sequence lengths.
 def build_batch(st: RolloutStorage, num_envs: int, num_steps: int, gamma: float, gae_lambda: float) -> dict:
     """The completed steps of a rollout as sequences, with GAE advantages and importance weights."""
@@ -701,8 +683,7 @@ def build_batch(st: RolloutStorage, num_envs: int, num_steps: int, gamma: float,
     return dict(obs=st.obs[rows_t], actions=st.actions[rows_t], logprobs=st.logprobs[rows_t], values=values,
                 advantages=advantages, returns=advantages + values,
                 weights=importance_weights(torch.as_tensor(env_ids, device=st.device), num_envs, num_steps),
-                hidden_h=None if st.hidden_h is None else st.hidden_h[rows_t],
-                hidden_c=None if st.hidden_c is None else st.hidden_c[rows_t],
+                hidden=None if st.hidden is None else st.hidden[rows_t],
                 env_ids=env_ids, lengths=lengths)
 
 
@@ -782,7 +763,7 @@ class Collector:
             self.complete_arrived()
             if self.collected == self.T * self.N or (stop_early is not None and stop_early(self.collected)):
                 break
-            self.act(self.take_batch())
+            self.act()
         self.bootstrap_completed()
 
     def begin_rollout(self) -> None:
@@ -861,14 +842,11 @@ class Collector:
             return False
         return True
 
-    def take_batch(self) -> np.ndarray:
-        """Every completed env: the batch to act on."""
+    def act(self) -> None:
+        """Runs the policy on every completed env (acting), stores the steps and sends the actions to the workers
+        (stepping)."""
         envs = np.array(self.completed, dtype=np.int64)
         self.completed.clear()
-        return envs
-
-    def act(self, envs: np.ndarray) -> None:
-        """Runs the policy on the batch (acting), stores the steps and sends the actions to the workers (stepping)."""
         if len(envs) == 0:
             return
         start = time.perf_counter()
@@ -876,20 +854,22 @@ class Collector:
         with torch.no_grad():
             obs = self.slots.obs[idx].to(self.device)
             state = self.state_of(envs, reset=self.episode_start[envs])
-            action, logprob, value, next_state = self.agent.act(obs, state)
+            dist, value, next_state = self.agent.step(obs, state)
+            action = dist.sample()
+            logprob = dist.log_prob(action)
         st = self.storage
-        rows = st.allocate(len(envs))
+        rows = np.arange(st.size, st.size + len(envs))
+        st.size += len(envs)
         rows_t = torch.as_tensor(rows, device=self.device)
         st.obs[rows_t], st.actions[rows_t], st.logprobs[rows_t], st.values[rows_t] = obs, action, logprob, value
         if state is not None:  # the state the policy acted from, before this step
-            st.hidden_h[rows_t], st.hidden_c[rows_t] = state[0].transpose(0, 1), state[1].transpose(0, 1)
+            st.hidden[rows_t] = torch.stack(state).permute(2, 0, 1, 3)
             dev_idx = idx.to(self.device)
             self.state[0][:, dev_idx], self.state[1][:, dev_idx] = next_state
         st.env_ids[rows], st.episode_ids[rows] = envs, self.episode_id[envs]
         waiting = self.awaiting[envs] >= 0  # V of this observation bootstraps the env's previous step
-        if waiting.any():
-            st.next_values[torch.as_tensor(self.awaiting[envs][waiting], device=self.device)] = \
-                value[torch.as_tensor(waiting, device=self.device)]
+        awaiting_rows = torch.as_tensor(self.awaiting[envs][waiting], device=self.device)
+        st.next_values[awaiting_rows] = value[torch.as_tensor(waiting, device=self.device)]
         self.awaiting[envs] = -1
         self.inflight[envs] = rows
         self.episode_start[envs] = False
@@ -937,9 +917,7 @@ class Collector:
         """Sec. 2.3's Time(S) estimate: each env's mean time per step in the last rollout (inference and
         simulation); an env that delivered no two steps counts as taking the whole rollout."""
         duration = max(time.perf_counter() - self.rollout_start, 1e-3)
-        with np.errstate(invalid="ignore", divide="ignore"):
-            tau = self.interval_sum / self.interval_count
-        return np.where(self.interval_count > 0, tau, duration)
+        return np.where(self.interval_count > 0, self.interval_sum / np.maximum(self.interval_count, 1), duration)
 
 
 # ---- DD-PPO (Sec. 2.3): every rank collects and learns; gradients are all-reduced; stragglers are preempted -----------
@@ -996,7 +974,7 @@ def ppo_update(args: Args, agent: Agent, optimizer: torch.optim.Optimizer, batch
             state0 = None
             if agent.recurrent:  # each piece starts from the stored state of its first step
                 first = torch.as_tensor(mb_idx[np.concatenate([[0], np.cumsum(piece_lengths)[:-1]])], device=device)
-                state0 = (batch["hidden_h"][first].transpose(0, 1), batch["hidden_c"][first].transpose(0, 1))
+                state0 = batch["hidden"][first].permute(1, 2, 0, 3)  # (h, c), each (layers, pieces, hidden)
             newlogprob, entropy, newvalue = agent.evaluate(batch["obs"][idx], batch["actions"][idx], state0, piece_lengths)
             logratio = newlogprob - batch["logprobs"][idx]
             ratio = logratio.exp()
@@ -1075,8 +1053,7 @@ def main(args: Args) -> dict:
     device = torch.device(f"cuda:{os.environ.get('LOCAL_RANK', '0')}" if use_cuda else "cpu")
     if use_cuda:
         torch.cuda.set_device(device)
-    store = None  # DD-PPO's count of the ranks that finished a rollout (a key-value store shared by the ranks)
-    if distributed:  # torchrun: NCCL on GPUs, gloo on CPU; one GPU per local rank
+    if distributed:  # torchrun: NCCL on GPUs, gloo on CPU, one GPU per local rank; a store counts the ranks done
         dist.init_process_group(backend="nccl" if use_cuda else "gloo")
         store = dist.PrefixStore("ppo_ver", dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
                                                           args.world_size, is_master=False))
@@ -1135,9 +1112,6 @@ def main(args: Args) -> dict:
     start_time, start_step = time.time(), global_step
     workers = None
     try:
-        if rank > 0:
-            eval_env.close()
-            eval_env = None
         if args.evaluate:
             run_evaluation(final=True)
             print(" ".join(f"{k}={v:.4f}" for k, v in last.items()))
@@ -1235,8 +1209,7 @@ def main(args: Args) -> dict:
     finally:
         if workers is not None:
             workers.close()
-        if eval_env is not None:
-            eval_env.close()
+        eval_env.close()
         if rank == 0:
             wall = time.time() - start_time
             summary.update(global_step=global_step, wall_time_s=wall, sps=(global_step - start_step) / wall,

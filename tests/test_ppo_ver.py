@@ -101,8 +101,7 @@ def test_packed_forward_equals_step_by_step_with_resets_at_episode_starts(device
             stored_h.append(state[0].transpose(0, 1))
             stored_c.append(state[1].transpose(0, 1))
             dist, value, state = agent.step(obs[t], state)
-            logprob, entropy = agent._log_prob_entropy(dist, actions[t])
-            ref_logprob.append(logprob), ref_entropy.append(entropy), ref_value.append(value)
+            ref_logprob.append(dist.log_prob(actions[t])), ref_entropy.append(dist.entropy()), ref_value.append(value)
     ref = [torch.stack(x) for x in (ref_logprob, ref_entropy, ref_value)]  # (steps, n_envs)
     stored_h, stored_c = torch.stack(stored_h), torch.stack(stored_c)  # (steps, n_envs, layers, hidden)
 
@@ -253,7 +252,7 @@ def ppo_update_inputs(learned_ent_coef):
     x = torch.linspace(-1, 1, n)
     batch = dict(obs=obs, actions=actions, logprobs=logprob + 0.3 * x, values=value + 0.1 * x,
                  advantages=torch.randn(n), returns=value + torch.randn(n), weights=torch.linspace(0.2, 1.0, n),
-                 hidden_h=None, hidden_c=None, lengths=np.array([4, 6]), env_ids=np.zeros(n, int))
+                 hidden=None, lengths=np.array([4, 6]), env_ids=np.zeros(n, int))
     args = replace(ver.Args(), update_epochs=1, num_minibatches=1, max_grad_norm=1e9,
                    learned_ent_coef=learned_ent_coef, target_entropy=0.7, clip_coef=0.2, vf_coef=0.5)
     return agent, batch, args
@@ -325,13 +324,13 @@ def test_fill_from_previous_tops_up_with_whole_old_sequences_cut_to_size():
     def batch(lengths, tag):
         n = int(np.sum(lengths))
         x = torch.arange(n, dtype=torch.float32) + tag
-        return dict(obs=x, actions=x, logprobs=x, values=x, advantages=x, returns=x, weights=x, hidden_h=None,
-                    hidden_c=None, lengths=np.array(lengths), env_ids=np.full(n, tag))
+        return dict(obs=x, actions=x, logprobs=x, values=x, advantages=x, returns=x, weights=x, hidden=None,
+                    lengths=np.array(lengths), env_ids=np.full(n, tag))
 
     fresh, old = batch([3, 2], 100), batch([4, 4, 4], 0)
     filled = ver.fill_from_previous(fresh, old, 12, np.random.default_rng(0))
     assert filled["lengths"][:2].tolist() == [3, 2] and filled["lengths"].sum() == len(filled["obs"]) == 12
-    assert filled["obs"][:5].tolist() == [100, 101, 102, 103, 104] and filled["hidden_h"] is None
+    assert filled["obs"][:5].tolist() == [100, 101, 102, 103, 104] and filled["hidden"] is None
     old_part = filled["obs"][5:].long().tolist()  # 7 old steps: one whole sequence of 4, then 3 of another
     assert filled["lengths"][2:].tolist() == [4, 3] and old_part[0] % 4 == 0 and old_part[4] % 4 == 0
     assert old_part[:4] == list(range(old_part[0], old_part[0] + 4))
@@ -454,8 +453,7 @@ def test_recurrent_collector_matches_a_step_by_step_recomputation_over_the_logge
                     next_value = float(policies[k].step(torch.tensor([int(next_obs)]), next_state)[1][0])
             batch = batches[k]
             assert int(batch["obs"][i]) == int(obs)
-            torch.testing.assert_close(batch["hidden_h"][i], state[0][:, 0], atol=1e-6, rtol=1e-5)
-            torch.testing.assert_close(batch["hidden_c"][i], state[1][:, 0], atol=1e-6, rtol=1e-5)
+            torch.testing.assert_close(batch["hidden"][i], torch.stack(state)[:, :, 0], atol=1e-6, rtol=1e-5)
             assert float(batch["logprobs"][i]) == pytest.approx(float(dist.log_prob(torch.tensor(int(action)))), abs=1e-5)
             assert float(batch["values"][i]) == pytest.approx(float(value), abs=1e-5)
             expected.setdefault(k, []).append((i, reward, float(value), next_value, terminated or truncated))
