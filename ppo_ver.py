@@ -227,11 +227,9 @@ class EnvAdapter:
     is the task's success flag of this step (False where the env has none)."""
 
     def __init__(self, env, kind: str):
-        self.env, self.kind = env, kind
-        if kind == "toy":  # a 1-chain ToyChain vector env in same_step mode
-            self.observation_space, self.action_space = env.single_observation_space, env.single_action_space
-        else:
-            self.observation_space, self.action_space = env.observation_space, env.action_space
+        self.env, self.kind = env, kind  # ToyChain: a 1-chain vector env in same_step mode
+        self.observation_space = env.single_observation_space if kind == "toy" else env.observation_space
+        self.action_space = env.single_action_space if kind == "toy" else env.action_space
 
     def reset(self, seed: Optional[int] = None) -> np.ndarray:
         obs, _ = self.env.reset(seed=seed)
@@ -245,12 +243,10 @@ class EnvAdapter:
                     bool(info["success"][0]))
         action = np.clip(action, self.action_space.low, self.action_space.high)
         obs, reward, terminated, truncated, info = self.env.step(action)
-        success = bool(info.get("success", False))
-        final = None
-        if terminated or truncated:
-            final = np.asarray(obs)
+        final = np.asarray(obs) if terminated or truncated else None
+        if final is not None:
             obs, _ = self.env.reset()
-        return np.asarray(obs), float(reward), bool(terminated), bool(truncated), final, success
+        return np.asarray(obs), float(reward), bool(terminated), bool(truncated), final, bool(info.get("success", False))
 
     def close(self) -> None:
         self.env.close()
@@ -260,17 +256,14 @@ def make_env(args: Args, evaluation: bool = False) -> EnvAdapter:
     """ToyChain-v0 (one chain) or a ManiSkill3 task on CPU simulation (physx_cpu).
     Evaluation envs of ToyChain simulate without delays or crashes; ManiSkill evaluation ignores terminations
     (its success_once/success_at_end protocol)."""
-    kind = args.env_kind
-    if kind == "toy":
-        config = replace(args.toy, autoreset_mode="same_step")
-        if evaluation:
-            config = replace(config, step_time_mean=0.0, crash_at_step=0)
-        return EnvAdapter(ToyChainVectorEnv(1, config, device="cpu"), kind)
+    if args.env_kind == "toy":  # same_step autoreset (resolve_args)
+        config = replace(args.toy, step_time_mean=0.0, crash_at_step=0) if evaluation else args.toy
+        return EnvAdapter(ToyChainVectorEnv(1, config, device="cpu"), "toy")
     import mani_skill.envs  # noqa: F401  (registers the tasks in this process)
     from mani_skill.utils.wrappers.gymnasium import CPUGymWrapper
 
     env = gym.make(args.env_id, num_envs=1, obs_mode="state", sim_backend="physx_cpu", max_episode_steps=args.horizon)
-    return EnvAdapter(CPUGymWrapper(env, ignore_terminations=evaluation), kind)
+    return EnvAdapter(CPUGymWrapper(env, ignore_terminations=evaluation), "maniskill")
 
 
 # ---- Env workers (Sec. 2.1, Fig. 2): processes that write into preallocated shared CPU memory -------------------------
@@ -359,8 +352,6 @@ class EnvWorkers:
             child.close()
             self.processes.append(p)
             self.conns.append(parent)
-        self.env_of = {c: e for e, c in enumerate(self.conns)}
-        self.env_of.update({p.sentinel: e for e, p in enumerate(self.processes)})
 
     def send_step(self, env_ids) -> None:
         for e in env_ids:
@@ -373,18 +364,16 @@ class EnvWorkers:
         """Env ids whose step result arrived within `timeout` seconds (all that are ready, without waiting longer
         once one is; math.inf: until one is). Raises WorkerError if a worker reported an error or died."""
         arrived = []
-        for obj in wait_for_connections(list(self.env_of), timeout=None if timeout == math.inf else max(timeout, 0)):
-            e = self.env_of[obj]
-            while self.conns[e].poll():  # a process that ended may have sent its traceback first
+        for conn in wait_for_connections(self.conns, timeout=None if timeout == math.inf else max(timeout, 0)):
+            e = self.conns.index(conn)
+            while conn.poll():  # a process that ended may have sent its traceback first; then its pipe is at EOF
                 try:
-                    message = self.conns[e].recv()
+                    message = conn.recv()
                 except (EOFError, ConnectionResetError):
                     self._raise_dead(e)
                 if message != "ready":
                     raise WorkerError(message)
                 arrived.append(e)
-            if obj is self.processes[e].sentinel:
-                self._raise_dead(e)
         return arrived
 
     def _raise_dead(self, e: int):
@@ -665,8 +654,7 @@ class RolloutStorage:
 
 
 # A batch is a dict of per-step tensors on the training device (obs, actions, logprobs, values, advantages, returns,
-# weights, hidden) and the numpy array env_ids, its steps sequence after sequence; "lengths"
-# holds the sequence lengths.
+# weights, hidden, env_ids), its steps sequence after sequence, and "lengths": the sequence lengths (numpy).
 def build_batch(st: RolloutStorage, num_envs: int, num_steps: int, gamma: float, gae_lambda: float) -> dict:
     """The completed steps of a rollout as sequences, with GAE advantages and importance weights."""
     rows = np.flatnonzero(st.complete[: st.size])
@@ -679,12 +667,10 @@ def build_batch(st: RolloutStorage, num_envs: int, num_steps: int, gamma: float,
     rewards = torch.as_tensor(st.rewards[rows], device=st.device)
     advantages = torch.empty_like(values)
     advantages[sel] = compute_gae_packed(rewards[sel], values[sel], next_values[sel], batch_sizes, gamma, gae_lambda)
-    env_ids = st.env_ids[rows]
+    env_ids = torch.as_tensor(st.env_ids[rows], device=st.device)
     return dict(obs=st.obs[rows_t], actions=st.actions[rows_t], logprobs=st.logprobs[rows_t], values=values,
-                advantages=advantages, returns=advantages + values,
-                weights=importance_weights(torch.as_tensor(env_ids, device=st.device), num_envs, num_steps),
-                hidden=None if st.hidden is None else st.hidden[rows_t],
-                env_ids=env_ids, lengths=lengths)
+                advantages=advantages, returns=advantages + values, weights=importance_weights(env_ids, num_envs, num_steps),
+                hidden=None if st.hidden is None else st.hidden[rows_t], env_ids=env_ids, lengths=lengths)
 
 
 def fill_from_previous(batch: dict, previous: dict, size: int, rng: np.random.Generator) -> dict:
@@ -704,10 +690,8 @@ def fill_from_previous(batch: dict, previous: dict, size: int, rng: np.random.Ge
     for key, value in batch.items():
         if key == "lengths" or value is None:
             filled.setdefault(key, value)
-        elif torch.is_tensor(value):
-            filled[key] = torch.cat([value, previous[key][torch.as_tensor(idx, device=value.device)]])
         else:
-            filled[key] = np.concatenate([value, previous[key][idx]])
+            filled[key] = torch.cat([value, previous[key][torch.as_tensor(idx, device=value.device)]])
     return filled
 
 
@@ -715,7 +699,8 @@ class Collector:
     """Experience collection of one rank (Sec. 2.1, 2.2, Fig. 2); the main process is the inference worker.
 
     Each env is in one of these states:
-      stepping   its worker simulates the action the policy chose (the step's row is "in flight")
+      stepping   its worker simulates the action the policy chose (the step's row is "in flight"); at the start,
+                 its worker builds and resets the env (the first observation arrives without a row)
       arrived    the result (reward, flags, next observation) is in its shared-memory slot, not yet read
       completed  the result was recorded into the step's row; the new observation waits for an action
       held       NoVER and sync only: the env has its T steps and waits for the next rollout
@@ -750,10 +735,6 @@ class Collector:
         self.last_arrival = np.full(N, -math.inf)
         self.view = {name: getattr(slots, name).numpy() for name in ("reward", "terminated", "truncated", "success",
                                                                     "busy_time")}
-        self.begin_rollout()
-        while len(self.arrived) < N:  # every env's first observation (the workers build and reset their envs)
-            self.receive(self.workers.poll(math.inf))
-        self.complete_arrived()
 
     def collect(self, stop_early: Optional[Callable[[int], bool]] = None) -> None:
         """One rollout: T x N steps, fewer if `stop_early(steps so far)` preempts it (Sec. 2.3)."""
@@ -1059,7 +1040,7 @@ def main(args: Args) -> dict:
                                                           args.world_size, is_master=False))
     if device.type == "cpu":
         torch.set_num_threads(1)  # leave the cores to the env workers
-    torch.manual_seed(args.seed)  # the same initial weights on every rank
+    torch.manual_seed(args.seed)  # DD-PPO: the same initial weights on every rank (or the same checkpoint)
     torch.backends.cudnn.deterministic = args.torch_deterministic
 
     writer, last, run_dir = None, {}, None
@@ -1089,9 +1070,6 @@ def main(args: Args) -> dict:
         if not args.evaluate:
             optimizer.load_state_dict(ckpt["optimizer"])
             print(f"resuming from {args.checkpoint} at iteration {iteration}, global step {global_step}")
-    for tensor in agent.state_dict().values():  # DD-PPO: every rank starts from rank 0's weights
-        if distributed and tensor.is_floating_point():
-            dist.broadcast(tensor, src=0)
     torch.manual_seed(args.seed + 1000 * rank + iteration)  # per-rank action sampling
     rng = np.random.default_rng(args.seed + 7919 * rank + iteration)
 

@@ -252,7 +252,7 @@ def ppo_update_inputs(learned_ent_coef):
     x = torch.linspace(-1, 1, n)
     batch = dict(obs=obs, actions=actions, logprobs=logprob + 0.3 * x, values=value + 0.1 * x,
                  advantages=torch.randn(n), returns=value + torch.randn(n), weights=torch.linspace(0.2, 1.0, n),
-                 hidden=None, lengths=np.array([4, 6]), env_ids=np.zeros(n, int))
+                 hidden=None, lengths=np.array([4, 6]), env_ids=torch.zeros(n, dtype=torch.int64))
     args = replace(ver.Args(), update_epochs=1, num_minibatches=1, max_grad_norm=1e9,
                    learned_ent_coef=learned_ent_coef, target_entropy=0.7, clip_coef=0.2, vf_coef=0.5)
     return agent, batch, args
@@ -325,7 +325,7 @@ def test_fill_from_previous_tops_up_with_whole_old_sequences_cut_to_size():
         n = int(np.sum(lengths))
         x = torch.arange(n, dtype=torch.float32) + tag
         return dict(obs=x, actions=x, logprobs=x, values=x, advantages=x, returns=x, weights=x, hidden=None,
-                    lengths=np.array(lengths), env_ids=np.full(n, tag))
+                    lengths=np.array(lengths), env_ids=torch.full((n,), tag))
 
     fresh, old = batch([3, 2], 100), batch([4, 4, 4], 0)
     filled = ver.fill_from_previous(fresh, old, 12, np.random.default_rng(0))
