@@ -624,9 +624,6 @@ class RolloutStorage:
     the policy acts and completed when the env's result (reward, flags) arrives. Capacity (T + 2) x N: at most N
     carried-in rows, T x N completed ones and one in flight per env."""
 
-    TENSORS = ("obs", "actions", "logprobs", "values", "next_values", "hidden")
-    ARRAYS = ("rewards", "complete", "env_ids", "episode_ids")
-
     def __init__(self, capacity: int, slots: SharedSlots, lstm_shape: Optional[tuple], device):
         self.device, self.size = device, 0
         self.obs = torch.zeros((capacity, *slots.obs.shape[1:]), dtype=slots.obs.dtype, device=device)
@@ -644,9 +641,8 @@ class RolloutStorage:
     def keep(self, rows: np.ndarray) -> None:
         """Starts a new rollout that holds only `rows` (moved to the front, in order): the carried-over steps."""
         k = len(rows)
-        for name in self.TENSORS + self.ARRAYS:
-            value = getattr(self, name)
-            if value is not None:
+        for value in vars(self).values():  # every per-row tensor and array
+            if isinstance(value, (torch.Tensor, np.ndarray)):
                 value[:k] = value[torch.as_tensor(rows, device=self.device) if torch.is_tensor(value) else rows]
         self.next_values[k:] = math.nan
         self.complete[k:] = False
