@@ -176,7 +176,7 @@ class ArgsError(ValueError):
 
 
 class WorkerError(RuntimeError):
-    """An env worker raised, died or stopped answering: the run ends with its message."""
+    """An env worker raised or died: the run ends with its message."""
 
 
 # ---- Argument resolution: presets, derived sizes, checks (all before any env or process starts) -----------------------
@@ -301,11 +301,11 @@ class SharedSlots:
 def env_worker(env_index: int, args: Args, slots: SharedSlots, conn, seed: int) -> None:
     """An env worker process (Sec. 2.1): builds and resets its env, then steps it one action at a time as the main
     process asks, writing each result into the env's slot of shared memory. It never waits for other workers. It
-    exits when its pipe closes (the main process closed it or is gone), or after reporting its traceback."""
+    exits when its pipe closes (the main process closed it or is gone), or after reporting its traceback; the
+    process's exit frees the env."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the main process's to handle: it shuts the workers down
     torch.set_num_threads(1)
-    view = {name: getattr(slots, name)[env_index].numpy() for name in SharedSlots.__dataclass_fields__}
-    env = None
+    view = {name: slot[env_index].numpy() for name, slot in vars(slots).items()}
     try:
         env = make_env(args)
         view["obs"][...] = env.reset(seed=seed)
@@ -322,14 +322,8 @@ def env_worker(env_index: int, args: Args, slots: SharedSlots, conn, seed: int) 
     except (EOFError, BrokenPipeError, ConnectionResetError):
         pass  # the pipe is closed: nobody to report to, just exit (no orphans)
     except BaseException:
-        try:
-            conn.send(f"env worker {env_index} (pid {os.getpid()}):\n{traceback.format_exc()}")
-        except OSError:
-            pass
+        conn.send(f"env worker {env_index} (pid {os.getpid()}):\n{traceback.format_exc()}")
         sys.exit(1)
-    finally:
-        if env is not None:
-            env.close()
 
 
 class EnvWorkers:
@@ -729,8 +723,7 @@ class Collector:
         self.arrived, self.completed, self.held = deque(), deque(), []
         self.ep_return, self.ep_len, self.ep_success = np.zeros(N), np.zeros(N, dtype=np.int64), np.zeros(N, dtype=bool)
         self.last_arrival = np.full(N, -math.inf)
-        self.view = {name: getattr(slots, name).numpy() for name in ("reward", "terminated", "truncated", "success",
-                                                                    "busy_time")}
+        self.view = {name: slot.numpy() for name, slot in vars(slots).items()}  # numpy views of the shared slots
 
     def collect(self, stop_early: Optional[Callable[[int], bool]] = None) -> None:
         """One rollout: T x N steps, fewer if `stop_early(steps so far)` preempts it (Sec. 2.3)."""
@@ -852,8 +845,7 @@ class Collector:
         self.episode_start[envs] = False
         self.slots.action[idx] = action.to("cpu")
         self.workers.send_step(envs)
-        elapsed = time.perf_counter() - start
-        self.policy_step_time = 0.9 * self.policy_step_time + 0.1 * elapsed
+        self.policy_step_time = 0.9 * self.policy_step_time + 0.1 * (time.perf_counter() - start)
         self.batch_sizes.append(len(envs))
 
     def bootstrap_completed(self) -> None:
