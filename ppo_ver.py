@@ -248,9 +248,6 @@ class EnvAdapter:
             obs, _ = self.env.reset()
         return np.asarray(obs), float(reward), bool(terminated), bool(truncated), final, bool(info.get("success", False))
 
-    def close(self) -> None:
-        self.env.close()
-
 
 def make_env(args: Args, evaluation: bool = False) -> EnvAdapter:
     """ToyChain-v0 (one chain) or a ManiSkill3 task on CPU simulation (physx_cpu).
@@ -1175,7 +1172,7 @@ def main(args: Args) -> dict:
     finally:
         if workers is not None:
             workers.close()
-        eval_env.close()
+        eval_env.env.close()
         if rank == 0:
             wall = time.time() - start_time
             summary.update(global_step=global_step, wall_time_s=wall, sps=(global_step - start_step) / wall,
