@@ -1108,8 +1108,7 @@ def main(args: Args) -> dict:
             learn_start = time.perf_counter()
             batch = build_batch(collector.storage, args.num_envs, args.num_steps, args.gamma, args.gae_lambda)
             fresh = int(batch["lengths"].sum())
-            if fresh < args.batch_size:
-                batch = fill_from_previous(batch, previous, args.batch_size, rng)
+            batch = fill_from_previous(batch, previous, args.batch_size, rng)  # unchanged unless preempted
             previous = batch
 
             # 3. PPO update (Sec. 2.2, 4), then the next rollout starts with the steps still in flight.
