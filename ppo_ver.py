@@ -14,7 +14,7 @@ variable length, corrected for the biased sampling by truncated importance weigh
 
 Map from the paper to this file
   Sec. 2.1, Fig. 2   env_worker, SharedSlots, EnvWorkers (processes, shared CPU memory, pipes); Collector (the main
-                     process is the inference worker: dynamic batching with a minimum and maximum batch size)
+                     process is the inference worker: dynamic batching with a minimum batch size)
   Sec. 2.2 VER       Collector.collect (T x N steps per rollout, no per-env quota); Collector.start_next_rollout
                      (inflight actions carried over); --no-variable-experience (NoVER), --sync (SyncOnRL, DD-PPO)
   Sec. 2.2, Fig. 3B  build_sequences, make_minibatches (shuffle sequences, cut into equal-size minibatches)
@@ -30,11 +30,8 @@ episode and reports the true last observation with the reset one (ToyChain runs 
 terminations; `always` bootstraps V(true last observation) at every episode end (ManiSkill's default).
 
 Examples
-  python ppo_ver.py                                                      # ToyChain-v0, 16 env workers, VER
-  python ppo_ver.py --toy.step-time-mean 0.004 --toy.step-time-spread 1  # heterogeneous simulation time
-  python ppo_ver.py --toy.step-time-mean 0.004 --toy.step-time-spread 1 --no-variable-experience   # NoVER
-  python ppo_ver.py --recurrent                                          # an LSTM policy (Sec. 2.2, Fig. 3C)
-  python ppo_ver.py --env-id PickCube-v1 --num-envs 8                    # ManiSkill3, one physx_cpu env per worker
+  python ppo_ver.py --toy.step-time-mean 0.004 --toy.step-time-spread 1  # VER, heterogeneous simulation time
+  python ppo_ver.py --env-id PickCube-v1 --num-envs 8 --recurrent        # ManiSkill3, an LSTM policy
   torchrun --standalone --nproc_per_node 2 ppo_ver.py --num-envs 8       # DD-PPO: 2 ranks (gloo on CPU, NCCL on GPUs)
 """
 
@@ -145,10 +142,6 @@ class Args:
     """SyncOnRL (DD-PPO's collection): step all envs, wait for all of them, then act; implies NoVER"""
     inference_min_batch: Optional[int] = None
     """dynamic batching: act once this many envs are waiting, or after half a policy step's time (default: N / 1.5, as habitat-lab)"""
-    inference_max_batch: Optional[int] = None
-    """...and on no more than this many at once (default: N)"""
-    worker_timeout: float = 300.0
-    """seconds without any env worker answering before the run is stopped as hung"""
 
     # ---- DD-PPO (Sec. 2.3), launched with torchrun ----------------------------------------------------------------
     sync_frac: float = 0.6
@@ -168,7 +161,6 @@ class Args:
     env_kind: tyro.conf.Suppress[str] = ""
 
 
-TOY_ENV_ID = "ToyChain-v0"
 # Defaults per kind of env (any flag overrides them).
 PRESETS: dict[str, dict] = {
     "toy": dict(num_envs=16, num_steps=32, total_timesteps=300_000, learning_rate=2.5e-4, gamma=0.99,
@@ -184,26 +176,15 @@ class ArgsError(ValueError):
 
 
 class WorkerError(RuntimeError):
-    """An env worker raised, died or stopped answering: the run ends with its message."""
+    """An env worker raised or died: the run ends with its message."""
 
 
 # ---- Argument resolution: presets, derived sizes, checks (all before any env or process starts) -----------------------
-def env_kind(env_id: str) -> str:
-    """'toy' or 'maniskill'; raises ArgsError for any other id."""
-    if env_id == TOY_ENV_ID:
-        return "toy"
-    from mani_skill.utils.registration import REGISTERED_ENVS
-
-    if env_id not in REGISTERED_ENVS:
-        raise ArgsError(f"--env-id {env_id!r}: neither ToyChain-v0 nor a ManiSkill3 task")
-    return "maniskill"
-
-
 def resolve_args(args: Args, world_size: Optional[int] = None) -> Args:
     """Fills the presets and derived sizes into a copy of `args` and validates it. Raises ArgsError."""
     a = replace(args, toy=replace(args.toy))
     a.world_size = world_size if world_size is not None else int(os.environ.get("WORLD_SIZE", "1"))
-    kind = a.env_kind = env_kind(a.env_id)
+    kind = a.env_kind = "toy" if a.env_id == "ToyChain-v0" else "maniskill"
     for name, value in PRESETS[kind].items():
         if getattr(a, name) is None:
             setattr(a, name, value)
@@ -213,25 +194,27 @@ def resolve_args(args: Args, world_size: Optional[int] = None) -> Args:
             a.toy.validate()
         except ValueError as e:
             raise ArgsError(str(e)) from e
+    else:
+        from mani_skill.utils.registration import REGISTERED_ENVS
+
+        if a.env_id not in REGISTERED_ENVS:
+            raise ArgsError(f"--env-id {a.env_id!r}: neither ToyChain-v0 nor a ManiSkill3 task")
+        if not (glob.glob("/usr/share/vulkan/icd.d/*") or glob.glob("/etc/vulkan/icd.d/*") or os.environ.get("VK_ICD_FILENAMES")):
+            raise ArgsError("ManiSkill3 needs a Vulkan driver even for state-only simulation, and none is installed; on "
+                            "Debian/Ubuntu run: bash .ci/install_system.sh")
     if a.evaluate and not a.checkpoint:
         raise ArgsError("--evaluate needs --checkpoint PATH")
     N = a.num_envs
     if a.sync:  # step all N envs, wait for all of them, act on all
         a.variable_experience = False
-        a.inference_min_batch = a.inference_max_batch = N
-    if a.inference_max_batch is None:
-        a.inference_max_batch = N
+        a.inference_min_batch = N
     if a.inference_min_batch is None:
-        a.inference_min_batch = max(1, min(int(N / 1.5), a.inference_max_batch))  # habitat-lab's default
+        a.inference_min_batch = max(1, int(N / 1.5))  # habitat-lab's default
     a.batch_size = N * a.num_steps
     if a.batch_size % a.num_minibatches != 0:
         raise ArgsError(f"the batch T*N = {a.num_steps}*{N} = {a.batch_size} does not split into --num-minibatches "
                         f"{a.num_minibatches} equal minibatches (Sec. 2.2); pick T, N or the number of minibatches so "
                         f"that it divides")
-    icd_files = glob.glob("/usr/share/vulkan/icd.d/*") + glob.glob("/etc/vulkan/icd.d/*")
-    if kind == "maniskill" and not (icd_files or os.environ.get("VK_ICD_FILENAMES")):
-        raise ArgsError("ManiSkill3 needs a Vulkan driver even for state-only simulation, and none is installed; on "
-                        "Debian/Ubuntu run: bash .ci/install_system.sh")
     return a
 
 
@@ -244,11 +227,9 @@ class EnvAdapter:
     is the task's success flag of this step (False where the env has none)."""
 
     def __init__(self, env, kind: str):
-        self.env, self.kind = env, kind
-        if kind == "toy":  # a 1-chain ToyChain vector env in same_step mode
-            self.observation_space, self.action_space = env.single_observation_space, env.single_action_space
-        else:
-            self.observation_space, self.action_space = env.observation_space, env.action_space
+        self.env, self.kind = env, kind  # ToyChain: a 1-chain vector env in same_step mode
+        self.observation_space = env.single_observation_space if kind == "toy" else env.observation_space
+        self.action_space = env.single_action_space if kind == "toy" else env.action_space
 
     def reset(self, seed: Optional[int] = None) -> np.ndarray:
         obs, _ = self.env.reset(seed=seed)
@@ -262,32 +243,24 @@ class EnvAdapter:
                     bool(info["success"][0]))
         action = np.clip(action, self.action_space.low, self.action_space.high)
         obs, reward, terminated, truncated, info = self.env.step(action)
-        success = bool(info.get("success", False))
-        final = None
-        if terminated or truncated:
-            final = np.asarray(obs)
+        final = np.asarray(obs) if terminated or truncated else None
+        if final is not None:
             obs, _ = self.env.reset()
-        return np.asarray(obs), float(reward), bool(terminated), bool(truncated), final, success
-
-    def close(self) -> None:
-        self.env.close()
+        return np.asarray(obs), float(reward), bool(terminated), bool(truncated), final, bool(info.get("success", False))
 
 
 def make_env(args: Args, evaluation: bool = False) -> EnvAdapter:
     """ToyChain-v0 (one chain) or a ManiSkill3 task on CPU simulation (physx_cpu).
     Evaluation envs of ToyChain simulate without delays or crashes; ManiSkill evaluation ignores terminations
     (its success_once/success_at_end protocol)."""
-    kind = args.env_kind
-    if kind == "toy":
-        config = replace(args.toy, autoreset_mode="same_step")
-        if evaluation:
-            config = replace(config, step_time_mean=0.0, crash_at_step=0)
-        return EnvAdapter(ToyChainVectorEnv(1, config, device="cpu"), kind)
+    if args.env_kind == "toy":  # same_step autoreset (resolve_args)
+        config = replace(args.toy, step_time_mean=0.0, crash_at_step=0) if evaluation else args.toy
+        return EnvAdapter(ToyChainVectorEnv(1, config, device="cpu"), "toy")
     import mani_skill.envs  # noqa: F401  (registers the tasks in this process)
     from mani_skill.utils.wrappers.gymnasium import CPUGymWrapper
 
     env = gym.make(args.env_id, num_envs=1, obs_mode="state", sim_backend="physx_cpu", max_episode_steps=args.horizon)
-    return EnvAdapter(CPUGymWrapper(env, ignore_terminations=evaluation), kind)
+    return EnvAdapter(CPUGymWrapper(env, ignore_terminations=evaluation), "maniskill")
 
 
 # ---- Env workers (Sec. 2.1, Fig. 2): processes that write into preallocated shared CPU memory -------------------------
@@ -313,9 +286,8 @@ class SharedSlots:
             return torch.zeros((num_envs, *shape), dtype=dtype).share_memory_()
 
         def slot_for(space: gym.Space) -> torch.Tensor:
-            if isinstance(space, gym.spaces.Discrete):
-                return shared((), torch.int64)
-            return shared(space.shape, torch.float32)
+            discrete = isinstance(space, gym.spaces.Discrete)
+            return shared((), torch.int64) if discrete else shared(space.shape, torch.float32)
 
         return SharedSlots(obs=slot_for(env.observation_space), final_obs=slot_for(env.observation_space),
                            action=slot_for(env.action_space), reward=shared((), torch.float64),
@@ -326,11 +298,11 @@ class SharedSlots:
 def env_worker(env_index: int, args: Args, slots: SharedSlots, conn, seed: int) -> None:
     """An env worker process (Sec. 2.1): builds and resets its env, then steps it one action at a time as the main
     process asks, writing each result into the env's slot of shared memory. It never waits for other workers. It
-    exits when told to, when the main process is gone (its pipe closes), or after reporting its traceback."""
+    exits when its pipe closes (the main process closed it or is gone), or after reporting its traceback; the
+    process's exit frees the env."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the main process's to handle: it shuts the workers down
     torch.set_num_threads(1)
-    view = {name: getattr(slots, name)[env_index].numpy() for name in SharedSlots.__dataclass_fields__}
-    env = None
+    view = {name: slot[env_index].numpy() for name, slot in vars(slots).items()}
     try:
         env = make_env(args)
         view["obs"][...] = env.reset(seed=seed)
@@ -345,16 +317,10 @@ def env_worker(env_index: int, args: Args, slots: SharedSlots, conn, seed: int) 
                 view["final_obs"][...] = final_obs
             conn.send("ready")
     except (EOFError, BrokenPipeError, ConnectionResetError):
-        pass  # the main process is gone: nobody to report to, just exit (no orphans)
+        pass  # the pipe is closed: nobody to report to, just exit (no orphans)
     except BaseException:
-        try:
-            conn.send(f"env worker {env_index} (pid {os.getpid()}):\n{traceback.format_exc()}")
-        except OSError:
-            pass
+        conn.send(f"env worker {env_index} (pid {os.getpid()}):\n{traceback.format_exc()}")
         sys.exit(1)
-    finally:
-        if env is not None:
-            env.close()
 
 
 class EnvWorkers:
@@ -369,20 +335,14 @@ class EnvWorkers:
         ctx.set_forkserver_preload(["torch", "gymnasium", "numpy", "toy_chain_env"]
                                    + (["mani_skill.envs"] if args.env_kind == "maniskill" else []))
         self.processes, self.conns = [], []
-        try:
-            for e in range(args.num_envs):
-                parent, child = ctx.Pipe(duplex=True)
-                p = ctx.Process(target=env_worker, args=(e, args, slots, child, base_seed + e), daemon=True,
-                                name=f"ver-env-worker-{e}")
-                p.start()
-                child.close()
-                self.processes.append(p)
-                self.conns.append(parent)
-        except BaseException:
-            self.close()
-            raise
-        self.env_of = {c: e for e, c in enumerate(self.conns)}
-        self.env_of.update({p.sentinel: e for e, p in enumerate(self.processes)})
+        for e in range(args.num_envs):
+            parent, child = ctx.Pipe(duplex=True)
+            p = ctx.Process(target=env_worker, args=(e, args, slots, child, base_seed + e), daemon=True,
+                            name=f"ver-env-worker-{e}")
+            p.start()
+            child.close()
+            self.processes.append(p)
+            self.conns.append(parent)
 
     def send_step(self, env_ids) -> None:
         for e in env_ids:
@@ -393,20 +353,18 @@ class EnvWorkers:
 
     def poll(self, timeout: float) -> list[int]:
         """Env ids whose step result arrived within `timeout` seconds (all that are ready, without waiting longer
-        once one is). Raises WorkerError if a worker reported an error or died."""
+        once one is; math.inf: until one is). Raises WorkerError if a worker reported an error or died."""
         arrived = []
-        for obj in wait_for_connections(list(self.env_of), timeout=max(timeout, 0.0)):
-            e = self.env_of[obj]
-            while self.conns[e].poll():  # a process that ended may have sent its traceback first
+        for conn in wait_for_connections(self.conns, timeout=None if timeout == math.inf else max(timeout, 0)):
+            e = self.conns.index(conn)
+            while conn.poll():  # a process that ended may have sent its traceback first; then its pipe is at EOF
                 try:
-                    message = self.conns[e].recv()
+                    message = conn.recv()
                 except (EOFError, ConnectionResetError):
                     self._raise_dead(e)
                 if message != "ready":
                     raise WorkerError(message)
                 arrived.append(e)
-            if obj is self.processes[e].sentinel:
-                self._raise_dead(e)
         return arrived
 
     def _raise_dead(self, e: int):
@@ -416,20 +374,16 @@ class EnvWorkers:
                           f"(killed, or crashed inside native code)")
 
     def close(self, timeout: float = 3.0) -> None:
-        """Asks every worker to exit, waits up to `timeout` seconds, then terminates (and kills) what is left."""
+        """Closes the pipes (a worker exits when its pipe closes), waits up to `timeout` seconds, then kills what is
+        left."""
         for conn in self.conns:
-            try:
-                conn.send("close")
-            except OSError:
-                pass
+            conn.close()
         deadline = time.monotonic() + timeout
         for p in self.processes:
             p.join(timeout=max(0.0, deadline - time.monotonic()))
             if p.is_alive():
                 p.kill()
                 p.join(timeout=1.0)
-        for conn in self.conns:
-            conn.close()
         self.processes, self.conns = [], []
 
 
@@ -439,8 +393,6 @@ def build_sequences(env_ids: np.ndarray, episode_ids: np.ndarray) -> tuple[np.nd
     a sequence starts at a rollout start or at an episode start). The input steps are in time order per env (the
     order they were collected in). Returns (order, lengths): `order` lists the step indices sequence after
     sequence, `lengths` the length of each sequence."""
-    if len(env_ids) == 0:
-        return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
     order = np.lexsort((episode_ids, env_ids))  # stable: time order is kept inside each (env, episode)
     env_sorted, episode_sorted = env_ids[order], episode_ids[order]
     new_sequence = np.ones(len(order), dtype=bool)
@@ -501,8 +453,6 @@ def make_minibatches(lengths: np.ndarray, num_minibatches: int, rng: np.random.G
     Returns, per minibatch, (indices of its steps in the flat batch, lengths of its pieces in that order)."""
     lengths = np.asarray(lengths, dtype=np.int64)
     total = int(lengths.sum())
-    if total % num_minibatches != 0:
-        raise ValueError(f"{total} steps do not split into {num_minibatches} equal minibatches")
     size = total // num_minibatches
     starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
     permutation = rng.permutation(len(lengths))
@@ -623,33 +573,21 @@ class Agent(nn.Module):
 
     def _heads(self, features):
         out = self.actor(features)
-        if self.continuous:
-            dist = torch.distributions.Normal(out, self.actor_logstd.expand_as(out).exp(), validate_args=False)
+        if self.continuous:  # independent action dimensions: log_prob and entropy sum over them
+            normal = torch.distributions.Normal(out, self.actor_logstd.expand_as(out).exp(), validate_args=False)
+            dist = torch.distributions.Independent(normal, 1, validate_args=False)
         else:
             dist = torch.distributions.Categorical(logits=out, validate_args=False)
         return dist, self.critic(features).squeeze(-1)
 
-    def _log_prob_entropy(self, dist, action):
-        if self.continuous:
-            return dist.log_prob(action).sum(-1), dist.entropy().sum(-1)
-        return dist.log_prob(action), dist.entropy()
-
     def step(self, obs, state):
-        """One step of every env in the batch (inference): returns (dist, value, next_state)."""
+        """One step of every env in the batch (inference): returns (dist, value, next_state); `state` is zeros at
+        episode starts."""
         x = self.embed(obs)
         if not self.recurrent:
             return (*self._heads(x), None)
         out, next_state = self.lstm(self.input_layer(x).unsqueeze(0), state)
         return (*self._heads(out[0]), next_state)
-
-    def act(self, obs, state):
-        """Samples actions: returns (action, logprob, value, next_state). `state` must be zeros at episode starts."""
-        dist, value, next_state = self.step(obs, state)
-        action = dist.sample()
-        return action, self._log_prob_entropy(dist, action)[0], value, next_state
-
-    def get_value(self, obs, state):
-        return self.step(obs, state)[1]
 
     def evaluate(self, obs, actions, state0=None, piece_lengths: Optional[np.ndarray] = None):
         """Log-probabilities, entropies and values of a minibatch of stored steps (learning).
@@ -667,8 +605,7 @@ class Agent(nn.Module):
             x = torch.empty_like(out.data)
             x[select_t] = out.data  # back from packed order to the minibatch's order
         dist, value = self._heads(x)
-        logprob, entropy = self._log_prob_entropy(dist, actions)
-        return logprob, entropy, value
+        return dist.log_prob(actions), dist.entropy(), value
 
 
 # ---- Rollout storage and collection (Sec. 2.1, 2.2) -------------------------------------------------------------------
@@ -678,9 +615,6 @@ class RolloutStorage:
     the policy acts and completed when the env's result (reward, flags) arrives. Capacity (T + 2) x N: at most N
     carried-in rows, T x N completed ones and one in flight per env."""
 
-    TENSORS = ("obs", "actions", "logprobs", "values", "next_values", "hidden_h", "hidden_c")
-    ARRAYS = ("rewards", "complete", "env_ids", "episode_ids")
-
     def __init__(self, capacity: int, slots: SharedSlots, lstm_shape: Optional[tuple], device):
         self.device, self.size = device, 0
         self.obs = torch.zeros((capacity, *slots.obs.shape[1:]), dtype=slots.obs.dtype, device=device)
@@ -688,26 +622,18 @@ class RolloutStorage:
         self.logprobs = torch.zeros(capacity, device=device)
         self.values = torch.zeros(capacity, device=device)
         self.next_values = torch.full((capacity,), math.nan, device=device)  # V(s_{t+1}) for GAE, once known
-        self.hidden_h = self.hidden_c = None
-        if lstm_shape is not None:  # the recurrent state the policy acted from (zeros at an episode start)
-            self.hidden_h = torch.zeros((capacity, *lstm_shape), device=device)
-            self.hidden_c = torch.zeros((capacity, *lstm_shape), device=device)
+        # (h, c) of the recurrent state the policy acted from (zeros at an episode start): (capacity, 2, layers, hidden)
+        self.hidden = None if lstm_shape is None else torch.zeros((capacity, 2, *lstm_shape), device=device)
         self.rewards = np.zeros(capacity, dtype=np.float32)
         self.complete = np.zeros(capacity, dtype=bool)  # its reward has arrived
         self.env_ids = np.zeros(capacity, dtype=np.int64)
         self.episode_ids = np.zeros(capacity, dtype=np.int64)
 
-    def allocate(self, n: int) -> np.ndarray:
-        rows = np.arange(self.size, self.size + n)
-        self.size += n
-        return rows
-
     def keep(self, rows: np.ndarray) -> None:
         """Starts a new rollout that holds only `rows` (moved to the front, in order): the carried-over steps."""
         k = len(rows)
-        for name in self.TENSORS + self.ARRAYS:
-            value = getattr(self, name)
-            if value is not None:
+        for value in vars(self).values():  # every per-row tensor and array
+            if isinstance(value, (torch.Tensor, np.ndarray)):
                 value[:k] = value[torch.as_tensor(rows, device=self.device) if torch.is_tensor(value) else rows]
         self.next_values[k:] = math.nan
         self.complete[k:] = False
@@ -715,8 +641,7 @@ class RolloutStorage:
 
 
 # A batch is a dict of per-step tensors on the training device (obs, actions, logprobs, values, advantages, returns,
-# weights, hidden_h, hidden_c) and the numpy array env_ids, its steps sequence after sequence; "lengths"
-# holds the sequence lengths.
+# weights, hidden, env_ids), its steps sequence after sequence, and "lengths": the sequence lengths (numpy).
 def build_batch(st: RolloutStorage, num_envs: int, num_steps: int, gamma: float, gae_lambda: float) -> dict:
     """The completed steps of a rollout as sequences, with GAE advantages and importance weights."""
     rows = np.flatnonzero(st.complete[: st.size])
@@ -729,13 +654,10 @@ def build_batch(st: RolloutStorage, num_envs: int, num_steps: int, gamma: float,
     rewards = torch.as_tensor(st.rewards[rows], device=st.device)
     advantages = torch.empty_like(values)
     advantages[sel] = compute_gae_packed(rewards[sel], values[sel], next_values[sel], batch_sizes, gamma, gae_lambda)
-    env_ids = st.env_ids[rows]
+    env_ids = torch.as_tensor(st.env_ids[rows], device=st.device)
     return dict(obs=st.obs[rows_t], actions=st.actions[rows_t], logprobs=st.logprobs[rows_t], values=values,
-                advantages=advantages, returns=advantages + values,
-                weights=importance_weights(torch.as_tensor(env_ids, device=st.device), num_envs, num_steps),
-                hidden_h=None if st.hidden_h is None else st.hidden_h[rows_t],
-                hidden_c=None if st.hidden_c is None else st.hidden_c[rows_t],
-                env_ids=env_ids, lengths=lengths)
+                advantages=advantages, returns=advantages + values, weights=importance_weights(env_ids, num_envs, num_steps),
+                hidden=None if st.hidden is None else st.hidden[rows_t], env_ids=env_ids, lengths=lengths)
 
 
 def fill_from_previous(batch: dict, previous: dict, size: int, rng: np.random.Generator) -> dict:
@@ -755,35 +677,24 @@ def fill_from_previous(batch: dict, previous: dict, size: int, rng: np.random.Ge
     for key, value in batch.items():
         if key == "lengths" or value is None:
             filled.setdefault(key, value)
-        elif torch.is_tensor(value):
-            filled[key] = torch.cat([value, previous[key][torch.as_tensor(idx, device=value.device)]])
         else:
-            filled[key] = np.concatenate([value, previous[key][idx]])
+            filled[key] = torch.cat([value, previous[key][torch.as_tensor(idx, device=value.device)]])
     return filled
-
-
-@dataclass
-class RolloutStats:
-    env_steps: int = 0  # env steps completed in this rollout
-    env_busy: float = 0.0  # seconds of simulation, summed over envs
-    batch_sizes: list = field(default_factory=list)
-    episodes: list = field(default_factory=list)  # (return, length, success_once, success_at_end)
-    preempted: bool = False
-    carried: int = 0  # steps in flight carried into the next rollout
 
 
 class Collector:
     """Experience collection of one rank (Sec. 2.1, 2.2, Fig. 2); the main process is the inference worker.
 
     Each env is in one of these states:
-      stepping   its worker simulates the action the policy chose (the step's row is "in flight")
+      stepping   its worker simulates the action the policy chose (the step's row is "in flight"); at the start,
+                 its worker builds and resets the env (the first observation arrives without a row)
       arrived    the result (reward, flags, next observation) is in its shared-memory slot, not yet read
       completed  the result was recorded into the step's row; the new observation waits for an action
       held       NoVER and sync only: the env has its T steps and waits for the next rollout
       acting     in the batch the policy runs on now, after which it is stepping again
     collect() repeats: wait until enough envs have arrived or completed (dynamic batching: at least min_batch, or
     half a policy step's time, footnote 2); complete the arrived ones, each counting one step of the rollout; act
-    on up to max_batch completed ones. VER: the rollout ends once T x N steps are complete, whichever envs gave
+    on all completed ones. VER: the rollout ends once T x N steps are complete, whichever envs gave
     them. Then every env is stepping or arrived (its step is carried into the next rollout: "Inflight actions",
     Sec. 2.2), or completed (its observation gets an action from the next policy, and its value under this one
     bootstraps this rollout). NoVER: an env is held once it has T steps; the rollout ends when all are.
@@ -798,7 +709,7 @@ class Collector:
         N = self.N = args.num_envs
         self.T = args.num_steps
         self.quota = None if args.variable_experience else self.T  # NoVER and sync: T steps from every env
-        self.min_batch, self.max_batch = args.inference_min_batch, args.inference_max_batch
+        self.min_batch = args.inference_min_batch
         self.policy_step_time = 0.02  # running mean of one inference, for the adaptive wait
         self.storage = RolloutStorage((self.T + 2) * N, slots, agent.lstm_shape, device)
         self.state = agent.initial_state(N, device)  # recurrent state after each env's last action
@@ -806,42 +717,28 @@ class Collector:
         self.awaiting = np.full(N, -1)  # row of the env's last completed step that still needs V(next observation)
         self.episode_id = np.zeros(N, dtype=np.int64)
         self.episode_start = np.ones(N, dtype=bool)  # the env's current observation starts an episode
-        self.steps_in_rollout = np.zeros(N, dtype=np.int64)
         self.arrived, self.completed, self.held = deque(), deque(), []
-        self.num_stepping = N  # the workers start by resetting every env
-        self.collected = 0
         self.ep_return, self.ep_len, self.ep_success = np.zeros(N), np.zeros(N, dtype=np.int64), np.zeros(N, dtype=bool)
         self.last_arrival = np.full(N, -math.inf)
-        self.interval_sum, self.interval_count = np.zeros(N), np.zeros(N)
-        self.view = {name: getattr(slots, name).numpy() for name in ("reward", "terminated", "truncated", "success",
-                                                                    "busy_time")}
-        self.stats = RolloutStats()
-        self.rollout_start = time.perf_counter()
-        deadline = self.rollout_start + args.worker_timeout
-        while self.num_stepping > 0:  # every env's first observation (the workers build and reset their envs)
-            if time.perf_counter() > deadline:
-                raise WorkerError(f"the env workers did not start within {args.worker_timeout:.0f} s (--worker-timeout)")
-            self.receive(self.workers.poll(deadline - time.perf_counter()))
-        self.complete_arrived()
+        self.view = {name: slot.numpy() for name, slot in vars(slots).items()}  # numpy views of the shared slots
 
-    def collect(self, stop_early: Optional[Callable[[int], bool]] = None) -> RolloutStats:
+    def collect(self, stop_early: Optional[Callable[[int], bool]] = None) -> None:
         """One rollout: T x N steps, fewer if `stop_early(steps so far)` preempts it (Sec. 2.3)."""
         self.begin_rollout()
-        while self.collected < self.T * self.N:
+        while True:
             self.wait_for_requests(poll_at_most=0.005 if stop_early and self.min_batch < self.N else math.inf)
             self.complete_arrived()
-            if stop_early is not None and stop_early(self.collected):
-                self.stats.preempted = True
+            if self.collected == self.T * self.N or (stop_early is not None and stop_early(self.collected)):
                 break
-            self.act(self.take_batch())
+            self.act()
         self.bootstrap_completed()
-        return self.stats
 
     def begin_rollout(self) -> None:
-        self.stats = RolloutStats()
-        self.collected = 0
-        self.steps_in_rollout[:] = 0
-        self.interval_sum[:], self.interval_count[:] = 0.0, 0
+        """Per-rollout counters start at zero; held envs (NoVER) are completed again, ready for an action."""
+        self.collected = 0  # env steps completed in this rollout
+        self.steps_in_rollout = np.zeros(self.N, dtype=np.int64)
+        self.interval_sum, self.interval_count = np.zeros(self.N), np.zeros(self.N)
+        self.env_busy, self.batch_sizes, self.episodes = 0.0, [], []  # episodes: (return, length, success_once, at_end)
         self.rollout_start = time.perf_counter()
         self.completed.extend(self.held)
         self.held = []
@@ -853,12 +750,9 @@ class Collector:
         max_wait = math.inf if self.min_batch >= self.N else 0.5 * self.policy_step_time
         while True:
             ready = len(self.completed) + len(self.arrived)
-            if ready >= self.min_batch or (ready > 0 and self.num_stepping == 0):
+            if ready >= self.min_batch or (ready > 0 and ready + len(self.held) == self.N):  # none is stepping
                 return
-            waited = time.perf_counter() - start
-            if waited > self.args.worker_timeout:
-                raise WorkerError(f"no env worker answered for {self.args.worker_timeout:.0f} s (--worker-timeout)")
-            timeout = min(poll_at_most, max_wait if ready > 0 else math.inf, self.args.worker_timeout + 0.1) - waited
+            timeout = min(poll_at_most, max_wait if ready > 0 else math.inf) - (time.perf_counter() - start)
             if timeout <= 0:
                 return
             self.receive(self.workers.poll(timeout))
@@ -868,7 +762,6 @@ class Collector:
         now = time.perf_counter()
         for e in arrived:
             self.arrived.append(e)
-            self.num_stepping -= 1
             if self.last_arrival[e] >= self.rollout_start:
                 self.interval_sum[e] += now - self.last_arrival[e]
                 self.interval_count[e] += 1
@@ -900,15 +793,14 @@ class Collector:
         st.rewards[row], st.complete[row] = reward, True
         self.collected += 1
         self.steps_in_rollout[e] += 1
-        self.stats.env_steps += 1
-        self.stats.env_busy += float(view["busy_time"][e])
+        self.env_busy += float(view["busy_time"][e])
         self.ep_return[e] += reward
         self.ep_len[e] += 1
         self.ep_success[e] |= success
         if not (terminated or truncated):
             self.awaiting[e] = row  # V(next observation): when the policy acts on it, or at the rollout's end
             return False
-        self.stats.episodes.append((self.ep_return[e], self.ep_len[e], self.ep_success[e], success))
+        self.episodes.append((self.ep_return[e], self.ep_len[e], self.ep_success[e], success))
         self.ep_return[e], self.ep_len[e], self.ep_success[e] = 0.0, 0, False
         self.episode_id[e] += 1
         self.episode_start[e] = True
@@ -917,15 +809,11 @@ class Collector:
             return False
         return True
 
-    def take_batch(self) -> np.ndarray:
-        """Up to max_batch completed envs to act on; none once the rollout is full (they act with the next policy)."""
-        if self.collected >= self.T * self.N:
-            return np.zeros(0, dtype=np.int64)
-        n = min(self.max_batch, len(self.completed))
-        return np.array([self.completed.popleft() for _ in range(n)], dtype=np.int64)
-
-    def act(self, envs: np.ndarray) -> None:
-        """Runs the policy on the batch (acting), stores the steps and sends the actions to the workers (stepping)."""
+    def act(self) -> None:
+        """Runs the policy on every completed env (acting), stores the steps and sends the actions to the workers
+        (stepping)."""
+        envs = np.array(self.completed, dtype=np.int64)
+        self.completed.clear()
         if len(envs) == 0:
             return
         start = time.perf_counter()
@@ -933,29 +821,29 @@ class Collector:
         with torch.no_grad():
             obs = self.slots.obs[idx].to(self.device)
             state = self.state_of(envs, reset=self.episode_start[envs])
-            action, logprob, value, next_state = self.agent.act(obs, state)
+            dist, value, next_state = self.agent.step(obs, state)
+            action = dist.sample()
+            logprob = dist.log_prob(action)
         st = self.storage
-        rows = st.allocate(len(envs))
+        rows = np.arange(st.size, st.size + len(envs))
+        st.size += len(envs)
         rows_t = torch.as_tensor(rows, device=self.device)
         st.obs[rows_t], st.actions[rows_t], st.logprobs[rows_t], st.values[rows_t] = obs, action, logprob, value
         if state is not None:  # the state the policy acted from, before this step
-            st.hidden_h[rows_t], st.hidden_c[rows_t] = state[0].transpose(0, 1), state[1].transpose(0, 1)
+            st.hidden[rows_t] = torch.stack(state).permute(2, 0, 1, 3)
             dev_idx = idx.to(self.device)
             self.state[0][:, dev_idx], self.state[1][:, dev_idx] = next_state
         st.env_ids[rows], st.episode_ids[rows] = envs, self.episode_id[envs]
         waiting = self.awaiting[envs] >= 0  # V of this observation bootstraps the env's previous step
-        if waiting.any():
-            st.next_values[torch.as_tensor(self.awaiting[envs][waiting], device=self.device)] = \
-                value[torch.as_tensor(waiting, device=self.device)]
+        awaiting_rows = torch.as_tensor(self.awaiting[envs][waiting], device=self.device)
+        st.next_values[awaiting_rows] = value[torch.as_tensor(waiting, device=self.device)]
         self.awaiting[envs] = -1
         self.inflight[envs] = rows
         self.episode_start[envs] = False
         self.slots.action[idx] = action.to("cpu")
         self.workers.send_step(envs)
-        self.num_stepping += len(envs)
-        elapsed = time.perf_counter() - start
-        self.policy_step_time = 0.9 * self.policy_step_time + 0.1 * elapsed
-        self.stats.batch_sizes.append(len(envs))
+        self.policy_step_time = 0.9 * self.policy_step_time + 0.1 * (time.perf_counter() - start)
+        self.batch_sizes.append(len(envs))
 
     def bootstrap_completed(self) -> None:
         """At the end of a rollout, V (this policy) of the observations waiting for an action bootstraps the envs'
@@ -969,15 +857,16 @@ class Collector:
         """V(s_{t+1}) of the steps at `rows`: the value of `envs`' slots in `observations` from their recurrent
         states after their last step."""
         with torch.no_grad():
-            values = self.agent.get_value(observations[torch.as_tensor(envs)].to(self.device), self.state_of(envs))
+            values = self.agent.step(observations[torch.as_tensor(envs)].to(self.device), self.state_of(envs))[1]
         self.storage.next_values[torch.as_tensor(rows, device=self.device)] = values
 
-    def start_next_rollout(self) -> None:
-        """After the learner's update: the steps in flight are carried into the next rollout ("Inflight actions")."""
+    def start_next_rollout(self) -> int:
+        """After the learner's update: the steps in flight are carried into the next rollout ("Inflight actions").
+        Returns their number."""
         envs = np.flatnonzero(self.inflight >= 0)
-        self.stats.carried = len(envs)
         self.storage.keep(self.inflight[envs])
         self.inflight[envs] = np.arange(len(envs))
+        return len(envs)
 
     def state_of(self, envs: np.ndarray, reset: Optional[np.ndarray] = None):
         """The recurrent state of `envs` after their last step (zeros where `reset`), or None for the MLP."""
@@ -994,9 +883,7 @@ class Collector:
         """Sec. 2.3's Time(S) estimate: each env's mean time per step in the last rollout (inference and
         simulation); an env that delivered no two steps counts as taking the whole rollout."""
         duration = max(time.perf_counter() - self.rollout_start, 1e-3)
-        with np.errstate(invalid="ignore", divide="ignore"):
-            tau = self.interval_sum / self.interval_count
-        return np.where(self.interval_count > 0, tau, duration)
+        return np.where(self.interval_count > 0, self.interval_sum / np.maximum(self.interval_count, 1), duration)
 
 
 # ---- DD-PPO (Sec. 2.3): every rank collects and learns; gradients are all-reduced; stragglers are preempted -----------
@@ -1008,14 +895,11 @@ def all_reduce_sum(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def allreduce_gradients(parameters: list[torch.nn.Parameter]) -> None:
-    """DD-PPO: average the gradients of all ranks, flattened into one tensor (one collective per minibatch)."""
-    grads = [p.grad for p in parameters if p.grad is not None]
-    flat = all_reduce_sum(torch.cat([g.reshape(-1) for g in grads])) / dist.get_world_size()
-    offset = 0
-    for g in grads:
-        g.copy_(flat[offset:offset + g.numel()].view_as(g))
-        offset += g.numel()
+def allreduce_gradients(parameters) -> None:
+    """DD-PPO: average the gradients of all ranks."""
+    for p in parameters:
+        dist.all_reduce(p.grad)
+        p.grad /= dist.get_world_size()
 
 
 def ver_stop_rule(collector: Collector, args: Args, learn_time: float) -> tuple[Callable, float]:
@@ -1047,7 +931,6 @@ def ppo_update(args: Args, agent: Agent, optimizer: torch.optim.Optimizer, batch
     coefficient alpha minimizes alpha * ([mean entropy]_sg - target) (the unweighted mean) while the policy maximizes
     [alpha]_sg * mean(w * entropy) (Sec. 4); alpha is kept in [1e-4, 1] as habitat-lab does."""
     device = batch["obs"].device
-    trained = [p for p in agent.parameters() if p.requires_grad]
     policy_params = [p for name, p in agent.named_parameters() if name != "log_ent_coef"]
     names = ("policy_loss", "value_loss", "entropy", "old_approx_kl", "approx_kl", "clipfrac")
     totals, updates = torch.zeros(len(names), device=device), 0
@@ -1057,7 +940,7 @@ def ppo_update(args: Args, agent: Agent, optimizer: torch.optim.Optimizer, batch
             state0 = None
             if agent.recurrent:  # each piece starts from the stored state of its first step
                 first = torch.as_tensor(mb_idx[np.concatenate([[0], np.cumsum(piece_lengths)[:-1]])], device=device)
-                state0 = (batch["hidden_h"][first].transpose(0, 1), batch["hidden_c"][first].transpose(0, 1))
+                state0 = batch["hidden"][first].permute(1, 2, 0, 3)  # (h, c), each (layers, pieces, hidden)
             newlogprob, entropy, newvalue = agent.evaluate(batch["obs"][idx], batch["actions"][idx], state0, piece_lengths)
             logratio = newlogprob - batch["logprobs"][idx]
             ratio = logratio.exp()
@@ -1069,9 +952,7 @@ def ppo_update(args: Args, agent: Agent, optimizer: torch.optim.Optimizer, batch
             advantages = (advantages - advantages.mean()) / (advantages.std() + 1e-8)
             w = batch["weights"][idx]
             pg = torch.max(-advantages * ratio, -advantages * ratio.clamp(1 - args.clip_coef, 1 + args.clip_coef))
-            returns, old_values = batch["returns"][idx], batch["values"][idx]
-            clipped = old_values + (newvalue - old_values).clamp(-args.clip_coef, args.clip_coef)
-            v = torch.max((newvalue - returns).square(), (clipped - returns).square())  # clipped value loss
+            v = (newvalue - batch["returns"][idx]).square()
             pg_loss, v_loss, ent = (w * pg).mean(), 0.5 * (w * v).mean(), (w * entropy).mean()
             alpha = agent.log_ent_coef.exp()
             loss = pg_loss + args.vf_coef * v_loss - alpha.detach() * ent
@@ -1080,7 +961,7 @@ def ppo_update(args: Args, agent: Agent, optimizer: torch.optim.Optimizer, batch
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             if dist.is_initialized():
-                allreduce_gradients(trained)
+                allreduce_gradients(agent.parameters())
             nn.utils.clip_grad_norm_(policy_params, args.max_grad_norm)
             optimizer.step()
             if args.learned_ent_coef:
@@ -1112,7 +993,7 @@ def save_checkpoint(path: Path, agent, optimizer, global_step: int, iteration: i
 def evaluate(agent: Agent, env: EnvAdapter, num_episodes: int, seed: int, device) -> dict:
     """Deterministic policy in the main process, `num_episodes` episodes one after another on one env. Returns the
     means of eval/return, episode_len, success_once, success_at_end."""
-    results = []
+    totals = np.zeros(4)
     for episode in range(num_episodes):
         obs = env.reset(seed=seed + episode)
         state = agent.initial_state(1, device)
@@ -1125,33 +1006,26 @@ def evaluate(agent: Agent, env: EnvAdapter, num_episodes: int, seed: int, device
             length += 1
             success_once |= success
             done = terminated or truncated
-        results.append((episode_return, length, success_once, success))
-    r = np.array(results, dtype=np.float64)
-    return {"return": r[:, 0].mean(), "episode_len": r[:, 1].mean(), "success_once": r[:, 2].mean(),
-            "success_at_end": r[:, 3].mean()}
-
-
-def _terminate(signum, frame):
-    raise SystemExit(128 + signum)  # SIGTERM (e.g. from torchrun): unwind, so that summary and workers are handled
+        totals += (episode_return, length, success_once, success)
+    return dict(zip(("return", "episode_len", "success_once", "success_at_end"), totals / num_episodes))
 
 
 # ---- Training loop ----------------------------------------------------------------------------------------------------
 def main(args: Args) -> dict:
     args = resolve_args(args)
-    signal.signal(signal.SIGTERM, _terminate)
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM (e.g. from torchrun) is handled as Ctrl-C
     rank, distributed = int(os.environ.get("RANK", "0")), args.world_size > 1
     use_cuda = args.cuda and torch.cuda.is_available()
     device = torch.device(f"cuda:{os.environ.get('LOCAL_RANK', '0')}" if use_cuda else "cpu")
     if use_cuda:
         torch.cuda.set_device(device)
-    store = None  # DD-PPO's count of the ranks that finished a rollout (a key-value store shared by the ranks)
-    if distributed:  # torchrun: NCCL on GPUs, gloo on CPU; one GPU per local rank
+    if distributed:  # torchrun: NCCL on GPUs, gloo on CPU, one GPU per local rank; a store counts the ranks done
         dist.init_process_group(backend="nccl" if use_cuda else "gloo")
         store = dist.PrefixStore("ppo_ver", dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
                                                           args.world_size, is_master=False))
     if device.type == "cpu":
         torch.set_num_threads(1)  # leave the cores to the env workers
-    torch.manual_seed(args.seed)  # the same initial weights on every rank
+    torch.manual_seed(args.seed)  # DD-PPO: the same initial weights on every rank (or the same checkpoint)
     torch.backends.cudnn.deterministic = args.torch_deterministic
 
     writer, last, run_dir = None, {}, None
@@ -1181,9 +1055,6 @@ def main(args: Args) -> dict:
         if not args.evaluate:
             optimizer.load_state_dict(ckpt["optimizer"])
             print(f"resuming from {args.checkpoint} at iteration {iteration}, global step {global_step}")
-    for tensor in agent.state_dict().values():  # DD-PPO: every rank starts from rank 0's weights
-        if distributed and tensor.is_floating_point():
-            dist.broadcast(tensor, src=0)
     torch.manual_seed(args.seed + 1000 * rank + iteration)  # per-rank action sampling
     rng = np.random.default_rng(args.seed + 7919 * rank + iteration)
 
@@ -1204,9 +1075,6 @@ def main(args: Args) -> dict:
     start_time, start_step = time.time(), global_step
     workers = None
     try:
-        if rank > 0:
-            eval_env.close()
-            eval_env = None
         if args.evaluate:
             run_evaluation(final=True)
             print(" ".join(f"{k}={v:.4f}" for k, v in last.items()))
@@ -1231,7 +1099,7 @@ def main(args: Args) -> dict:
                 else:
                     stop_early, t_star = ver_stop_rule(collector, args, learn_time)
             collect_start = time.perf_counter()
-            stats = collector.collect(stop_early)
+            collector.collect(stop_early)
             if distributed:
                 store.add(f"done_{iteration}", 1)
             collect_time = time.perf_counter() - collect_start
@@ -1240,19 +1108,18 @@ def main(args: Args) -> dict:
             learn_start = time.perf_counter()
             batch = build_batch(collector.storage, args.num_envs, args.num_steps, args.gamma, args.gae_lambda)
             fresh = int(batch["lengths"].sum())
-            if fresh < args.batch_size:
-                batch = fill_from_previous(batch, previous, args.batch_size, rng)
+            batch = fill_from_previous(batch, previous, args.batch_size, rng)  # unchanged unless preempted
             previous = batch
 
             # 3. PPO update (Sec. 2.2, 4), then the next rollout starts with the steps still in flight.
             losses = ppo_update(args, agent, optimizer, batch, rng)
-            collector.start_next_rollout()
+            carried = collector.start_next_rollout()
             learn_time = time.perf_counter() - learn_start
 
             # 4. Counters of all ranks, logging (rank 0), evaluation and checkpoints.
-            episodes = np.array(stats.episodes, dtype=np.float64).reshape(-1, 4)
-            local = torch.tensor([stats.env_steps, stats.env_busy, len(episodes), *episodes.sum(0),
-                                  float(stats.preempted)], dtype=torch.float64, device=device)
+            episodes = np.array(collector.episodes, dtype=np.float64).reshape(-1, 4)
+            local = torch.tensor([collector.collected, collector.env_busy, len(episodes), *episodes.sum(0),
+                                  float(fresh < args.batch_size)], dtype=torch.float64, device=device)
             total = all_reduce_sum(local).tolist()
             global_step += int(total[0])
             env_busy_time += total[1]
@@ -1270,9 +1137,9 @@ def main(args: Args) -> dict:
             log("ver/steps_per_env_min", collector.steps_in_rollout.min(), global_step)
             log("ver/steps_per_env_max", collector.steps_in_rollout.max(), global_step)
             log("ver/importance_weight_min", batch["weights"].min(), global_step)
-            log("ver/inference_batch_size_mean", np.mean(stats.batch_sizes or [0]), global_step)
-            log("ver/inflight_carried", collector.stats.carried, global_step)
-            log("ver/env_utilization", stats.env_busy / (args.num_envs * collect_time), global_step)
+            log("ver/inference_batch_size_mean", np.mean(collector.batch_sizes or [0]), global_step)
+            log("ver/inflight_carried", carried, global_step)
+            log("ver/env_utilization", collector.env_busy / (args.num_envs * collect_time), global_step)
             log("ver/preempted_ranks", total[7], global_step)
             log("ver/filled_fraction", 1.0 - fresh / args.batch_size, global_step)  # rank 0's batch
             if not math.isnan(t_star):
@@ -1295,7 +1162,7 @@ def main(args: Args) -> dict:
     except WorkerError as error:
         summary["error"] = str(error)
         raise
-    except (KeyboardInterrupt, SystemExit):
+    except KeyboardInterrupt:
         summary["interrupted"] = True
         if rank == 0 and args.save_model and "iteration" in summary:
             print("interrupted: writing summary.json and a checkpoint", file=sys.stderr)
@@ -1304,8 +1171,7 @@ def main(args: Args) -> dict:
     finally:
         if workers is not None:
             workers.close()
-        if eval_env is not None:
-            eval_env.close()
+        eval_env.env.close()
         if rank == 0:
             wall = time.time() - start_time
             summary.update(global_step=global_step, wall_time_s=wall, sps=(global_step - start_step) / wall,
