@@ -113,16 +113,12 @@ class Args:
     max_grad_norm: float = 0.5
     """gradient-norm clip"""
     target_kl: Optional[float] = None
-    """stop the update once approx KL exceeds this (default: 0.1 ManiSkill, off ToyChain; 0 turns it off)"""
+    """stop the update once approx KL exceeds this (default: 0.1 ManiSkill, 0 = off ToyChain and Gymnasium)"""
     bootstrap_at_done: Optional[Literal["always", "truncated"]] = None
     """bootstrap V(final obs) at every episode end ('always', default for ManiSkill) or only at truncations"""
 
     stagger: bool = True
     """staggered resets; --no-stagger is the naive synchronous baseline (one group, immediate partial resets)"""
-    num_stagger_groups: Optional[int] = None
-    """N_B, the number of stagger groups (default: ceil(H / K), at most N)"""
-    stagger_step: Optional[int] = None
-    """S, the offset between consecutive groups in env steps (default: K, or ceil(H / N_B) when N < ceil(H / K))"""
     partial_reset_mode: Optional[Literal["gate", "immediate"]] = None
     """an env that terminates early: 'gate' waits (masked) for its group's reset gate (default with staggering),
     'immediate' resets at once (default with --no-stagger)"""
@@ -137,6 +133,8 @@ class Args:
     num_iterations: tyro.conf.Suppress[int] = 0
     resolved_horizon: tyro.conf.Suppress[int] = 0
     resolved_sim_backend: tyro.conf.Suppress[str] = ""
+    num_stagger_groups: tyro.conf.Suppress[int] = 0
+    stagger_step: tyro.conf.Suppress[int] = 0
 
 
 TOY_ENV_ID = "ToyChain-v0"
@@ -176,16 +174,15 @@ def resolve_args(args: Args) -> Args:
     kind = "toy" if a.env_id == TOY_ENV_ID else "maniskill" if a.env_id in REGISTERED_ENVS else "gym"
     if kind == "gym" and a.env_id not in gym.registry:
         raise ArgsError(f"--env-id {a.env_id!r} is not ToyChain-v0, a ManiSkill3 task or a Gymnasium id")
-    backend = "torch" if kind == "toy" else "cpu" if kind == "gym" else "physx_cuda" if a.cuda and torch.cuda.is_available() \
-        else "physx_cpu"
-    a.resolved_sim_backend = backend
+    a.resolved_sim_backend = "torch" if kind == "toy" else "cpu" if kind == "gym" else \
+        "physx_cuda" if a.cuda and torch.cuda.is_available() else "physx_cpu"
     if kind == "toy":
         preset = PRESETS[TOY_ENV_ID]
     elif kind == "gym":
         preset = GYM_DEFAULTS
     else:
         preset = {**MANISKILL_COMMON, **PRESETS.get(a.env_id, MANISKILL_OTHER)}
-        if backend == "physx_cpu":
+        if a.resolved_sim_backend == "physx_cpu":
             print(f"note: no CUDA GPU, so {a.env_id} runs a short trial on CPU simulation (physx_cpu, one process "
                   f"per env): {MANISKILL_CPU_TRIAL}, a few minutes on 2 cores. The paper's preset (Table 3) needs "
                   f"a CUDA GPU: {preset['num_envs']} envs, {preset['total_timesteps']:.0e} steps. Flags override it.")
@@ -193,8 +190,6 @@ def resolve_args(args: Args) -> Args:
     for name, value in preset.items():
         if getattr(a, name) is None:
             setattr(a, name, value)
-    if a.target_kl is not None and a.target_kl <= 0:
-        a.target_kl = None
     if a.bootstrap_at_done is None:
         a.bootstrap_at_done = "always" if kind == "maniskill" else "truncated"
     if a.partial_reset_mode is None:
@@ -213,12 +208,11 @@ def resolve_args(args: Args) -> Args:
     H, K = a.resolved_horizon, a.num_steps
     if K > H:
         raise ArgsError(f"--num-steps K={K} is longer than the task horizon H={H} (staggering needs K <= H)")
-    if a.num_stagger_groups is None:  # App. B.1: N_B = ceil(H / K), at most one group per env
-        a.num_stagger_groups = min(math.ceil(H / K), a.num_envs) if a.stagger else 1
-    if a.stagger_step is None:  # Sec. 3.3: "A standard choice is S = K"; with fewer groups, still span H
-        a.stagger_step = max(K, math.ceil(H / a.num_stagger_groups)) if a.num_stagger_groups > 1 else K
-    if (a.num_stagger_groups - 1) * a.stagger_step >= H or a.num_stagger_groups > a.num_envs:
-        raise ArgsError("--num-stagger-groups, --stagger-step: every group needs an env and must start before H")
+    # App. B.1: N_B = ceil(H / K), at most N. Sec. 3.3: "A standard choice is S = K"; S = ceil(H / N_B) spans H
+    a.num_stagger_groups = min(math.ceil(H / K), a.num_envs) if a.stagger else 1
+    a.stagger_step = max(K, math.ceil(H / a.num_stagger_groups)) if a.num_stagger_groups > 1 else K
+    if (a.num_stagger_groups - 1) * a.stagger_step >= H:
+        raise ArgsError(f"--num-envs {a.num_envs}: with {a.num_envs} stagger groups the last starts at or after H={H}")
     a.batch_size = a.num_envs * K
     if a.batch_size % a.num_minibatches != 0:
         raise ArgsError(f"the batch N*K = {a.batch_size} does not split into --num-minibatches {a.num_minibatches}")
@@ -230,8 +224,7 @@ def resolve_args(args: Args) -> Args:
         raise ArgsError("--evaluate needs --checkpoint PATH")
     icd_files = glob.glob("/usr/share/vulkan/icd.d/*") + glob.glob("/etc/vulkan/icd.d/*")
     if kind == "maniskill" and sys.platform == "linux" and not (icd_files or os.environ.get("VK_ICD_FILENAMES")):
-        raise ArgsError("ManiSkill3 needs a Vulkan driver even for state-only simulation, and none is installed; on "
-                        "Debian/Ubuntu run: bash .ci/install_system.sh")
+        raise ArgsError("ManiSkill3 needs a Vulkan driver, even for state-only simulation: bash .ci/install_system.sh")
     return a
 
 
@@ -311,9 +304,8 @@ class PartialResetVecEnv(gym.vector.VectorEnv):
         terminated = self.tensor(terminated if self.batched_maniskill else info["terminated"], torch.bool)
         success = self.tensor(info.get("success", np.zeros(self.num_envs)), torch.bool)
         reset_now = truncated | (terminated & self.reset_on_termination)
-        final_obs = obs
+        final_obs = obs.clone()  # (a reset may write into the simulator's observation buffers)
         if bool(reset_now.any()):
-            final_obs = obs.clone()
             obs, _ = self.reset(options={"reset_mask": reset_now})
         return obs, reward, terminated, truncated, {"success": success, "final_obs": final_obs,
                                                     "_final_obs": reset_now}
@@ -594,11 +586,10 @@ def main(args: Args) -> dict:
         if args.evaluate:
             run_evaluation(None)
             return summary
-        act_space = envs.single_action_space
-        # ---- rollout storage (K, N, ...) ---------------------------------------------------------------------------
-        obs_buf = torch.zeros((K, N, *envs.single_observation_space.shape),
-                              dtype=torch.long if is_toy else torch.float32, device=device)
-        actions_buf = torch.zeros((K, N, *act_space.shape), dtype=torch.long if is_toy else torch.float32, device=device)
+        # ---- rollout storage (K, N, ...); ToyChain's observations and actions are indices -------------------------
+        dtype = torch.long if is_toy else torch.float32
+        obs_buf = torch.zeros((K, N, *envs.single_observation_space.shape), dtype=dtype, device=device)
+        actions_buf = torch.zeros((K, N, *envs.single_action_space.shape), dtype=dtype, device=device)
         logprobs_buf, rewards_buf, values_buf, final_values_buf = (torch.zeros((K, N), device=device) for _ in range(4))
         no_bootstrap_buf, dones_buf, valid_buf, final_mask_buf, correct_buf = (
             torch.zeros((K, N), dtype=torch.bool, device=device) for _ in range(5))
@@ -673,7 +664,6 @@ def main(args: Args) -> dict:
 
             # ---- rollout: K steps of every env -----------------------------------------------------------------------
             rollout_start, env_time = time.time(), 0.0
-            final_mask_buf.zero_()
             ended = {key: torch.zeros((), device=device) for key in ("n", "return", "length", "success")}
             for step in range(K):
                 obs_buf[step], episode_step_buf[step] = obs, episode_step
@@ -684,13 +674,12 @@ def main(args: Args) -> dict:
                 env_time += time.time() - env_start
                 rewards_buf[step], dones_buf[step] = reward, terminated | truncated
                 no_bootstrap_buf[step] = terminated & (args.bootstrap_at_done == "truncated")
-                final_mask = info.get("_final_obs", terminated & False)
+                final_mask_buf[step] = final_mask = info.get("_final_obs", terminated & False)
                 # Same-step autoreset: where an env reset inside this step, its next observation is the new episode's
                 # first one, so the bootstrap value is V(info["final_obs"]), the true last observation.
-                if not next_step_mode and bool(final_mask.any()):
+                if bool(final_mask.any()):
                     with torch.no_grad():
                         final_values_buf[step] = agent.get_value(observe(info["final_obs"]))
-                    final_mask_buf[step] = final_mask
                 # STAGGER: reset gates. An env that terminated waits (masked) until its group's gate resets it.
                 valid, episode_end, stale, waiting, episode_step = reset_bookkeeping(
                     stale, waiting, terminated, truncated, final_mask, episode_step, next_step_mode, gate_mode)
@@ -728,7 +717,7 @@ def main(args: Args) -> dict:
                     mb = permutation[start:start + args.minibatch_size]
                     mb_stats = minibatch_grads(b_obs[mb], b_actions[mb], b_logprobs[mb], b_advantages[mb],
                                                b_returns[mb], b_valid[mb])
-                    stop = args.target_kl is not None and bool(mb_stats[4] > args.target_kl)
+                    stop = args.target_kl > 0 and bool(mb_stats[4] > args.target_kl)
                     if stop:  # Table 3's target-KL early stop: skip this step and the rest of the update
                         break
                     optimizer.step()
@@ -767,7 +756,6 @@ def main(args: Args) -> dict:
                     probs = torch.softmax(agent.actor(agent.blocks), dim=-1)
                 toy_accuracy.append(probs.gather(-1, envs.target_actions.view(-1, 1))[:, 0].cpu().numpy())
                 log("toy/forgetting_mean", forgetting_matrix(np.stack(toy_accuracy))[-1].mean(), global_step)
-            summary["global_step"] = global_step
 
         run_evaluation("final_ckpt.pt")
         if is_toy and toy_accuracy:
