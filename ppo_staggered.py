@@ -502,20 +502,7 @@ def make_agent(envs) -> nn.Module:
     return GaussianAgent(int(np.prod(obs_space.shape)), int(np.prod(act_space.shape)))
 
 
-# ---- Evaluation and checkpoints --------------------------------------------------------------------------------------
-@torch.no_grad()
-def evaluate(agent, eval_envs, normalize, horizon: int, seed: int) -> dict:
-    """One H-step episode of every eval env with the deterministic policy and no partial resets (Table 3 and
-    ManiSkill's protocol: a success does not end an evaluation episode). Means over the eval envs."""
-    obs, _ = eval_envs.reset(seed=seed)
-    ret, success_once = 0.0, False  # (the next-step ToyChain's first reset step comes only after H steps)
-    for _ in range(horizon):
-        obs, reward, terminated, truncated, info = eval_envs.step(agent.deterministic_action(normalize(obs)))
-        ret, success_once = ret + reward, success_once | info["success"]
-    return {"return": ret.mean().item(), "success_once": success_once.float().mean().item(),
-            "success_at_end": info["success"].float().mean().item(), "episode_len": horizon}
-
-
+# ---- Checkpoints -----------------------------------------------------------------------------------------------------
 def save_checkpoint(path: Path, agent, optimizer, obs_rms: RunningMeanStd, global_step: int) -> None:
     """Model, optimizer, observation normalizer and global step: enough to resume or to evaluate. Written to a
     temporary file and renamed, so an interrupted save never leaves a half-written checkpoint."""
@@ -571,9 +558,18 @@ def main(args: Args) -> dict:
         global_step = ckpt["global_step"]
         print(f"resuming from {args.checkpoint} at global step {global_step}")
 
+    @torch.no_grad()
     def run_evaluation(checkpoint_name: Optional[str]) -> None:
+        """One H-step episode of every eval env with the deterministic policy and no partial resets (Table 3 and
+        ManiSkill's protocol: a success does not end an evaluation episode); logs means over the eval envs."""
         eval_start = time.time()
-        for key, value in evaluate(agent, eval_envs, observe, H, args.seed + global_step).items():
+        obs, _ = eval_envs.reset(seed=args.seed + global_step)
+        ret, success_once = 0.0, False  # (the next-step ToyChain's first reset step comes only after H steps)
+        for _ in range(H):
+            obs, reward, terminated, truncated, info = eval_envs.step(agent.deterministic_action(observe(obs)))
+            ret, success_once = ret + reward, success_once | info["success"]
+        for key, value in (("return", ret.mean()), ("success_once", success_once.float().mean()),
+                           ("success_at_end", info["success"].float().mean()), ("episode_len", H)):
             log(f"eval/{key}", value, global_step)
         log("time/eval", time.time() - eval_start, global_step)
         print(f"global_step={global_step} " + " ".join(f"{k}={v:.3f}" for k, v in last.items() if "eval/" in k))
@@ -648,8 +644,7 @@ def main(args: Args) -> dict:
                 next_step_mode, gate_mode)
             starting = torch.isin(groups, torch.tensor([j for j, s in enumerate(starts) if s == t + 1], device=device))
             if bool(starting.any()):
-                reset_obs, _ = envs.reset(options={"reset_mask": starting})
-                raw_obs = torch.where(starting.view(-1, *[1] * (raw_obs.dim() - 1)), reset_obs, raw_obs)
+                raw_obs, _ = envs.reset(options={"reset_mask": starting})  # (the observations of all envs)
                 stale, waiting = stale & ~starting, waiting & ~starting
                 episode_step = torch.where(starting, 0, episode_step)
             obs = observe(raw_obs, update=True)
@@ -667,10 +662,9 @@ def main(args: Args) -> dict:
             ended = {key: torch.zeros((), device=device) for key in ("n", "return", "length", "success")}
             for step in range(K):
                 obs_buf[step], episode_step_buf[step] = obs, episode_step
-                action, logprobs_buf[step], values_buf[step] = policy_step(obs)
-                actions_buf[step] = action
+                actions_buf[step], logprobs_buf[step], values_buf[step] = policy_step(obs)
                 env_start = time.time()
-                raw_obs, reward, terminated, truncated, info = envs.step(action)
+                raw_obs, reward, terminated, truncated, info = envs.step(actions_buf[step])
                 env_time += time.time() - env_start
                 rewards_buf[step], dones_buf[step] = reward, terminated | truncated
                 no_bootstrap_buf[step] = terminated & (args.bootstrap_at_done == "truncated")
