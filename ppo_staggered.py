@@ -178,6 +178,10 @@ def resolve_args(args: Args) -> Args:
         "physx_cuda" if a.cuda and torch.cuda.is_available() else "physx_cpu"
     if kind == "toy":
         preset = PRESETS[TOY_ENV_ID]
+        try:
+            a.toy.validate()
+        except ValueError as e:
+            raise ArgsError(str(e)) from e
     elif kind == "gym":
         preset = GYM_DEFAULTS
     else:
@@ -194,17 +198,9 @@ def resolve_args(args: Args) -> Args:
         a.bootstrap_at_done = "always" if kind == "maniskill" else "truncated"
     if a.partial_reset_mode is None:
         a.partial_reset_mode = "gate" if a.stagger else "immediate"
-
-    if kind == "toy":
-        try:
-            a.toy.validate()
-        except ValueError as e:
-            raise ArgsError(str(e)) from e
-        a.resolved_horizon = a.toy.horizon
-    else:
-        a.resolved_horizon = a.horizon or gym.spec(a.env_id).max_episode_steps or 0
-        if a.resolved_horizon < 1:
-            raise ArgsError(f"--horizon: {a.env_id} has no registered max_episode_steps; pass --horizon H")
+    a.resolved_horizon = a.toy.horizon if kind == "toy" else (a.horizon or gym.spec(a.env_id).max_episode_steps or 0)
+    if a.resolved_horizon < 1:
+        raise ArgsError(f"--horizon: {a.env_id} has no registered max_episode_steps; pass --horizon H")
     H, K = a.resolved_horizon, a.num_steps
     if K > H:
         raise ArgsError(f"--num-steps K={K} is longer than the task horizon H={H} (staggering needs K <= H)")
@@ -229,7 +225,7 @@ def resolve_args(args: Args) -> Args:
 
 
 # ---- Environments ----------------------------------------------------------------------------------------------------
-def make_maniskill_env(args: Args, num_envs: int, backend: str, evaluation: bool, video_dir: Optional[str]):
+def make_maniskill_env(args: Args, num_envs: int, evaluation: bool, video_dir: Optional[str]):
     """A ManiSkill3 task: state observations, time limit H, multi-agent actions flattened, optional videos. (ManiSkill
     clips actions to the action space itself, and so do the other envs through gym's ClipAction.)"""
     import mani_skill.envs  # noqa: F401  (registers the tasks in this process)
@@ -237,12 +233,12 @@ def make_maniskill_env(args: Args, num_envs: int, backend: str, evaluation: bool
     from mani_skill.utils.wrappers.gymnasium import CPUGymWrapper
     from mani_skill.utils.wrappers.record import RecordEpisode
 
-    kwargs = dict(num_envs=num_envs, obs_mode="state", sim_backend=backend, max_episode_steps=args.resolved_horizon,
-                  reconfiguration_freq=1 if evaluation else None, render_mode="rgb_array" if video_dir else None)
-    env = gym.make(args.env_id, **kwargs)
+    env = gym.make(args.env_id, num_envs=num_envs, obs_mode="state", sim_backend=args.resolved_sim_backend,
+                   max_episode_steps=args.resolved_horizon, reconfiguration_freq=1 if evaluation else None,
+                   render_mode="rgb_array" if video_dir else None)
     if video_dir:
         env = RecordEpisode(env, video_dir, save_trajectory=False, max_steps_per_video=args.resolved_horizon)
-    if backend == "physx_cpu":  # one env with numpy outputs, for a Gymnasium vector env
+    if args.resolved_sim_backend == "physx_cpu":  # one env with numpy outputs, for a Gymnasium vector env
         env = CPUGymWrapper(env)
     if isinstance(env.unwrapped.single_action_space, gym.spaces.Dict):  # e.g. TwoRobotPickCube-v1 (one per robot)
         env = FlattenActionSpaceWrapper(env)
@@ -261,7 +257,7 @@ class TerminationInInfo(gym.Wrapper):
 def make_single_env(args: Args, evaluation: bool, video_dir: Optional[str]):
     """One env with numpy outputs, for a Gymnasium vector env: a physx_cpu ManiSkill task or a Gymnasium env."""
     if args.resolved_sim_backend == "physx_cpu":
-        return TerminationInInfo(make_maniskill_env(args, 1, "physx_cpu", evaluation, video_dir))
+        return TerminationInInfo(make_maniskill_env(args, 1, evaluation, video_dir))
     return TerminationInInfo(gym.wrappers.ClipAction(gym.make(args.env_id, max_episode_steps=args.resolved_horizon)))
 
 
@@ -319,7 +315,7 @@ def make_env(args: Args, num_envs: int, device: torch.device, evaluation: bool, 
     if args.env_id == TOY_ENV_ID:
         return gym.make_vec(TOY_ENV_ID, num_envs=num_envs, config=args.toy, device=device)
     if args.resolved_sim_backend == "physx_cuda":
-        env = make_maniskill_env(args, num_envs, "physx_cuda", evaluation, video_dir)
+        env = make_maniskill_env(args, num_envs, evaluation, video_dir)
     else:
         fns = [partial(make_single_env, args, evaluation, video_dir and os.path.join(video_dir, f"env{i}"))
                for i in range(num_envs)]
@@ -412,16 +408,13 @@ class RunningMeanStd:
         """Observations as the agent sees them; `update` the statistics with them during collection."""
         if not self.enabled:
             return x
-        if update:
-            self.update(x)
+        if update:  # merge the batch's mean and variance into the running ones
+            batch_mean, batch_var, n = x.mean(0), x.var(0, unbiased=False), x.shape[0]
+            delta, total = batch_mean - self.mean, self.count + n
+            self.mean = self.mean + delta * n / total
+            self.var = (self.var * self.count + batch_var * n + delta.square() * self.count * n / total) / total
+            self.count = total
         return ((x - self.mean) / torch.sqrt(self.var + 1e-8)).clamp(-10.0, 10.0)
-
-    def update(self, x: torch.Tensor) -> None:
-        batch_mean, batch_var, n = x.mean(0), x.var(0, unbiased=False), x.shape[0]
-        delta, total = batch_mean - self.mean, self.count + n
-        self.mean = self.mean + delta * n / total
-        self.var = (self.var * self.count + batch_var * n + delta.square() * self.count * n / total) / total
-        self.count = total
 
 
 # ---- Networks --------------------------------------------------------------------------------------------------------
@@ -630,8 +623,8 @@ def main(args: Args) -> dict:
         # reset of the group) at advance step (N_B - 1 - j) * S. Nothing of the advance is trained on.
         next_step_mode = envs.metadata["autoreset_mode"] == gym.vector.AutoresetMode.NEXT_STEP
         gate_mode = args.partial_reset_mode == "gate"
-        groups = stagger_groups(N, args.num_stagger_groups, device)
-        starts = stagger_start_steps(args.num_stagger_groups, args.stagger_step)
+        starts = stagger_start_steps(args.num_stagger_groups, args.stagger_step)  # of each group
+        env_starts = torch.tensor(starts, device=device)[stagger_groups(N, args.num_stagger_groups, device)]
         stale, waiting = torch.zeros(N, dtype=torch.bool, device=device), torch.zeros(N, dtype=torch.bool, device=device)
         episode_step = torch.zeros(N, dtype=torch.long, device=device)
         raw_obs, _ = envs.reset(seed=args.seed + global_step)
@@ -642,7 +635,7 @@ def main(args: Args) -> dict:
             _, _, stale, waiting, episode_step = reset_bookkeeping(
                 stale, waiting, terminated, truncated, info.get("_final_obs", terminated & False), episode_step,
                 next_step_mode, gate_mode)
-            starting = torch.isin(groups, torch.tensor([j for j, s in enumerate(starts) if s == t + 1], device=device))
+            starting = env_starts == t + 1
             if bool(starting.any()):
                 raw_obs, _ = envs.reset(options={"reset_mask": starting})  # (the observations of all envs)
                 stale, waiting = stale & ~starting, waiting & ~starting

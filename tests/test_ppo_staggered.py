@@ -131,7 +131,7 @@ def test_running_mean_std_matches_numpy():
     rms = ppo.RunningMeanStd((4,), "cpu")
     rms.count = torch.tensor(1e-12, dtype=torch.float64)
     for batch in batches:
-        rms.update(torch.as_tensor(batch, dtype=torch.float64))
+        rms(torch.as_tensor(batch, dtype=torch.float64), update=True)
     data = np.concatenate(batches)
     np.testing.assert_allclose(rms.mean.numpy(), data.mean(0), rtol=1e-9)
     np.testing.assert_allclose(rms.var.numpy(), data.var(0), rtol=1e-9)
