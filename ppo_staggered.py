@@ -131,7 +131,6 @@ class Args:
     batch_size: tyro.conf.Suppress[int] = 0
     minibatch_size: tyro.conf.Suppress[int] = 0
     num_iterations: tyro.conf.Suppress[int] = 0
-    resolved_horizon: tyro.conf.Suppress[int] = 0
     resolved_sim_backend: tyro.conf.Suppress[str] = ""
     num_stagger_groups: tyro.conf.Suppress[int] = 0
     stagger_step: tyro.conf.Suppress[int] = 0
@@ -198,10 +197,10 @@ def resolve_args(args: Args) -> Args:
         a.bootstrap_at_done = "always" if kind == "maniskill" else "truncated"
     if a.partial_reset_mode is None:
         a.partial_reset_mode = "gate" if a.stagger else "immediate"
-    a.resolved_horizon = a.toy.horizon if kind == "toy" else (a.horizon or gym.spec(a.env_id).max_episode_steps or 0)
-    if a.resolved_horizon < 1:
+    a.horizon = a.toy.horizon if kind == "toy" else (a.horizon or gym.spec(a.env_id).max_episode_steps or 0)
+    if a.horizon < 1:
         raise ArgsError(f"--horizon: {a.env_id} has no registered max_episode_steps; pass --horizon H")
-    H, K = a.resolved_horizon, a.num_steps
+    H, K = a.horizon, a.num_steps
     if K > H:
         raise ArgsError(f"--num-steps K={K} is longer than the task horizon H={H} (staggering needs K <= H)")
     # App. B.1: N_B = ceil(H / K), at most N. Sec. 3.3: "A standard choice is S = K"; S = ceil(H / N_B) spans H
@@ -234,10 +233,10 @@ def make_maniskill_env(args: Args, num_envs: int, evaluation: bool, video_dir: O
     from mani_skill.utils.wrappers.record import RecordEpisode
 
     env = gym.make(args.env_id, num_envs=num_envs, obs_mode="state", sim_backend=args.resolved_sim_backend,
-                   max_episode_steps=args.resolved_horizon, reconfiguration_freq=1 if evaluation else None,
+                   max_episode_steps=args.horizon, reconfiguration_freq=1 if evaluation else None,
                    render_mode="rgb_array" if video_dir else None)
     if video_dir:
-        env = RecordEpisode(env, video_dir, save_trajectory=False, max_steps_per_video=args.resolved_horizon)
+        env = RecordEpisode(env, video_dir, save_trajectory=False, max_steps_per_video=args.horizon)
     if args.resolved_sim_backend == "physx_cpu":  # one env with numpy outputs, for a Gymnasium vector env
         env = CPUGymWrapper(env)
     if isinstance(env.unwrapped.single_action_space, gym.spaces.Dict):  # e.g. TwoRobotPickCube-v1 (one per robot)
@@ -258,7 +257,7 @@ def make_single_env(args: Args, evaluation: bool, video_dir: Optional[str]):
     """One env with numpy outputs, for a Gymnasium vector env: a physx_cpu ManiSkill task or a Gymnasium env."""
     if args.resolved_sim_backend == "physx_cpu":
         return TerminationInInfo(make_maniskill_env(args, 1, evaluation, video_dir))
-    return TerminationInInfo(gym.wrappers.ClipAction(gym.make(args.env_id, max_episode_steps=args.resolved_horizon)))
+    return TerminationInInfo(gym.wrappers.ClipAction(gym.make(args.env_id, max_episode_steps=args.horizon)))
 
 
 class PartialResetVecEnv(gym.vector.VectorEnv):
@@ -533,7 +532,7 @@ def main(args: Args) -> dict:
     torch.manual_seed(args.seed)
     torch.backends.cudnn.deterministic = args.torch_deterministic
     device = torch.device("cuda" if args.cuda and torch.cuda.is_available() else "cpu")
-    N, K, H = args.num_envs, args.num_steps, args.resolved_horizon
+    N, K, H = args.num_envs, args.num_steps, args.horizon
     is_toy = args.env_id == TOY_ENV_ID
 
     envs = None if args.evaluate else make_env(args, N, device, evaluation=False)
@@ -652,7 +651,7 @@ def main(args: Args) -> dict:
 
             # ---- rollout: K steps of every env -----------------------------------------------------------------------
             rollout_start, env_time = time.time(), 0.0
-            ended = {key: torch.zeros((), device=device) for key in ("n", "return", "length", "success")}
+            ended = dict.fromkeys(("episodic_return", "episodic_length", "success_rate", "n"), 0.0)  # sums over ends
             for step in range(K):
                 obs_buf[step], episode_step_buf[step] = obs, episode_step
                 actions_buf[step], logprobs_buf[step], values_buf[step] = policy_step(obs)
@@ -676,7 +675,7 @@ def main(args: Args) -> dict:
                 # episode statistics, over the trained-on steps of the episodes that started in training
                 ep_return, ep_len, ep_success = ep_return + reward * valid, ep_len + valid, ep_success | (info["success"] & valid)
                 recorded = episode_end & tracked
-                for key, value in (("n", 1.0), ("return", ep_return), ("length", ep_len), ("success", ep_success)):
+                for key, value in zip(ended, (ep_return, ep_len, ep_success, 1.0)):
                     ended[key] += (value * recorded).sum()
                 ep_return, ep_len, ep_success = ep_return * ~episode_end, ep_len * ~episode_end, ep_success & ~episode_end
                 tracked = tracked | (episode_step == 0)
@@ -727,9 +726,8 @@ def main(args: Args) -> dict:
             log("charts/learning_rate", optimizer.param_groups[0]["lr"], global_step)
             log("charts/SPS", (global_step - start_step) / (time.time() - start_time), global_step)
             if ended["n"] > 0:
-                for key, name in (("return", "episodic_return"), ("length", "episodic_length"),
-                                  ("success", "success_rate")):
-                    log(f"charts/{name}", ended[key] / ended["n"], global_step)
+                for key in ("episodic_return", "episodic_length", "success_rate"):
+                    log(f"charts/{key}", ended[key] / ended["n"], global_step)
             stagger_stats = dict(value_mse=value_mse, policy_kl=policy_kl, valid_fraction=valid_buf.float().mean(),
                                  **batch_temporal_stats(episode_step_buf, valid_buf, H, K))
             for name, value in stagger_stats.items():

@@ -196,7 +196,7 @@ def test_toy_preset_is_table_2():
 def test_stackcube_preset_is_table_3_and_without_cuda_a_short_cpu_trial_says_so(capsys):
     assert ppo.PRESETS["StackCube-v1"] == dict(num_steps=8, horizon=100, gamma=0.8, gae_lambda=0.9, num_envs=4096)
     a = ppo.resolve_args(ppo.Args(env_id="StackCube-v1", cuda=False))
-    assert (a.num_steps, a.resolved_horizon, a.gamma, a.gae_lambda) == (8, 100, 0.8, 0.9)
+    assert (a.num_steps, a.horizon, a.gamma, a.gae_lambda) == (8, 100, 0.8, 0.9)
     assert (a.ent_coef, a.target_kl, a.bootstrap_at_done) == (0.005, 0.1, "always")
     assert a.resolved_sim_backend == "physx_cpu" and (a.num_envs, a.total_timesteps) == (8, 30_000)
     note = capsys.readouterr().out
