@@ -336,8 +336,7 @@ def stagger_groups(num_envs: int, num_groups: int, device=None) -> torch.Tensor:
 def stagger_start_steps(num_groups: int, stagger_step: int) -> list[int]:
     """Advance step at which group j starts its first episode, so that after the (N_B - 1) * S advance steps group j
     is at episode step j * S (App. B.1: "each group j starting ... after an initial offset of j*K simulation steps")."""
-    last = (num_groups - 1) * stagger_step
-    return [last - j * stagger_step for j in range(num_groups)]
+    return [(num_groups - 1 - j) * stagger_step for j in range(num_groups)]
 
 
 def reset_bookkeeping(stale, waiting, terminated, truncated, final_mask, episode_step,
@@ -728,9 +727,8 @@ def main(args: Args) -> dict:
             if ended["n"] > 0:
                 for key in ("episodic_return", "episodic_length", "success_rate"):
                     log(f"charts/{key}", ended[key] / ended["n"], global_step)
-            stagger_stats = dict(value_mse=value_mse, policy_kl=policy_kl, valid_fraction=valid_buf.float().mean(),
-                                 **batch_temporal_stats(episode_step_buf, valid_buf, H, K))
-            for name, value in stagger_stats.items():
+            for name, value in dict(value_mse=value_mse, policy_kl=policy_kl, valid_fraction=valid_buf.float().mean(),
+                                    **batch_temporal_stats(episode_step_buf, valid_buf, H, K)).items():
                 log(f"stagger/{name}", value, global_step)
             for name, value in (("rollout", rollout_time), ("env_step", env_time), ("update", time.time() - update_start)):
                 log(f"time/{name}", value, global_step)
