@@ -113,16 +113,12 @@ class Args:
     max_grad_norm: float = 0.5
     """gradient-norm clip"""
     target_kl: Optional[float] = None
-    """stop the update once approx KL exceeds this (default: 0.1 ManiSkill, off ToyChain; 0 turns it off)"""
+    """stop the update once approx KL exceeds this (default: 0.1 ManiSkill, 0 = off ToyChain and Gymnasium)"""
     bootstrap_at_done: Optional[Literal["always", "truncated"]] = None
     """bootstrap V(final obs) at every episode end ('always', default for ManiSkill) or only at truncations"""
 
     stagger: bool = True
     """staggered resets; --no-stagger is the naive synchronous baseline (one group, immediate partial resets)"""
-    num_stagger_groups: Optional[int] = None
-    """N_B, the number of stagger groups (default: ceil(H / K), at most N)"""
-    stagger_step: Optional[int] = None
-    """S, the offset between consecutive groups in env steps (default: K, or ceil(H / N_B) when N < ceil(H / K))"""
     partial_reset_mode: Optional[Literal["gate", "immediate"]] = None
     """an env that terminates early: 'gate' waits (masked) for its group's reset gate (default with staggering),
     'immediate' resets at once (default with --no-stagger)"""
@@ -135,8 +131,9 @@ class Args:
     batch_size: tyro.conf.Suppress[int] = 0
     minibatch_size: tyro.conf.Suppress[int] = 0
     num_iterations: tyro.conf.Suppress[int] = 0
-    resolved_horizon: tyro.conf.Suppress[int] = 0
     resolved_sim_backend: tyro.conf.Suppress[str] = ""
+    num_stagger_groups: tyro.conf.Suppress[int] = 0
+    stagger_step: tyro.conf.Suppress[int] = 0
 
 
 TOY_ENV_ID = "ToyChain-v0"
@@ -176,16 +173,19 @@ def resolve_args(args: Args) -> Args:
     kind = "toy" if a.env_id == TOY_ENV_ID else "maniskill" if a.env_id in REGISTERED_ENVS else "gym"
     if kind == "gym" and a.env_id not in gym.registry:
         raise ArgsError(f"--env-id {a.env_id!r} is not ToyChain-v0, a ManiSkill3 task or a Gymnasium id")
-    backend = "torch" if kind == "toy" else "cpu" if kind == "gym" else "physx_cuda" if a.cuda and torch.cuda.is_available() \
-        else "physx_cpu"
-    a.resolved_sim_backend = backend
+    a.resolved_sim_backend = "torch" if kind == "toy" else "cpu" if kind == "gym" else \
+        "physx_cuda" if a.cuda and torch.cuda.is_available() else "physx_cpu"
     if kind == "toy":
         preset = PRESETS[TOY_ENV_ID]
+        try:
+            a.toy.validate()
+        except ValueError as e:
+            raise ArgsError(str(e)) from e
     elif kind == "gym":
         preset = GYM_DEFAULTS
     else:
         preset = {**MANISKILL_COMMON, **PRESETS.get(a.env_id, MANISKILL_OTHER)}
-        if backend == "physx_cpu":
+        if a.resolved_sim_backend == "physx_cpu":
             print(f"note: no CUDA GPU, so {a.env_id} runs a short trial on CPU simulation (physx_cpu, one process "
                   f"per env): {MANISKILL_CPU_TRIAL}, a few minutes on 2 cores. The paper's preset (Table 3) needs "
                   f"a CUDA GPU: {preset['num_envs']} envs, {preset['total_timesteps']:.0e} steps. Flags override it.")
@@ -193,32 +193,21 @@ def resolve_args(args: Args) -> Args:
     for name, value in preset.items():
         if getattr(a, name) is None:
             setattr(a, name, value)
-    if a.target_kl is not None and a.target_kl <= 0:
-        a.target_kl = None
     if a.bootstrap_at_done is None:
         a.bootstrap_at_done = "always" if kind == "maniskill" else "truncated"
     if a.partial_reset_mode is None:
         a.partial_reset_mode = "gate" if a.stagger else "immediate"
-
-    if kind == "toy":
-        try:
-            a.toy.validate()
-        except ValueError as e:
-            raise ArgsError(str(e)) from e
-        a.resolved_horizon = a.toy.horizon
-    else:
-        a.resolved_horizon = a.horizon or gym.spec(a.env_id).max_episode_steps or 0
-        if a.resolved_horizon < 1:
-            raise ArgsError(f"--horizon: {a.env_id} has no registered max_episode_steps; pass --horizon H")
-    H, K = a.resolved_horizon, a.num_steps
+    a.horizon = a.toy.horizon if kind == "toy" else (a.horizon or gym.spec(a.env_id).max_episode_steps or 0)
+    if a.horizon < 1:
+        raise ArgsError(f"--horizon: {a.env_id} has no registered max_episode_steps; pass --horizon H")
+    H, K = a.horizon, a.num_steps
     if K > H:
         raise ArgsError(f"--num-steps K={K} is longer than the task horizon H={H} (staggering needs K <= H)")
-    if a.num_stagger_groups is None:  # App. B.1: N_B = ceil(H / K), at most one group per env
-        a.num_stagger_groups = min(math.ceil(H / K), a.num_envs) if a.stagger else 1
-    if a.stagger_step is None:  # Sec. 3.3: "A standard choice is S = K"; with fewer groups, still span H
-        a.stagger_step = max(K, math.ceil(H / a.num_stagger_groups)) if a.num_stagger_groups > 1 else K
-    if (a.num_stagger_groups - 1) * a.stagger_step >= H or a.num_stagger_groups > a.num_envs:
-        raise ArgsError("--num-stagger-groups, --stagger-step: every group needs an env and must start before H")
+    # App. B.1: N_B = ceil(H / K), at most N. Sec. 3.3: "A standard choice is S = K"; S = ceil(H / N_B) spans H
+    a.num_stagger_groups = min(math.ceil(H / K), a.num_envs) if a.stagger else 1
+    a.stagger_step = max(K, math.ceil(H / a.num_stagger_groups)) if a.num_stagger_groups > 1 else K
+    if (a.num_stagger_groups - 1) * a.stagger_step >= H:
+        raise ArgsError(f"--num-envs {a.num_envs}: with {a.num_envs} stagger groups the last starts at or after H={H}")
     a.batch_size = a.num_envs * K
     if a.batch_size % a.num_minibatches != 0:
         raise ArgsError(f"the batch N*K = {a.batch_size} does not split into --num-minibatches {a.num_minibatches}")
@@ -230,13 +219,12 @@ def resolve_args(args: Args) -> Args:
         raise ArgsError("--evaluate needs --checkpoint PATH")
     icd_files = glob.glob("/usr/share/vulkan/icd.d/*") + glob.glob("/etc/vulkan/icd.d/*")
     if kind == "maniskill" and sys.platform == "linux" and not (icd_files or os.environ.get("VK_ICD_FILENAMES")):
-        raise ArgsError("ManiSkill3 needs a Vulkan driver even for state-only simulation, and none is installed; on "
-                        "Debian/Ubuntu run: bash .ci/install_system.sh")
+        raise ArgsError("ManiSkill3 needs a Vulkan driver, even for state-only simulation: bash .ci/install_system.sh")
     return a
 
 
 # ---- Environments ----------------------------------------------------------------------------------------------------
-def make_maniskill_env(args: Args, num_envs: int, backend: str, evaluation: bool, video_dir: Optional[str]):
+def make_maniskill_env(args: Args, num_envs: int, evaluation: bool, video_dir: Optional[str]):
     """A ManiSkill3 task: state observations, time limit H, multi-agent actions flattened, optional videos. (ManiSkill
     clips actions to the action space itself, and so do the other envs through gym's ClipAction.)"""
     import mani_skill.envs  # noqa: F401  (registers the tasks in this process)
@@ -244,12 +232,12 @@ def make_maniskill_env(args: Args, num_envs: int, backend: str, evaluation: bool
     from mani_skill.utils.wrappers.gymnasium import CPUGymWrapper
     from mani_skill.utils.wrappers.record import RecordEpisode
 
-    kwargs = dict(num_envs=num_envs, obs_mode="state", sim_backend=backend, max_episode_steps=args.resolved_horizon,
-                  reconfiguration_freq=1 if evaluation else None, render_mode="rgb_array" if video_dir else None)
-    env = gym.make(args.env_id, **kwargs)
+    env = gym.make(args.env_id, num_envs=num_envs, obs_mode="state", sim_backend=args.resolved_sim_backend,
+                   max_episode_steps=args.horizon, reconfiguration_freq=1 if evaluation else None,
+                   render_mode="rgb_array" if video_dir else None)
     if video_dir:
-        env = RecordEpisode(env, video_dir, save_trajectory=False, max_steps_per_video=args.resolved_horizon)
-    if backend == "physx_cpu":  # one env with numpy outputs, for a Gymnasium vector env
+        env = RecordEpisode(env, video_dir, save_trajectory=False, max_steps_per_video=args.horizon)
+    if args.resolved_sim_backend == "physx_cpu":  # one env with numpy outputs, for a Gymnasium vector env
         env = CPUGymWrapper(env)
     if isinstance(env.unwrapped.single_action_space, gym.spaces.Dict):  # e.g. TwoRobotPickCube-v1 (one per robot)
         env = FlattenActionSpaceWrapper(env)
@@ -268,8 +256,8 @@ class TerminationInInfo(gym.Wrapper):
 def make_single_env(args: Args, evaluation: bool, video_dir: Optional[str]):
     """One env with numpy outputs, for a Gymnasium vector env: a physx_cpu ManiSkill task or a Gymnasium env."""
     if args.resolved_sim_backend == "physx_cpu":
-        return TerminationInInfo(make_maniskill_env(args, 1, "physx_cpu", evaluation, video_dir))
-    return TerminationInInfo(gym.wrappers.ClipAction(gym.make(args.env_id, max_episode_steps=args.resolved_horizon)))
+        return TerminationInInfo(make_maniskill_env(args, 1, evaluation, video_dir))
+    return TerminationInInfo(gym.wrappers.ClipAction(gym.make(args.env_id, max_episode_steps=args.horizon)))
 
 
 class PartialResetVecEnv(gym.vector.VectorEnv):
@@ -311,9 +299,8 @@ class PartialResetVecEnv(gym.vector.VectorEnv):
         terminated = self.tensor(terminated if self.batched_maniskill else info["terminated"], torch.bool)
         success = self.tensor(info.get("success", np.zeros(self.num_envs)), torch.bool)
         reset_now = truncated | (terminated & self.reset_on_termination)
-        final_obs = obs
+        final_obs = obs.clone()  # (a reset may write into the simulator's observation buffers)
         if bool(reset_now.any()):
-            final_obs = obs.clone()
             obs, _ = self.reset(options={"reset_mask": reset_now})
         return obs, reward, terminated, truncated, {"success": success, "final_obs": final_obs,
                                                     "_final_obs": reset_now}
@@ -327,7 +314,7 @@ def make_env(args: Args, num_envs: int, device: torch.device, evaluation: bool, 
     if args.env_id == TOY_ENV_ID:
         return gym.make_vec(TOY_ENV_ID, num_envs=num_envs, config=args.toy, device=device)
     if args.resolved_sim_backend == "physx_cuda":
-        env = make_maniskill_env(args, num_envs, "physx_cuda", evaluation, video_dir)
+        env = make_maniskill_env(args, num_envs, evaluation, video_dir)
     else:
         fns = [partial(make_single_env, args, evaluation, video_dir and os.path.join(video_dir, f"env{i}"))
                for i in range(num_envs)]
@@ -349,8 +336,7 @@ def stagger_groups(num_envs: int, num_groups: int, device=None) -> torch.Tensor:
 def stagger_start_steps(num_groups: int, stagger_step: int) -> list[int]:
     """Advance step at which group j starts its first episode, so that after the (N_B - 1) * S advance steps group j
     is at episode step j * S (App. B.1: "each group j starting ... after an initial offset of j*K simulation steps")."""
-    last = (num_groups - 1) * stagger_step
-    return [last - j * stagger_step for j in range(num_groups)]
+    return [(num_groups - 1 - j) * stagger_step for j in range(num_groups)]
 
 
 def reset_bookkeeping(stale, waiting, terminated, truncated, final_mask, episode_step,
@@ -420,16 +406,13 @@ class RunningMeanStd:
         """Observations as the agent sees them; `update` the statistics with them during collection."""
         if not self.enabled:
             return x
-        if update:
-            self.update(x)
+        if update:  # merge the batch's mean and variance into the running ones
+            batch_mean, batch_var, n = x.mean(0), x.var(0, unbiased=False), x.shape[0]
+            delta, total = batch_mean - self.mean, self.count + n
+            self.mean = self.mean + delta * n / total
+            self.var = (self.var * self.count + batch_var * n + delta.square() * self.count * n / total) / total
+            self.count = total
         return ((x - self.mean) / torch.sqrt(self.var + 1e-8)).clamp(-10.0, 10.0)
-
-    def update(self, x: torch.Tensor) -> None:
-        batch_mean, batch_var, n = x.mean(0), x.var(0, unbiased=False), x.shape[0]
-        delta, total = batch_mean - self.mean, self.count + n
-        self.mean = self.mean + delta * n / total
-        self.var = (self.var * self.count + batch_var * n + delta.square() * self.count * n / total) / total
-        self.count = total
 
 
 # ---- Networks --------------------------------------------------------------------------------------------------------
@@ -510,20 +493,7 @@ def make_agent(envs) -> nn.Module:
     return GaussianAgent(int(np.prod(obs_space.shape)), int(np.prod(act_space.shape)))
 
 
-# ---- Evaluation and checkpoints --------------------------------------------------------------------------------------
-@torch.no_grad()
-def evaluate(agent, eval_envs, normalize, horizon: int, seed: int) -> dict:
-    """One H-step episode of every eval env with the deterministic policy and no partial resets (Table 3 and
-    ManiSkill's protocol: a success does not end an evaluation episode). Means over the eval envs."""
-    obs, _ = eval_envs.reset(seed=seed)
-    ret, success_once = 0.0, False  # (the next-step ToyChain's first reset step comes only after H steps)
-    for _ in range(horizon):
-        obs, reward, terminated, truncated, info = eval_envs.step(agent.deterministic_action(normalize(obs)))
-        ret, success_once = ret + reward, success_once | info["success"]
-    return {"return": ret.mean().item(), "success_once": success_once.float().mean().item(),
-            "success_at_end": info["success"].float().mean().item(), "episode_len": horizon}
-
-
+# ---- Checkpoints -----------------------------------------------------------------------------------------------------
 def save_checkpoint(path: Path, agent, optimizer, obs_rms: RunningMeanStd, global_step: int) -> None:
     """Model, optimizer, observation normalizer and global step: enough to resume or to evaluate. Written to a
     temporary file and renamed, so an interrupted save never leaves a half-written checkpoint."""
@@ -561,7 +531,7 @@ def main(args: Args) -> dict:
     torch.manual_seed(args.seed)
     torch.backends.cudnn.deterministic = args.torch_deterministic
     device = torch.device("cuda" if args.cuda and torch.cuda.is_available() else "cpu")
-    N, K, H = args.num_envs, args.num_steps, args.resolved_horizon
+    N, K, H = args.num_envs, args.num_steps, args.horizon
     is_toy = args.env_id == TOY_ENV_ID
 
     envs = None if args.evaluate else make_env(args, N, device, evaluation=False)
@@ -579,9 +549,18 @@ def main(args: Args) -> dict:
         global_step = ckpt["global_step"]
         print(f"resuming from {args.checkpoint} at global step {global_step}")
 
+    @torch.no_grad()
     def run_evaluation(checkpoint_name: Optional[str]) -> None:
+        """One H-step episode of every eval env with the deterministic policy and no partial resets (Table 3 and
+        ManiSkill's protocol: a success does not end an evaluation episode); logs means over the eval envs."""
         eval_start = time.time()
-        for key, value in evaluate(agent, eval_envs, observe, H, args.seed + global_step).items():
+        obs, _ = eval_envs.reset(seed=args.seed + global_step)
+        ret, success_once = 0.0, False  # (the next-step ToyChain's first reset step comes only after H steps)
+        for _ in range(H):
+            obs, reward, terminated, truncated, info = eval_envs.step(agent.deterministic_action(observe(obs)))
+            ret, success_once = ret + reward, success_once | info["success"]
+        for key, value in (("return", ret.mean()), ("success_once", success_once.float().mean()),
+                           ("success_at_end", info["success"].float().mean()), ("episode_len", H)):
             log(f"eval/{key}", value, global_step)
         log("time/eval", time.time() - eval_start, global_step)
         print(f"global_step={global_step} " + " ".join(f"{k}={v:.3f}" for k, v in last.items() if "eval/" in k))
@@ -594,11 +573,10 @@ def main(args: Args) -> dict:
         if args.evaluate:
             run_evaluation(None)
             return summary
-        act_space = envs.single_action_space
-        # ---- rollout storage (K, N, ...) ---------------------------------------------------------------------------
-        obs_buf = torch.zeros((K, N, *envs.single_observation_space.shape),
-                              dtype=torch.long if is_toy else torch.float32, device=device)
-        actions_buf = torch.zeros((K, N, *act_space.shape), dtype=torch.long if is_toy else torch.float32, device=device)
+        # ---- rollout storage (K, N, ...); ToyChain's observations and actions are indices -------------------------
+        dtype = torch.long if is_toy else torch.float32
+        obs_buf = torch.zeros((K, N, *envs.single_observation_space.shape), dtype=dtype, device=device)
+        actions_buf = torch.zeros((K, N, *envs.single_action_space.shape), dtype=dtype, device=device)
         logprobs_buf, rewards_buf, values_buf, final_values_buf = (torch.zeros((K, N), device=device) for _ in range(4))
         no_bootstrap_buf, dones_buf, valid_buf, final_mask_buf, correct_buf = (
             torch.zeros((K, N), dtype=torch.bool, device=device) for _ in range(5))
@@ -643,8 +621,8 @@ def main(args: Args) -> dict:
         # reset of the group) at advance step (N_B - 1 - j) * S. Nothing of the advance is trained on.
         next_step_mode = envs.metadata["autoreset_mode"] == gym.vector.AutoresetMode.NEXT_STEP
         gate_mode = args.partial_reset_mode == "gate"
-        groups = stagger_groups(N, args.num_stagger_groups, device)
-        starts = stagger_start_steps(args.num_stagger_groups, args.stagger_step)
+        starts = stagger_start_steps(args.num_stagger_groups, args.stagger_step)  # of each group
+        env_starts = torch.tensor(starts, device=device)[stagger_groups(N, args.num_stagger_groups, device)]
         stale, waiting = torch.zeros(N, dtype=torch.bool, device=device), torch.zeros(N, dtype=torch.bool, device=device)
         episode_step = torch.zeros(N, dtype=torch.long, device=device)
         raw_obs, _ = envs.reset(seed=args.seed + global_step)
@@ -655,10 +633,9 @@ def main(args: Args) -> dict:
             _, _, stale, waiting, episode_step = reset_bookkeeping(
                 stale, waiting, terminated, truncated, info.get("_final_obs", terminated & False), episode_step,
                 next_step_mode, gate_mode)
-            starting = torch.isin(groups, torch.tensor([j for j, s in enumerate(starts) if s == t + 1], device=device))
+            starting = env_starts == t + 1
             if bool(starting.any()):
-                reset_obs, _ = envs.reset(options={"reset_mask": starting})
-                raw_obs = torch.where(starting.view(-1, *[1] * (raw_obs.dim() - 1)), reset_obs, raw_obs)
+                raw_obs, _ = envs.reset(options={"reset_mask": starting})  # (the observations of all envs)
                 stale, waiting = stale & ~starting, waiting & ~starting
                 episode_step = torch.where(starting, 0, episode_step)
             obs = observe(raw_obs, update=True)
@@ -673,24 +650,21 @@ def main(args: Args) -> dict:
 
             # ---- rollout: K steps of every env -----------------------------------------------------------------------
             rollout_start, env_time = time.time(), 0.0
-            final_mask_buf.zero_()
-            ended = {key: torch.zeros((), device=device) for key in ("n", "return", "length", "success")}
+            ended = dict.fromkeys(("episodic_return", "episodic_length", "success_rate", "n"), 0.0)  # sums over ends
             for step in range(K):
                 obs_buf[step], episode_step_buf[step] = obs, episode_step
-                action, logprobs_buf[step], values_buf[step] = policy_step(obs)
-                actions_buf[step] = action
+                actions_buf[step], logprobs_buf[step], values_buf[step] = policy_step(obs)
                 env_start = time.time()
-                raw_obs, reward, terminated, truncated, info = envs.step(action)
+                raw_obs, reward, terminated, truncated, info = envs.step(actions_buf[step])
                 env_time += time.time() - env_start
                 rewards_buf[step], dones_buf[step] = reward, terminated | truncated
                 no_bootstrap_buf[step] = terminated & (args.bootstrap_at_done == "truncated")
-                final_mask = info.get("_final_obs", terminated & False)
+                final_mask_buf[step] = final_mask = info.get("_final_obs", terminated & False)
                 # Same-step autoreset: where an env reset inside this step, its next observation is the new episode's
                 # first one, so the bootstrap value is V(info["final_obs"]), the true last observation.
-                if not next_step_mode and bool(final_mask.any()):
+                if bool(final_mask.any()):
                     with torch.no_grad():
                         final_values_buf[step] = agent.get_value(observe(info["final_obs"]))
-                    final_mask_buf[step] = final_mask
                 # STAGGER: reset gates. An env that terminated waits (masked) until its group's gate resets it.
                 valid, episode_end, stale, waiting, episode_step = reset_bookkeeping(
                     stale, waiting, terminated, truncated, final_mask, episode_step, next_step_mode, gate_mode)
@@ -700,7 +674,7 @@ def main(args: Args) -> dict:
                 # episode statistics, over the trained-on steps of the episodes that started in training
                 ep_return, ep_len, ep_success = ep_return + reward * valid, ep_len + valid, ep_success | (info["success"] & valid)
                 recorded = episode_end & tracked
-                for key, value in (("n", 1.0), ("return", ep_return), ("length", ep_len), ("success", ep_success)):
+                for key, value in zip(ended, (ep_return, ep_len, ep_success, 1.0)):
                     ended[key] += (value * recorded).sum()
                 ep_return, ep_len, ep_success = ep_return * ~episode_end, ep_len * ~episode_end, ep_success & ~episode_end
                 tracked = tracked | (episode_step == 0)
@@ -728,7 +702,7 @@ def main(args: Args) -> dict:
                     mb = permutation[start:start + args.minibatch_size]
                     mb_stats = minibatch_grads(b_obs[mb], b_actions[mb], b_logprobs[mb], b_advantages[mb],
                                                b_returns[mb], b_valid[mb])
-                    stop = args.target_kl is not None and bool(mb_stats[4] > args.target_kl)
+                    stop = args.target_kl > 0 and bool(mb_stats[4] > args.target_kl)
                     if stop:  # Table 3's target-KL early stop: skip this step and the rest of the update
                         break
                     optimizer.step()
@@ -751,12 +725,10 @@ def main(args: Args) -> dict:
             log("charts/learning_rate", optimizer.param_groups[0]["lr"], global_step)
             log("charts/SPS", (global_step - start_step) / (time.time() - start_time), global_step)
             if ended["n"] > 0:
-                for key, name in (("return", "episodic_return"), ("length", "episodic_length"),
-                                  ("success", "success_rate")):
-                    log(f"charts/{name}", ended[key] / ended["n"], global_step)
-            stagger_stats = dict(value_mse=value_mse, policy_kl=policy_kl, valid_fraction=valid_buf.float().mean(),
-                                 **batch_temporal_stats(episode_step_buf, valid_buf, H, K))
-            for name, value in stagger_stats.items():
+                for key in ("episodic_return", "episodic_length", "success_rate"):
+                    log(f"charts/{key}", ended[key] / ended["n"], global_step)
+            for name, value in dict(value_mse=value_mse, policy_kl=policy_kl, valid_fraction=valid_buf.float().mean(),
+                                    **batch_temporal_stats(episode_step_buf, valid_buf, H, K)).items():
                 log(f"stagger/{name}", value, global_step)
             for name, value in (("rollout", rollout_time), ("env_step", env_time), ("update", time.time() - update_start)):
                 log(f"time/{name}", value, global_step)
@@ -767,7 +739,6 @@ def main(args: Args) -> dict:
                     probs = torch.softmax(agent.actor(agent.blocks), dim=-1)
                 toy_accuracy.append(probs.gather(-1, envs.target_actions.view(-1, 1))[:, 0].cpu().numpy())
                 log("toy/forgetting_mean", forgetting_matrix(np.stack(toy_accuracy))[-1].mean(), global_step)
-            summary["global_step"] = global_step
 
         run_evaluation("final_ckpt.pt")
         if is_toy and toy_accuracy:
