@@ -26,6 +26,10 @@ successes included) or truncated (ToyChain and Gymnasium's default: 0 at a termi
 (autoreset_modes.txt): both modes are consumed. ToyChain lets you choose (--toy.autoreset-mode); ManiSkill and
 Gymnasium envs run same-step through PartialResetVecEnv; reset_bookkeeping masks next-step's stale step.
 Figures of the toy diagnostics: benchmarks/toy_sweeps.py.
+
+  python ppo_staggered.py                                      # ToyChain-v0 (Table 2 PPO), ~30 s on a CPU
+  python ppo_staggered.py --env-id StackCube-v1                # Table 3 on a CUDA GPU; a short trial without one
+  python ppo_staggered.py --env-id StackCube-v1 --no-stagger   # the naive baseline (immediate partial resets)
 """
 
 from __future__ import annotations
@@ -534,6 +538,12 @@ def main(args: Args) -> dict:
     N, K, H = args.num_envs, args.num_steps, args.horizon
     is_toy = args.env_id == TOY_ENV_ID
 
+    def clock() -> float:
+        """Wall-clock time once the queued GPU work is done (CUDA runs asynchronously)."""
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        return time.time()
+
     envs = None if args.evaluate else make_env(args, N, device, evaluation=False)
     eval_envs = make_env(args, args.num_eval_envs, device, evaluation=True,
                          video_dir=str(run_dir / "videos") if args.capture_video else None)
@@ -553,7 +563,7 @@ def main(args: Args) -> dict:
     def run_evaluation(checkpoint_name: Optional[str]) -> None:
         """One H-step episode of every eval env with the deterministic policy and no partial resets (Table 3 and
         ManiSkill's protocol: a success does not end an evaluation episode); logs means over the eval envs."""
-        eval_start = time.time()
+        eval_start = clock()
         obs, _ = eval_envs.reset(seed=args.seed + global_step)
         ret, success_once = 0.0, False  # (the next-step ToyChain's first reset step comes only after H steps)
         for _ in range(H):
@@ -562,7 +572,7 @@ def main(args: Args) -> dict:
         for key, value in (("return", ret.mean()), ("success_once", success_once.float().mean()),
                            ("success_at_end", info["success"].float().mean()), ("episode_len", H)):
             log(f"eval/{key}", value, global_step)
-        log("time/eval", time.time() - eval_start, global_step)
+        log("time/eval", clock() - eval_start, global_step)
         print(f"global_step={global_step} " + " ".join(f"{k}={v:.3f}" for k, v in last.items() if "eval/" in k))
         if args.save_model and checkpoint_name:
             save_checkpoint(run_dir / checkpoint_name, agent, optimizer, observe, global_step)
@@ -649,14 +659,14 @@ def main(args: Args) -> dict:
                 run_evaluation(f"ckpt_{global_step}.pt")
 
             # ---- rollout: K steps of every env -----------------------------------------------------------------------
-            rollout_start, env_time = time.time(), 0.0
+            rollout_start, env_time = clock(), 0.0
             ended = dict.fromkeys(("episodic_return", "episodic_length", "success_rate", "n"), 0.0)  # sums over ends
             for step in range(K):
                 obs_buf[step], episode_step_buf[step] = obs, episode_step
                 actions_buf[step], logprobs_buf[step], values_buf[step] = policy_step(obs)
-                env_start = time.time()
+                env_start = clock()
                 raw_obs, reward, terminated, truncated, info = envs.step(actions_buf[step])
-                env_time += time.time() - env_start
+                env_time += clock() - env_start
                 rewards_buf[step], dones_buf[step] = reward, terminated | truncated
                 no_bootstrap_buf[step] = terminated & (args.bootstrap_at_done == "truncated")
                 final_mask_buf[step] = final_mask = info.get("_final_obs", terminated & False)
@@ -687,10 +697,10 @@ def main(args: Args) -> dict:
                 next_values = torch.where(final_mask_buf, final_values_buf, next_values)
                 advantages, returns = compute_gae(rewards_buf, values_buf, next_values, no_bootstrap_buf, dones_buf,
                                                   args.gamma, args.gae_lambda)
-            rollout_time = time.time() - rollout_start
+            rollout_time = clock() - rollout_start
 
             # ---- PPO update ------------------------------------------------------------------------------------------
-            update_start = time.time()
+            update_start = clock()
             b_obs = obs_buf.flatten(0, 1)
             b_actions = actions_buf.flatten(0, 1)
             b_logprobs, b_advantages, b_returns = logprobs_buf.flatten(), advantages.flatten(), returns.flatten()
@@ -730,7 +740,7 @@ def main(args: Args) -> dict:
             for name, value in dict(value_mse=value_mse, policy_kl=policy_kl, valid_fraction=valid_buf.float().mean(),
                                     **batch_temporal_stats(episode_step_buf, valid_buf, H, K)).items():
                 log(f"stagger/{name}", value, global_step)
-            for name, value in (("rollout", rollout_time), ("env_step", env_time), ("update", time.time() - update_start)):
+            for name, value in (("rollout", rollout_time), ("env_step", env_time), ("update", clock() - update_start)):
                 log(f"time/{name}", value, global_step)
             if is_toy:  # App. C / E: batch accuracy, block occupancy, per-block accuracy and forgetting
                 log("toy/accuracy", masked_mean(correct_buf.float(), valid_buf), global_step)
