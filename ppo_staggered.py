@@ -171,60 +171,60 @@ class ArgsError(ValueError):
 
 def resolve_args(args: Args) -> Args:
     """Fills the task presets and derived sizes into a copy of `args` and checks it. Raises ArgsError."""
-    a = Args(**{**asdict(args), "toy": ToyChainConfig(**asdict(args.toy))})
+    args = Args(**{**asdict(args), "toy": ToyChainConfig(**asdict(args.toy))})
     from mani_skill.utils.registration import REGISTERED_ENVS
 
-    kind = "toy" if a.env_id == TOY_ENV_ID else "maniskill" if a.env_id in REGISTERED_ENVS else "gym"
-    if kind == "gym" and a.env_id not in gym.registry:
-        raise ArgsError(f"--env-id {a.env_id!r} is not ToyChain-v0, a ManiSkill3 task or a Gymnasium id")
-    a.resolved_sim_backend = "torch" if kind == "toy" else "cpu" if kind == "gym" else \
-        "physx_cuda" if a.cuda and torch.cuda.is_available() else "physx_cpu"
+    kind = "toy" if args.env_id == TOY_ENV_ID else "maniskill" if args.env_id in REGISTERED_ENVS else "gym"
+    if kind == "gym" and args.env_id not in gym.registry:
+        raise ArgsError(f"--env-id {args.env_id!r} is not ToyChain-v0, a ManiSkill3 task or a Gymnasium id")
+    args.resolved_sim_backend = "torch" if kind == "toy" else "cpu" if kind == "gym" else \
+        "physx_cuda" if args.cuda and torch.cuda.is_available() else "physx_cpu"
     if kind == "toy":
         preset = PRESETS[TOY_ENV_ID]
         try:
-            a.toy.validate()
+            args.toy.validate()
         except ValueError as e:
             raise ArgsError(str(e)) from e
     elif kind == "gym":
         preset = GYM_DEFAULTS
     else:
-        preset = {**MANISKILL_COMMON, **PRESETS.get(a.env_id, MANISKILL_OTHER)}
-        if a.resolved_sim_backend == "physx_cpu":
-            print(f"note: no CUDA GPU, so {a.env_id} runs a short trial on CPU simulation (physx_cpu, one process "
+        preset = {**MANISKILL_COMMON, **PRESETS.get(args.env_id, MANISKILL_OTHER)}
+        if args.resolved_sim_backend == "physx_cpu":
+            print(f"note: no CUDA GPU, so {args.env_id} runs a short trial on CPU simulation (physx_cpu, one process "
                   f"per env): {MANISKILL_CPU_TRIAL}, a few minutes on 2 cores. The paper's preset (Table 3) needs "
                   f"a CUDA GPU: {preset['num_envs']} envs, {preset['total_timesteps']:.0e} steps. Flags override it.")
             preset.update(MANISKILL_CPU_TRIAL)
     for name, value in preset.items():
-        if getattr(a, name) is None:
-            setattr(a, name, value)
-    if a.bootstrap_at_done is None:
-        a.bootstrap_at_done = "always" if kind == "maniskill" else "truncated"
-    if a.partial_reset_mode is None:
-        a.partial_reset_mode = "gate" if a.stagger else "immediate"
-    a.horizon = a.toy.horizon if kind == "toy" else (a.horizon or gym.spec(a.env_id).max_episode_steps or 0)
-    if a.horizon < 1:
-        raise ArgsError(f"--horizon: {a.env_id} has no registered max_episode_steps; pass --horizon H")
-    H, K = a.horizon, a.num_steps
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    if args.bootstrap_at_done is None:
+        args.bootstrap_at_done = "always" if kind == "maniskill" else "truncated"
+    if args.partial_reset_mode is None:
+        args.partial_reset_mode = "gate" if args.stagger else "immediate"
+    args.horizon = args.toy.horizon if kind == "toy" else (args.horizon or gym.spec(args.env_id).max_episode_steps or 0)
+    if args.horizon < 1:
+        raise ArgsError(f"--horizon: {args.env_id} has no registered max_episode_steps; pass --horizon H")
+    H, K = args.horizon, args.num_steps
     if K > H:
         raise ArgsError(f"--num-steps K={K} is longer than the task horizon H={H} (staggering needs K <= H)")
     # App. B.1: N_B = ceil(H / K), at most N. Sec. 3.3: "A standard choice is S = K"; S = ceil(H / N_B) spans H
-    a.num_stagger_groups = min(math.ceil(H / K), a.num_envs) if a.stagger else 1
-    a.stagger_step = max(K, math.ceil(H / a.num_stagger_groups)) if a.num_stagger_groups > 1 else K
-    if (a.num_stagger_groups - 1) * a.stagger_step >= H:
-        raise ArgsError(f"--num-envs {a.num_envs}: with {a.num_envs} stagger groups the last starts at or after H={H}")
-    a.batch_size = a.num_envs * K
-    if a.batch_size % a.num_minibatches != 0:
-        raise ArgsError(f"the batch N*K = {a.batch_size} does not split into --num-minibatches {a.num_minibatches}")
-    a.minibatch_size = a.batch_size // a.num_minibatches
-    a.num_iterations = a.total_timesteps // a.batch_size
-    if a.num_iterations < 1 and not a.evaluate:
-        raise ArgsError(f"--total-timesteps {a.total_timesteps} is less than one batch (N*K = {a.batch_size})")
-    if a.evaluate and not a.checkpoint:
+    args.num_stagger_groups = min(math.ceil(H / K), args.num_envs) if args.stagger else 1
+    args.stagger_step = max(K, math.ceil(H / args.num_stagger_groups)) if args.num_stagger_groups > 1 else K
+    if (args.num_stagger_groups - 1) * args.stagger_step >= H:
+        raise ArgsError(f"--num-envs {args.num_envs}: with that many stagger groups the last starts at or after H={H}")
+    args.batch_size = args.num_envs * K
+    if args.batch_size % args.num_minibatches != 0:
+        raise ArgsError(f"the batch N*K = {args.batch_size} does not split into --num-minibatches {args.num_minibatches}")
+    args.minibatch_size = args.batch_size // args.num_minibatches
+    args.num_iterations = args.total_timesteps // args.batch_size
+    if args.num_iterations < 1 and not args.evaluate:
+        raise ArgsError(f"--total-timesteps {args.total_timesteps} is less than one batch (N*K = {args.batch_size})")
+    if args.evaluate and not args.checkpoint:
         raise ArgsError("--evaluate needs --checkpoint PATH")
     icd_files = glob.glob("/usr/share/vulkan/icd.d/*") + glob.glob("/etc/vulkan/icd.d/*")
     if kind == "maniskill" and sys.platform == "linux" and not (icd_files or os.environ.get("VK_ICD_FILENAMES")):
         raise ArgsError("ManiSkill3 needs a Vulkan driver, even for state-only simulation: bash .ci/install_system.sh")
-    return a
+    return args
 
 
 # ---- Environments ----------------------------------------------------------------------------------------------------
@@ -544,42 +544,43 @@ def main(args: Args) -> dict:
             torch.cuda.synchronize()
         return time.time()
 
-    envs = None if args.evaluate else make_env(args, N, device, evaluation=False)
-    eval_envs = make_env(args, args.num_eval_envs, device, evaluation=True,
-                         video_dir=str(run_dir / "videos") if args.capture_video else None)
-    agent = make_agent(eval_envs).to(device)
-    optimizer = torch.optim.Adam(agent.parameters(), lr=args.learning_rate, eps=1e-5)  # Table 3: Adam, eps 1e-5
-    observe = RunningMeanStd(eval_envs.single_observation_space.shape, device, enabled=not is_toy)  # Table 3
-    global_step = 0
-    if args.checkpoint:
-        ckpt = torch.load(args.checkpoint, map_location=device, weights_only=True)
-        agent.load_state_dict(ckpt["agent"])
-        optimizer.load_state_dict(ckpt["optimizer"])
-        observe.mean, observe.var, observe.count = ckpt["obs_rms"]
-        global_step = ckpt["global_step"]
-        print(f"resuming from {args.checkpoint} at global step {global_step}")
-
-    @torch.no_grad()
-    def run_evaluation(checkpoint_name: Optional[str]) -> None:
-        """One H-step episode of every eval env with the deterministic policy and no partial resets (Table 3 and
-        ManiSkill's protocol: a success does not end an evaluation episode); logs means over the eval envs."""
-        eval_start = clock()
-        obs, _ = eval_envs.reset(seed=args.seed + global_step)
-        ret, success_once = 0.0, False  # (the next-step ToyChain's first reset step comes only after H steps)
-        for _ in range(H):
-            obs, reward, terminated, truncated, info = eval_envs.step(agent.deterministic_action(observe(obs)))
-            ret, success_once = ret + reward, success_once | info["success"]
-        for key, value in (("return", ret.mean()), ("success_once", success_once.float().mean()),
-                           ("success_at_end", info["success"].float().mean()), ("episode_len", H)):
-            log(f"eval/{key}", value, global_step)
-        log("time/eval", clock() - eval_start, global_step)
-        print(f"global_step={global_step} " + " ".join(f"{k}={v:.3f}" for k, v in last.items() if "eval/" in k))
-        if args.save_model and checkpoint_name:
-            save_checkpoint(run_dir / checkpoint_name, agent, optimizer, observe, global_step)
-
     summary: dict = {"run_dir": str(run_dir), "interrupted": False}
-    start_time, start_step = time.time(), global_step
+    envs = eval_envs = None  # made inside the try, so that a Ctrl-C while they start still writes summary.json
+    global_step, start_step, start_time = 0, 0, time.time()
     try:
+        envs = None if args.evaluate else make_env(args, N, device, evaluation=False)
+        eval_envs = make_env(args, args.num_eval_envs, device, evaluation=True,
+                             video_dir=str(run_dir / "videos") if args.capture_video else None)
+        agent = make_agent(eval_envs).to(device)
+        optimizer = torch.optim.Adam(agent.parameters(), lr=args.learning_rate, eps=1e-5)  # Table 3: Adam, eps 1e-5
+        observe = RunningMeanStd(eval_envs.single_observation_space.shape, device, enabled=not is_toy)  # Table 3
+        if args.checkpoint:
+            ckpt = torch.load(args.checkpoint, map_location=device, weights_only=True)
+            agent.load_state_dict(ckpt["agent"])
+            optimizer.load_state_dict(ckpt["optimizer"])
+            observe.mean, observe.var, observe.count = ckpt["obs_rms"]
+            global_step = start_step = ckpt["global_step"]
+            print(f"resuming from {args.checkpoint} at global step {global_step}")
+        start_time = time.time()
+
+        @torch.no_grad()
+        def run_evaluation(checkpoint_name: Optional[str]) -> None:
+            """One H-step episode of every eval env with the deterministic policy and no partial resets (Table 3 and
+            ManiSkill's protocol: a success does not end an evaluation episode); logs means over the eval envs."""
+            eval_start = clock()
+            obs, _ = eval_envs.reset(seed=args.seed + global_step)
+            ret, success_once = 0.0, False  # (the next-step ToyChain's first reset step comes only after H steps)
+            for _ in range(H):
+                obs, reward, terminated, truncated, info = eval_envs.step(agent.deterministic_action(observe(obs)))
+                ret, success_once = ret + reward, success_once | info["success"]
+            for key, value in (("return", ret.mean()), ("success_once", success_once.float().mean()),
+                               ("success_at_end", info["success"].float().mean()), ("episode_len", H)):
+                log(f"eval/{key}", value, global_step)
+            log("time/eval", clock() - eval_start, global_step)
+            print(f"global_step={global_step} " + " ".join(f"{k}={v:.3f}" for k, v in last.items() if "eval/" in k))
+            if args.save_model and checkpoint_name:
+                save_checkpoint(run_dir / checkpoint_name, agent, optimizer, observe, global_step)
+
         if args.evaluate:
             run_evaluation(None)
             return summary
@@ -756,8 +757,9 @@ def main(args: Args) -> dict:
             summary["toy/forgetting_mean_overall"] = float(forgetting_matrix(np.stack(toy_accuracy)).mean())
     except KeyboardInterrupt:
         summary["interrupted"] = True
-        print("interrupted: writing summary.json" + (" and final_ckpt.pt" if args.save_model else ""))
-        if args.save_model:
+        save = args.save_model and global_step > start_step  # (nothing new to save before training)
+        print("interrupted: writing summary.json" + (" and final_ckpt.pt" if save else ""))
+        if save:
             save_checkpoint(run_dir / "final_ckpt.pt", agent, optimizer, observe, global_step)
         raise
     finally:

@@ -214,7 +214,7 @@ def test_stackcube_preset_is_table_3_and_without_cuda_a_short_cpu_trial_says_so(
     [
         (dict(num_steps=300), "--num-steps K=300 is longer than the task horizon H=200"),
         (dict(num_envs=10, num_minibatches=4, num_steps=5), "does not split into --num-minibatches 4"),
-        (dict(num_envs=39), "39 stagger groups the last starts at or after H=200"),  # S = ceil(200 / 39) = 6
+        (dict(num_envs=39), "--num-envs 39: with that many stagger groups the last starts at or after H=200"),  # S = ceil(200 / 39) = 6
         (dict(env_id="NoSuchTask-v9"), "is not ToyChain-v0, a ManiSkill3 task or a Gymnasium id"),
         (dict(toy=ToyChainConfig(horizon=52)), "--toy.horizon"),
         (dict(evaluate=True), "--evaluate needs --checkpoint"),
@@ -450,32 +450,66 @@ def test_bad_flag_exits_early_with_a_message_and_writes_nothing(tmp_path):
     assert os.listdir(tmp_path) == []
 
 
-def test_ctrl_c_writes_the_summary_and_a_checkpoint(tmp_path):
-    proc = subprocess.Popen([sys.executable, SCRIPT, "--output-dir", str(tmp_path), "--save-model", "--no-cuda",
-                             *TOY_SMALL, "--total-timesteps", str(10**8)], cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True,
+def live_group_members(pgid):
+    """The processes (zombies excluded) of process group `pgid`: a run started with start_new_session=True."""
+    members = []
+    for pid in (int(name) for name in os.listdir("/proc") if name.isdigit()):
+        try:
+            if os.getpgid(pid) == pgid and open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z":
+                members.append(pid)
+        except (OSError, IndexError):  # it ended meanwhile
+            pass
+    return members
+
+
+def interrupt_when(ready, args, tmp_path):
+    """Runs the script as from a terminal, sends it SIGINT once ready(proc) holds, waits for it to end and for its
+    process group to empty (no process left behind); returns its return code."""
+    proc = subprocess.Popen([sys.executable, SCRIPT, "--output-dir", str(tmp_path), "--save-model", "--no-cuda", *args],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # as if from a terminal,
     # even when pytest itself runs in the background (where a shell starts jobs with SIGINT ignored)
     try:
         deadline = time.time() + 300
-        trained = lambda: [p for p in glob.glob(os.path.join(str(tmp_path), "*", "ckpt_*.pt"))  # noqa: E731
-                           if not p.endswith("ckpt_0.pt")]  # a checkpoint written after some training
-        while time.time() < deadline and not trained():
-            time.sleep(0.2)
-        assert trained(), "no checkpoint after training started"
+        while time.time() < deadline and not ready(proc):
+            time.sleep(0.05)
+        assert ready(proc), "the run never reached the point where it is to be interrupted"
         proc.send_signal(signal.SIGINT)
         proc.communicate(timeout=60)
+        deadline = time.time() + 30
+        while time.time() < deadline and live_group_members(proc.pid):
+            time.sleep(0.1)
+        assert not live_group_members(proc.pid), "processes of the run were left behind"
+        return proc.returncode
     finally:
-        if proc.poll() is None:
+        try:
             os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    assert proc.returncode == 130
+        except ProcessLookupError:
+            pass
+        proc.wait()
+
+
+def test_ctrl_c_writes_the_summary_and_a_checkpoint(tmp_path):
+    trained = lambda proc: [p for p in glob.glob(os.path.join(str(tmp_path), "*", "ckpt_*.pt"))  # noqa: E731
+                            if not p.endswith("ckpt_0.pt")]  # a checkpoint written after some training
+    assert interrupt_when(trained, [*TOY_SMALL, "--total-timesteps", str(10**8)], tmp_path) == 130
     run_dir = only_run_dir(tmp_path)
     summary = json.load(open(os.path.join(run_dir, "summary.json")))
     assert summary["interrupted"] is True and summary["global_step"] > 0
     ckpt = torch.load(os.path.join(run_dir, "final_ckpt.pt"), weights_only=True)
     assert ckpt["global_step"] == summary["global_step"]
     assert not glob.glob(os.path.join(run_dir, "*.tmp"))
+
+
+def test_ctrl_c_while_the_envs_start_writes_the_summary_and_leaves_no_process(tmp_path):
+    """SIGINT while ManiSkill's CPU-simulation worker processes start (the run has child processes, training has not
+    begun): summary.json says interrupted, no checkpoint, and the workers end with the run."""
+    args = ["--env-id", "StackCube-v1", "--num-envs", "2", "--num-eval-envs", "1", "--horizon", "20", "--num-steps", "4"]
+    assert interrupt_when(lambda proc: len(live_group_members(proc.pid)) > 1, args, tmp_path) == 130
+    run_dir = only_run_dir(tmp_path)
+    summary = json.load(open(os.path.join(run_dir, "summary.json")))
+    assert summary["interrupted"] is True and summary["global_step"] == 0
+    assert not glob.glob(os.path.join(run_dir, "*.pt"))
 
 
 def test_stackcube_cpu_simulation_smoke(tmp_path):
