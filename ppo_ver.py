@@ -182,40 +182,40 @@ class WorkerError(RuntimeError):
 # ---- Argument resolution: presets, derived sizes, checks (all before any env or process starts) -----------------------
 def resolve_args(args: Args, world_size: Optional[int] = None) -> Args:
     """Fills the presets and derived sizes into a copy of `args` and validates it. Raises ArgsError."""
-    a = replace(args, toy=replace(args.toy))
-    a.world_size = world_size if world_size is not None else int(os.environ.get("WORLD_SIZE", "1"))
-    kind = a.env_kind = "toy" if a.env_id == "ToyChain-v0" else "maniskill"
+    resolved = replace(args, toy=replace(args.toy))
+    resolved.world_size = world_size if world_size is not None else int(os.environ.get("WORLD_SIZE", "1"))
+    kind = resolved.env_kind = "toy" if resolved.env_id == "ToyChain-v0" else "maniskill"
     for name, value in PRESETS[kind].items():
-        if getattr(a, name) is None:
-            setattr(a, name, value)
+        if getattr(resolved, name) is None:
+            setattr(resolved, name, value)
     if kind == "toy":
-        a.toy.autoreset_mode = "same_step"  # the worker resets its chain and reports the true last observation
+        resolved.toy.autoreset_mode = "same_step"  # the worker resets its chain and reports the true last observation
         try:
-            a.toy.validate()
-        except ValueError as e:
-            raise ArgsError(str(e)) from e
+            resolved.toy.validate()
+        except ValueError as error:
+            raise ArgsError(str(error)) from error
     else:
         from mani_skill.utils.registration import REGISTERED_ENVS
 
-        if a.env_id not in REGISTERED_ENVS:
-            raise ArgsError(f"--env-id {a.env_id!r}: neither ToyChain-v0 nor a ManiSkill3 task")
+        if resolved.env_id not in REGISTERED_ENVS:
+            raise ArgsError(f"--env-id {resolved.env_id!r}: neither ToyChain-v0 nor a ManiSkill3 task")
         if not (glob.glob("/usr/share/vulkan/icd.d/*") or glob.glob("/etc/vulkan/icd.d/*") or os.environ.get("VK_ICD_FILENAMES")):
-            raise ArgsError("ManiSkill3 needs a Vulkan driver even for state-only simulation, and none is installed; on "
-                            "Debian/Ubuntu run: bash .ci/install_system.sh")
-    if a.evaluate and not a.checkpoint:
+            raise ArgsError(f"--env-id {resolved.env_id}: ManiSkill3 needs a Vulkan driver even for state-only "
+                            "simulation, and none is installed; on Debian/Ubuntu run: bash .ci/install_system.sh")
+    if resolved.evaluate and not resolved.checkpoint:
         raise ArgsError("--evaluate needs --checkpoint PATH")
-    N = a.num_envs
-    if a.sync:  # step all N envs, wait for all of them, act on all
-        a.variable_experience = False
-        a.inference_min_batch = N
-    if a.inference_min_batch is None:
-        a.inference_min_batch = max(1, int(N / 1.5))  # habitat-lab's default
-    a.batch_size = N * a.num_steps
-    if a.batch_size % a.num_minibatches != 0:
-        raise ArgsError(f"the batch T*N = {a.num_steps}*{N} = {a.batch_size} does not split into --num-minibatches "
-                        f"{a.num_minibatches} equal minibatches (Sec. 2.2); pick T, N or the number of minibatches so "
-                        f"that it divides")
-    return a
+    N = resolved.num_envs
+    if resolved.sync:  # step all N envs, wait for all of them, act on all
+        resolved.variable_experience = False
+        resolved.inference_min_batch = N
+    if resolved.inference_min_batch is None:
+        resolved.inference_min_batch = max(1, int(N / 1.5))  # habitat-lab's default
+    resolved.batch_size = N * resolved.num_steps
+    if resolved.batch_size % resolved.num_minibatches != 0:
+        raise ArgsError(f"the batch T*N = {resolved.num_steps}*{N} = {resolved.batch_size} does not split into "
+                        f"--num-minibatches {resolved.num_minibatches} equal minibatches (Sec. 2.2); pick T, N or the "
+                        f"number of minibatches so that it divides")
+    return resolved
 
 
 # ---- Environments: one env as a worker (or the evaluation loop) steps it ----------------------------------------------
@@ -950,10 +950,10 @@ def ppo_update(args: Args, agent: Agent, optimizer: torch.optim.Optimizer, batch
                 clipfrac = ((ratio - 1.0).abs() > args.clip_coef).float().mean()
             advantages = batch["advantages"][idx]
             advantages = (advantages - advantages.mean()) / (advantages.std() + 1e-8)
-            w = batch["weights"][idx]
+            weights = batch["weights"][idx]
             pg = torch.max(-advantages * ratio, -advantages * ratio.clamp(1 - args.clip_coef, 1 + args.clip_coef))
-            v = (newvalue - batch["returns"][idx]).square()
-            pg_loss, v_loss, ent = (w * pg).mean(), 0.5 * (w * v).mean(), (w * entropy).mean()
+            value_error = (newvalue - batch["returns"][idx]).square()  # not clipped (CleanRL and habitat-lab clip it)
+            pg_loss, v_loss, ent = (weights * pg).mean(), 0.5 * (weights * value_error).mean(), (weights * entropy).mean()
             alpha = agent.log_ent_coef.exp()
             loss = pg_loss + args.vf_coef * v_loss - alpha.detach() * ent
             if args.learned_ent_coef:
@@ -1019,6 +1019,7 @@ def main(args: Args) -> dict:
     device = torch.device(f"cuda:{os.environ.get('LOCAL_RANK', '0')}" if use_cuda else "cpu")
     if use_cuda:
         torch.cuda.set_device(device)
+    synchronize = torch.cuda.synchronize if use_cuda else (lambda: None)  # queued GPU work, before a timer is read
     if distributed:  # torchrun: NCCL on GPUs, gloo on CPU, one GPU per local rank; a store counts the ranks done
         dist.init_process_group(backend="nccl" if use_cuda else "gloo")
         store = dist.PrefixStore("ppo_ver", dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
@@ -1041,23 +1042,6 @@ def main(args: Args) -> dict:
                        config=asdict(args), name=run_name, save_code=True)
         writer = SummaryWriter(str(run_dir))
 
-    # The evaluation env (rank 0's) tells the spaces: the shared slots, the network; then the checkpoint.
-    eval_env = make_env(args, evaluation=True)
-    slots = SharedSlots.allocate(args.num_envs, eval_env)
-    agent = Agent(eval_env.observation_space, eval_env.action_space, args.recurrent, args.ent_coef,
-                  args.learned_ent_coef).to(device)
-    optimizer = torch.optim.Adam(agent.parameters(), lr=args.learning_rate, eps=1e-5)
-    global_step, iteration = 0, 0  # iteration = updates made
-    if args.checkpoint:
-        ckpt = torch.load(args.checkpoint, map_location=device, weights_only=True)
-        agent.load_state_dict(ckpt["agent"])
-        global_step, iteration = ckpt["global_step"], ckpt["iteration"]
-        if not args.evaluate:
-            optimizer.load_state_dict(ckpt["optimizer"])
-            print(f"resuming from {args.checkpoint} at iteration {iteration}, global step {global_step}")
-    torch.manual_seed(args.seed + 1000 * rank + iteration)  # per-rank action sampling
-    rng = np.random.default_rng(args.seed + 7919 * rank + iteration)
-
     def log(name: str, value, step: int) -> None:
         last[name] = float(value)
         writer.add_scalar(name, float(value), step)
@@ -1071,10 +1055,25 @@ def main(args: Args) -> dict:
             save_checkpoint(run_dir / name, agent, optimizer, global_step, iteration)
 
     summary: dict = {"run_dir": str(run_dir), "interrupted": False}
-    env_busy_time = 0.0
-    start_time, start_step = time.time(), global_step
-    workers = None
-    try:
+    env_busy_time, global_step, iteration = 0.0, 0, 0  # iteration = updates made
+    start_time, start_step, workers, eval_env = time.time(), 0, None, None  # the finally below needs them
+    try:  # from here on (env construction included), Ctrl-C or an error still writes summary.json
+        # The evaluation env (rank 0's) tells the spaces: the shared slots, the network; then the checkpoint.
+        eval_env = make_env(args, evaluation=True)
+        slots = SharedSlots.allocate(args.num_envs, eval_env)
+        agent = Agent(eval_env.observation_space, eval_env.action_space, args.recurrent, args.ent_coef,
+                      args.learned_ent_coef).to(device)
+        optimizer = torch.optim.Adam(agent.parameters(), lr=args.learning_rate, eps=1e-5)
+        if args.checkpoint:
+            ckpt = torch.load(args.checkpoint, map_location=device, weights_only=True)
+            agent.load_state_dict(ckpt["agent"])
+            global_step, iteration = ckpt["global_step"], ckpt["iteration"]
+            start_step = global_step  # SPS counts the steps of this run
+            if not args.evaluate:
+                optimizer.load_state_dict(ckpt["optimizer"])
+                print(f"resuming from {args.checkpoint} at iteration {iteration}, global step {global_step}")
+        torch.manual_seed(args.seed + 1000 * rank + iteration)  # per-rank action sampling
+        rng = np.random.default_rng(args.seed + 7919 * rank + iteration)
         if args.evaluate:
             run_evaluation(final=True)
             print(" ".join(f"{k}={v:.4f}" for k, v in last.items()))
@@ -1102,6 +1101,7 @@ def main(args: Args) -> dict:
             collector.collect(stop_early)
             if distributed:
                 store.add(f"done_{iteration}", 1)
+            synchronize()
             collect_time = time.perf_counter() - collect_start
 
             # 2. Returns over variable-length sequences and importance weights; a preempted rank is filled up.
@@ -1114,6 +1114,7 @@ def main(args: Args) -> dict:
             # 3. PPO update (Sec. 2.2, 4), then the next rollout starts with the steps still in flight.
             losses = ppo_update(args, agent, optimizer, batch, rng)
             carried = collector.start_next_rollout()
+            synchronize()
             learn_time = time.perf_counter() - learn_start
 
             # 4. Counters of all ranks, logging (rank 0), evaluation and checkpoints.
@@ -1127,7 +1128,7 @@ def main(args: Args) -> dict:
             if rank > 0:
                 continue
             log("charts/SPS", (global_step - start_step) / (time.time() - train_start), global_step)
-            log("charts/learning_rate", args.learning_rate, global_step)
+            log("charts/learning_rate", args.learning_rate, global_step)  # constant: CleanRL anneals it, VER a cosine (Sec. 4)
             if total[2] > 0:
                 log("charts/episodic_return", total[3] / total[2], global_step)
                 log("charts/episodic_length", total[4] / total[2], global_step)
@@ -1171,7 +1172,8 @@ def main(args: Args) -> dict:
     finally:
         if workers is not None:
             workers.close()
-        eval_env.env.close()
+        if eval_env is not None:
+            eval_env.env.close()
         if rank == 0:
             wall = time.time() - start_time
             summary.update(global_step=global_step, wall_time_s=wall, sps=(global_step - start_step) / wall,

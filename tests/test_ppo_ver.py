@@ -753,6 +753,26 @@ def test_ctrl_c_writes_the_summary_and_a_checkpoint(tmp_path):
     assert ckpt["global_step"] == summary["global_step"] and ckpt["iteration"] == summary["iteration"]
 
 
+def test_ctrl_c_during_start_up_writes_the_summary(tmp_path):
+    """Ctrl-C before training starts: the run is held in start-up by a --checkpoint that is a FIFO (its open() blocks
+    until a writer comes, which never happens); SIGINT is sent a second after the TensorBoard writer made its file,
+    so the run is between its run directory and its first env worker, however slow the machine."""
+    fifo = tmp_path / "never_written.pt"
+    os.mkfifo(fifo)
+    run = Watched(HETEROGENEOUS_TOY + ["--checkpoint", str(fifo), "--save-model", "--exp-name", "startup"], tmp_path)
+    deadline = time.time() + 60
+    while time.time() < deadline and not glob.glob(os.path.join(str(tmp_path), "*startup*", "events.out.tfevents.*")):
+        time.sleep(0.05)
+    time.sleep(1.0)  # past the end of SummaryWriter(); the FIFO holds the run in start-up for as long as it takes
+    run.proc.send_signal(signal.SIGINT)
+    code, _, err, _ = run.wait(timeout=60)
+    assert code == 130, err[-3000:]
+    run_dir = only_run_dir(tmp_path, "*startup*")
+    summary = load_summary(run_dir)
+    assert summary["interrupted"] is True and summary["global_step"] == 0 and "iteration" not in summary
+    assert not glob.glob(os.path.join(run_dir, "*.pt"))  # nothing trained, nothing saved
+
+
 def test_bad_flags_exit_early_with_a_message_and_start_nothing(tmp_path):
     proc = run_script(["--num-envs", "3", "--num-steps", "7"], tmp_path, check=False)
     assert proc.returncode == 2 and "error: the batch T*N = 7*3 = 21 does not split" in proc.stderr
