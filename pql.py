@@ -207,6 +207,9 @@ def resolve_args(args: Args) -> Args:
     a.p_learner_device = a.v_learner_device if a.ddpg_n else (a.p_learner_device or a.actor_device)
     a.sim_backend = "torch" if is_toy else ("physx_cuda" if a.actor_device.startswith("cuda") else "physx_cpu")
     preset = TOY_PRESET if is_toy else (MANISKILL_GPU if a.sim_backend == "physx_cuda" else MANISKILL_CPU)
+    if preset is MANISKILL_CPU:
+        print(f"note: without CUDA, {a.env_id} runs a short trial on CPU simulation ({MANISKILL_CPU['num_envs']} envs, "
+              f"{MANISKILL_CPU['total_timesteps']:,} steps); the paper's preset needs a CUDA GPU; flags override it")
     for name, value in preset.items():
         if getattr(a, name) is None:
             setattr(a, name, value)
@@ -231,6 +234,8 @@ def resolve_args(args: Args) -> Args:
                         f"{a.num_envs} envs: not more than --warm-up-steps + --nstep, nothing would be learned")
     if a.evaluate and not a.checkpoint:
         raise ArgsError("--evaluate needs --checkpoint PATH")
+    if a.checkpoint and not os.path.isfile(a.checkpoint):
+        raise ArgsError(f"--checkpoint {a.checkpoint}: no such file")
     return a
 
 
@@ -807,6 +812,7 @@ def main(args: Args) -> dict:
 
     try:
         eval_envs = make_env(args, args.num_eval_envs, device, evaluation=True)
+        check()  # a Ctrl-C during start-up ends the run before the training envs are built
         obs_dim = int(np.prod(eval_envs.single_observation_space.shape))
         act_dim = int(np.prod(eval_envs.single_action_space.shape))
         act_low, act_high = (torch.as_tensor(x, dtype=torch.float32, device=device)
@@ -823,6 +829,7 @@ def main(args: Args) -> dict:
             metrics = evaluate(policy, eval_envs, obs_stats, args.resolved_horizon, args.seed + 10_000 +
                                actor_step, act_low, act_high, check)
             summary["eval_time_s"] += time.time() - start  # the learners idle meanwhile
+            log("time/eval", time.time() - start, global_step)  # seconds of this evaluation (synchronized by .item())
             for k, v in metrics.items():
                 log(f"eval/{k}", v, global_step)
             if args.evaluate:
@@ -854,14 +861,16 @@ def main(args: Args) -> dict:
             run_eval()
             return summary
 
-        envs = make_env(args, args.num_envs, device, evaluation=False)
         capacity = min(args.buffer_size, args.num_actor_steps * args.num_envs)
-        bytes_needed = capacity * 4 * (3 * obs_dim + act_dim + 2)  # both buffers: obs, next_obs, action, r, discount
-        free = (torch.cuda.mem_get_info(device)[0] if device.type == "cuda"
-                else os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
-        if bytes_needed > free:
-            raise ArgsError(f"--buffer-size {args.buffer_size}: the replay buffers need {bytes_needed / 2**30:.1f} "
-                            f"GiB, more than the {free / 2**30:.1f} GiB free; use a smaller --buffer-size")
+        for buffer_device in sorted({args.v_learner_device, args.p_learner_device}):  # V: s, s', a, r, discount; P: s
+            bytes_needed = capacity * 4 * ((2 * obs_dim + act_dim + 2) * (buffer_device == args.v_learner_device)
+                                           + obs_dim * (buffer_device == args.p_learner_device))
+            free = (torch.cuda.mem_get_info(buffer_device)[0] if torch.device(buffer_device).type == "cuda"
+                    else os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+            if bytes_needed > free:
+                raise ArgsError(f"--buffer-size {args.buffer_size}: the replay buffers need {bytes_needed / 2**30:.1f} "
+                                f"GiB on {buffer_device}, {free / 2**30:.1f} GiB free; use a smaller --buffer-size")
+        envs = make_env(args, args.num_envs, device, evaluation=False)
         first_step = actor_step
         critic_vector = parameters_to_vector(critic.parameters()).detach().to(args.p_learner_device)
         if parallel:  # Sec. 3.1: the V-learner and the P-learner as two processes
