@@ -194,44 +194,49 @@ class ProcessFailed(RuntimeError):
 
 def resolve_args(args: Args) -> Args:
     """Fills presets, devices and derived sizes into `args` and checks what users get wrong. Raises ArgsError."""
-    a = args
-    is_toy = a.env_id == TOY_ENV_ID
+    is_toy = args.env_id == TOY_ENV_ID
     if not is_toy:
         from mani_skill.utils.registration import REGISTERED_ENVS
-        if a.env_id not in REGISTERED_ENVS:
-            raise ArgsError(f"--env-id {a.env_id!r} is not {TOY_ENV_ID} or a registered ManiSkill3 task "
+        if args.env_id not in REGISTERED_ENVS:
+            raise ArgsError(f"--env-id {args.env_id!r} is not {TOY_ENV_ID} or a registered ManiSkill3 task "
                             f"(e.g. PickCube-v1, PushCube-v1, StackCube-v1)")
-    default_device = "cuda" if a.cuda and torch.cuda.is_available() else "cpu"
-    a.actor_device = a.actor_device or default_device
-    a.v_learner_device = a.v_learner_device or a.actor_device
-    a.p_learner_device = a.v_learner_device if a.ddpg_n else (a.p_learner_device or a.actor_device)
-    a.sim_backend = "torch" if is_toy else ("physx_cuda" if a.actor_device.startswith("cuda") else "physx_cpu")
-    preset = TOY_PRESET if is_toy else (MANISKILL_GPU if a.sim_backend == "physx_cuda" else MANISKILL_CPU)
+    default_device = "cuda" if args.cuda and torch.cuda.is_available() else "cpu"
+    args.actor_device = args.actor_device or default_device
+    args.v_learner_device = args.v_learner_device or args.actor_device
+    args.p_learner_device = args.v_learner_device if args.ddpg_n else (args.p_learner_device or args.actor_device)
+    args.sim_backend = "torch" if is_toy else ("physx_cuda" if args.actor_device.startswith("cuda") else "physx_cpu")
+    preset = TOY_PRESET if is_toy else (MANISKILL_GPU if args.sim_backend == "physx_cuda" else MANISKILL_CPU)
+    if preset is MANISKILL_CPU:
+        print(f"note: without CUDA, {args.env_id} runs a short trial on CPU simulation "
+              f"({MANISKILL_CPU['num_envs']} envs, {MANISKILL_CPU['total_timesteps']:,} steps); the paper's preset "
+              f"needs a CUDA GPU; flags override it")
     for name, value in preset.items():
-        if getattr(a, name) is None:
-            setattr(a, name, value)
+        if getattr(args, name) is None:
+            setattr(args, name, value)
     if is_toy:
         try:
-            a.toy.validate()
+            args.toy.validate()
         except ValueError as e:
             raise ArgsError(str(e)) from e
-        if a.toy.autoreset_mode != "same_step":
+        if args.toy.autoreset_mode != "same_step":
             raise ArgsError("--toy.autoreset-mode: pql.py consumes same-step autoreset (as ManiSkill); "
                             "use --toy.autoreset-mode same_step")
-        a.resolved_horizon = a.toy.horizon
+        args.resolved_horizon = args.toy.horizon
     else:
-        a.resolved_horizon = a.horizon or gym.spec(a.env_id).max_episode_steps
+        args.resolved_horizon = args.horizon or gym.spec(args.env_id).max_episode_steps
         icd_files = glob.glob("/usr/share/vulkan/icd.d/*.json") + glob.glob("/etc/vulkan/icd.d/*.json")
         if sys.platform == "linux" and not (icd_files or os.environ.get("VK_ICD_FILENAMES")):
             raise ArgsError("ManiSkill3 needs a Vulkan driver even for state-only simulation, and none is installed; "
                             "on Debian/Ubuntu run: bash .ci/install_system.sh")
-    a.num_actor_steps = a.total_timesteps // a.num_envs
-    if not a.evaluate and a.num_actor_steps <= a.warm_up_steps + a.nstep:
-        raise ArgsError(f"--total-timesteps {a.total_timesteps} gives {a.num_actor_steps} Actor steps of "
-                        f"{a.num_envs} envs: not more than --warm-up-steps + --nstep, nothing would be learned")
-    if a.evaluate and not a.checkpoint:
+    args.num_actor_steps = args.total_timesteps // args.num_envs
+    if not args.evaluate and args.num_actor_steps <= args.warm_up_steps + args.nstep:
+        raise ArgsError(f"--total-timesteps {args.total_timesteps} gives {args.num_actor_steps} Actor steps of "
+                        f"{args.num_envs} envs: not more than --warm-up-steps + --nstep, nothing would be learned")
+    if args.evaluate and not args.checkpoint:
         raise ArgsError("--evaluate needs --checkpoint PATH")
-    return a
+    if args.checkpoint and not os.path.isfile(args.checkpoint):
+        raise ArgsError(f"--checkpoint {args.checkpoint}: no such file")
+    return args
 
 
 # ---- Environments (same-step autoreset: the true last observation is info["final_obs"]) ------------------------------
@@ -807,6 +812,7 @@ def main(args: Args) -> dict:
 
     try:
         eval_envs = make_env(args, args.num_eval_envs, device, evaluation=True)
+        check()  # a Ctrl-C during start-up ends the run before the training envs are built
         obs_dim = int(np.prod(eval_envs.single_observation_space.shape))
         act_dim = int(np.prod(eval_envs.single_action_space.shape))
         act_low, act_high = (torch.as_tensor(x, dtype=torch.float32, device=device)
@@ -823,6 +829,7 @@ def main(args: Args) -> dict:
             metrics = evaluate(policy, eval_envs, obs_stats, args.resolved_horizon, args.seed + 10_000 +
                                actor_step, act_low, act_high, check)
             summary["eval_time_s"] += time.time() - start  # the learners idle meanwhile
+            log("time/eval", time.time() - start, global_step)  # seconds of this evaluation (synchronized by .item())
             for k, v in metrics.items():
                 log(f"eval/{k}", v, global_step)
             if args.evaluate:
@@ -854,14 +861,17 @@ def main(args: Args) -> dict:
             run_eval()
             return summary
 
-        envs = make_env(args, args.num_envs, device, evaluation=False)
         capacity = min(args.buffer_size, args.num_actor_steps * args.num_envs)
-        bytes_needed = capacity * 4 * (3 * obs_dim + act_dim + 2)  # both buffers: obs, next_obs, action, r, discount
-        free = (torch.cuda.mem_get_info(device)[0] if device.type == "cuda"
-                else os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
-        if bytes_needed > free:
-            raise ArgsError(f"--buffer-size {args.buffer_size}: the replay buffers need {bytes_needed / 2**30:.1f} "
-                            f"GiB, more than the {free / 2**30:.1f} GiB free; use a smaller --buffer-size")
+        needed = {args.v_learner_device: 0, args.p_learner_device: 0}  # bytes of replay buffer on each device:
+        needed[args.v_learner_device] += capacity * 4 * (2 * obs_dim + act_dim + 2)  # V-learner: s, s', a, r, discount
+        needed[args.p_learner_device] += capacity * 4 * obs_dim  # P-learner: s
+        for buffer_device, bytes_needed in needed.items():
+            free = (torch.cuda.mem_get_info(buffer_device)[0] if torch.device(buffer_device).type == "cuda"
+                    else os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+            if bytes_needed > free:
+                raise ArgsError(f"--buffer-size {args.buffer_size}: the replay buffers need {bytes_needed / 2**30:.1f} "
+                                f"GiB on {buffer_device}, {free / 2**30:.1f} GiB free; use a smaller --buffer-size")
+        envs = make_env(args, args.num_envs, device, evaluation=False)
         first_step = actor_step
         critic_vector = parameters_to_vector(critic.parameters()).detach().to(args.p_learner_device)
         if parallel:  # Sec. 3.1: the V-learner and the P-learner as two processes

@@ -298,7 +298,7 @@ def test_running_mean_std_matches_numpy():
 # ----------------------------------------------------------------------------------------------------------------------
 # Arguments: presets and early, clear errors
 # ----------------------------------------------------------------------------------------------------------------------
-def test_defaults_are_table_b1():
+def test_defaults_are_table_b1(capsys):
     a = pql.Args()
     assert (a.batch_size, a.buffer_size, a.learning_rate, a.max_grad_norm, a.nstep, a.tau, a.gamma) == \
         (None, 5_000_000, 5e-4, 0.5, 3, 0.05, 0.99)
@@ -307,6 +307,7 @@ def test_defaults_are_table_b1():
     assert pql.MANISKILL_GPU["num_envs"] == 4096 and pql.MANISKILL_GPU["batch_size"] == 8192
     r = pql.resolve_args(pql.Args(env_id="PickCube-v1", cuda=False))
     assert r.sim_backend == "physx_cpu" and r.num_envs == 8 and r.resolved_horizon == 50
+    assert "note: without CUDA, PickCube-v1 runs a short trial on CPU simulation (8 envs" in capsys.readouterr().out
     assert r.actor_device == r.v_learner_device == r.p_learner_device == "cpu" and r.norm_obs
 
 
@@ -316,6 +317,7 @@ def test_defaults_are_table_b1():
         (dict(env_id="ToyChain-v0"), "is not ToyChainContinuous-v0 or a registered ManiSkill3 task"),
         (dict(total_timesteps=64 * 30), "nothing would be learned"),
         (dict(evaluate=True), "--evaluate needs --checkpoint"),
+        (dict(checkpoint="no/such/ckpt.pt"), "--checkpoint no/such/ckpt.pt: no such file"),
         (dict(toy=ToyChainContinuousConfig(action_dim=0)), "--toy.action-dim"),
         (dict(toy=ToyChainContinuousConfig(autoreset_mode="next_step")), "--toy.autoreset-mode"),
     ],
