@@ -768,9 +768,9 @@ def main(args: Args) -> dict:
         summary.update(last)
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         writer.close()
-        for e in (envs, eval_envs):
-            if e is not None:
-                e.close()
+        for vector_env in (envs, eval_envs):
+            if vector_env is not None:
+                vector_env.close()
     return summary
 
 
