@@ -696,7 +696,10 @@ class Watched:
         self.watch()
 
     def wait(self, timeout):
-        while self.proc.poll() is None and time.time() - self.start < timeout:
+        """Waits up to `timeout` s from now for the run to end (then kills its group); returns its exit code, output
+        and the seconds since it started."""
+        deadline = time.time() + timeout
+        while self.proc.poll() is None and time.time() < deadline:
             self.watch()
             time.sleep(0.1)
         if self.proc.poll() is None:
