@@ -170,39 +170,39 @@ def resolve_args(args: Args, world_size: int = 1) -> Args:
 
     local_batch_size = local_num_envs x num_steps, batch_size = world_size x local_batch_size, and the minibatches
     are those divided by num_minibatches. Actor threads and devices do not appear: they are hardware (Sec. 4.1)."""
-    a = copy.deepcopy(args)
-    if a.env_id != TOY_ENV_ID:
+    args = copy.deepcopy(args)
+    if args.env_id != TOY_ENV_ID:
         from envpool.registration import registry
 
-        if a.env_id not in registry.specs or registry.specs[a.env_id][0] != "envpool.atari":
-            raise ArgsError(f"--env-id {a.env_id!r} is neither an EnvPool Atari task (Breakout-v5...) nor ToyChain-v0")
-    elif a.toy.autoreset_mode != "next_step":
+        if args.env_id not in registry.specs or registry.specs[args.env_id][0] != "envpool.atari":
+            raise ArgsError(f"--env-id {args.env_id!r} is not an EnvPool Atari task (Breakout-v5...) or ToyChain-v0")
+    elif args.toy.autoreset_mode != "next_step":
         raise ArgsError("--toy.autoreset-mode: this script consumes next-step autoreset (EnvPool's); use next_step")
-    for name, value in PRESETS["toy" if a.env_id == TOY_ENV_ID else "atari"].items():
-        if getattr(a, name) is None:
-            setattr(a, name, value)
-    threads = a.num_actor_threads * len(a.actor_device_ids or [0])
-    if a.local_num_envs % threads:
-        raise ArgsError(f"--local-num-envs {a.local_num_envs} does not split over {threads} actor threads "
+    for name, value in PRESETS["toy" if args.env_id == TOY_ENV_ID else "atari"].items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    threads = args.num_actor_threads * len(args.actor_device_ids or [0])
+    if args.local_num_envs % threads:
+        raise ArgsError(f"--local-num-envs {args.local_num_envs} does not split over {threads} actor threads "
                         f"(--num-actor-threads x actor devices)")
-    a.world_size = world_size
-    a.envs_per_thread = a.local_num_envs // threads
-    a.num_envs = a.local_num_envs * world_size
-    a.local_batch_size = a.local_num_envs * a.num_steps
-    a.batch_size = a.local_batch_size * world_size
-    if a.local_num_envs % a.num_minibatches:
-        raise ArgsError(f"--local-num-envs {a.local_num_envs} does not split into --num-minibatches "
-                        f"{a.num_minibatches} groups of whole env sequences (V-trace runs along each sequence)")
-    a.local_minibatch_size = a.local_batch_size // a.num_minibatches
-    a.minibatch_size = a.local_minibatch_size * world_size
-    a.num_updates = a.total_timesteps // a.batch_size
-    if a.num_updates < 1 and not a.evaluate:
-        raise ArgsError(f"--total-timesteps {a.total_timesteps} is less than one batch ({a.batch_size})")
-    if a.evaluate and not a.checkpoint:
+    args.world_size = world_size
+    args.envs_per_thread = args.local_num_envs // threads
+    args.num_envs = args.local_num_envs * world_size
+    args.local_batch_size = args.local_num_envs * args.num_steps
+    args.batch_size = args.local_batch_size * world_size
+    if args.local_num_envs % args.num_minibatches:
+        raise ArgsError(f"--local-num-envs {args.local_num_envs} does not split into --num-minibatches "
+                        f"{args.num_minibatches} groups of whole env sequences (V-trace runs along each sequence)")
+    args.local_minibatch_size = args.local_batch_size // args.num_minibatches
+    args.minibatch_size = args.local_minibatch_size * world_size
+    args.num_updates = args.total_timesteps // args.batch_size
+    if args.num_updates < 1 and not args.evaluate:
+        raise ArgsError(f"--total-timesteps {args.total_timesteps} is less than one batch ({args.batch_size})")
+    if args.evaluate and not args.checkpoint:
         raise ArgsError("--evaluate needs --checkpoint PATH")
-    if a.checkpoint and not os.path.isfile(a.checkpoint):
-        raise ArgsError(f"--checkpoint {a.checkpoint}: no such file")
-    return a
+    if args.checkpoint and not os.path.isfile(args.checkpoint):
+        raise ArgsError(f"--checkpoint {args.checkpoint}: no such file")
+    return args
 
 
 # ---- Environments: EnvPool Atari, and ToyChain-v0 behind EnvPool's send/recv API (both next-step autoreset) ----

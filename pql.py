@@ -564,10 +564,9 @@ class VLearner:
     def target(self, returns: torch.Tensor, discounts: torch.Tensor, next_obs: torch.Tensor) -> torch.Tensor:
         """The n-step double-Q target y = R + discount * min(Q1', Q2')(s', pi^v(s') + clip(noise)) (target networks
         Q', the lagged policy pi^v); with PQL-D the projected target distribution (B, NUM_ATOMS)."""
-        a = self.args
         next_action = self.policy(next_obs)
         noise = (torch.randn(next_action.shape, device=self.device, generator=self.generator)
-                 * a.target_noise_std).clamp(-0.2, 0.2)
+                 * self.args.target_noise_std).clamp(-0.2, 0.2)
         next_action = (next_action + noise).clamp(-1.0, 1.0)
         if self.critic.distributional:
             logits1, logits2 = self.critic_target(next_obs, next_action)
