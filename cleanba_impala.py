@@ -183,16 +183,20 @@ def resolve_args(args: Args, world_size: int = 1) -> Args:
             setattr(args, name, value)
     threads = args.num_actor_threads * len(args.actor_device_ids or [0])
     if args.local_num_envs % threads:
-        raise ArgsError(f"--local-num-envs {args.local_num_envs} does not split over {threads} actor threads "
-                        f"(--num-actor-threads x actor devices)")
+        raise ArgsError(
+            f"--local-num-envs {args.local_num_envs} does not split over {threads} actor threads "
+            f"(--num-actor-threads x actor devices)"
+        )
     args.world_size = world_size
     args.envs_per_thread = args.local_num_envs // threads
     args.num_envs = args.local_num_envs * world_size
     args.local_batch_size = args.local_num_envs * args.num_steps
     args.batch_size = args.local_batch_size * world_size
     if args.local_num_envs % args.num_minibatches:
-        raise ArgsError(f"--local-num-envs {args.local_num_envs} does not split into --num-minibatches "
-                        f"{args.num_minibatches} groups of whole env sequences (V-trace runs along each sequence)")
+        raise ArgsError(
+            f"--local-num-envs {args.local_num_envs} does not split into --num-minibatches "
+            f"{args.num_minibatches} groups of whole env sequences (V-trace runs along each sequence)"
+        )
     args.local_minibatch_size = args.local_batch_size // args.num_minibatches
     args.minibatch_size = args.local_minibatch_size * world_size
     args.num_updates = args.total_timesteps // args.batch_size
@@ -238,8 +242,10 @@ class ToyChainPool:
 def env_seeds(seed: int, rank: int, first_env: int, num_envs: int, start_update: int) -> list[int]:
     """One seed per env from its global index, so that an env gets the same seed whatever the number of actor
     threads it is split over; resuming at a later update draws new ones."""
-    return [int(np.random.SeedSequence([seed, rank, first_env + i, start_update]).generate_state(1)[0] >> 1)
-            for i in range(num_envs)]
+    return [
+        int(np.random.SeedSequence([seed, rank, first_env + i, start_update]).generate_state(1)[0] >> 1)
+        for i in range(num_envs)
+    ]
 
 
 def make_env(args: Args, num_envs: int, seeds: list[int]):
@@ -249,10 +255,24 @@ def make_env(args: Args, num_envs: int, seeds: list[int]):
 
     # Sec. 5 (Machado et al. 2018): sticky actions 0.25, full action space, no life-loss signal, 84x84 grey, 4 stacked
     # frames, frame skip 4; rewards clipped for learning (info["reward"] keeps the raw game score).
-    return envpool.make(args.env_id, env_type="gymnasium", num_envs=num_envs, batch_size=num_envs, seed=seeds,
-                        max_episode_steps=args.max_episode_steps, repeat_action_probability=0.25,
-                        full_action_space=True, episodic_life=False, noop_max=1, reward_clip=True, stack_num=4,
-                        frame_skip=4, img_height=84, img_width=84, gray_scale=True)
+    return envpool.make(
+        args.env_id,
+        env_type="gymnasium",
+        num_envs=num_envs,
+        batch_size=num_envs,
+        seed=seeds,
+        max_episode_steps=args.max_episode_steps,
+        repeat_action_probability=0.25,
+        full_action_space=True,
+        episodic_life=False,
+        noop_max=1,
+        reward_clip=True,
+        stack_num=4,
+        frame_skip=4,
+        img_height=84,
+        img_width=84,
+        gray_scale=True,
+    )
 
 
 # ---- Pure functions (importable, tested in tests/test_cleanba_impala.py) ----
@@ -281,8 +301,18 @@ def logprob_entropy(logits: torch.Tensor, actions: torch.Tensor):
     return logprob, entropy
 
 
-def vtrace(values, next_values, rewards, bootstrap_cut, dones, log_rhos, gamma: float, lambda_: float = 1.0,
-           clip_rho_threshold: float = 1.0, clip_pg_rho_threshold: float = 1.0):
+def vtrace(
+    values,
+    next_values,
+    rewards,
+    bootstrap_cut,
+    dones,
+    log_rhos,
+    gamma: float,
+    lambda_: float = 1.0,
+    clip_rho_threshold: float = 1.0,
+    clip_pg_rho_threshold: float = 1.0,
+):
     """V-trace targets and policy-gradient advantages (Espeholt et al. 2018, Sec. 4.1; rlax's vtrace) over (T, N).
 
     Row t is one transition x_t --a_t--> x'_t:
@@ -327,14 +357,23 @@ def impala_loss(agent: nn.Module, batch: dict, args: Args):
     obs = batch["obs"]
     T, n = obs.shape[:2]
     logits, values = agent(torch.cat([obs, batch["next_obs"].unsqueeze(0)]).flatten(0, 1))
-    logits, values = logits[:T * n].view(T, n, -1), values.view(T + 1, n)
+    logits, values = logits[: T * n].view(T, n, -1), values.view(T + 1, n)
     logprob, entropy = logprob_entropy(logits, batch["actions"])
     log_rhos = logprob.detach() - batch["logprobs"]
     dones = batch["terminations"] | batch["truncations"]
     bootstrap_cut = batch["terminations"] if args.bootstrap_at_done == "truncated" else torch.zeros_like(dones)
-    vs, pg_advantages = vtrace(values[:T].detach(), values[1:].detach(), batch["rewards"], bootstrap_cut, dones,
-                               log_rhos, args.gamma, args.vtrace_lambda, args.clip_rho_threshold,
-                               args.clip_pg_rho_threshold)
+    vs, pg_advantages = vtrace(
+        values[:T].detach(),
+        values[1:].detach(),
+        batch["rewards"],
+        bootstrap_cut,
+        dones,
+        log_rhos,
+        args.gamma,
+        args.vtrace_lambda,
+        args.clip_rho_threshold,
+        args.clip_pg_rho_threshold,
+    )
     valid = batch["valid"].float()  # next-step reset rows carry no transition
     policy_loss = (-logprob * pg_advantages * valid).sum()
     value_loss = (0.5 * (vs - values[:T]).square() * valid).sum()
@@ -342,8 +381,16 @@ def impala_loss(agent: nn.Module, batch: dict, args: Args):
     loss = policy_loss + args.vf_coef * value_loss - args.ent_coef * entropy
     with torch.no_grad():
         rhos = log_rhos.exp()
-        logged = torch.stack([policy_loss, value_loss, entropy, (((rhos - 1) - log_rhos) * valid).sum(),
-                              (rhos * valid).sum(), ((rhos > args.clip_rho_threshold).float() * valid).sum()])
+        logged = torch.stack(
+            [
+                policy_loss,
+                value_loss,
+                entropy,
+                (((rhos - 1) - log_rhos) * valid).sum(),
+                (rhos * valid).sum(),
+                ((rhos > args.clip_rho_threshold).float() * valid).sum(),
+            ]
+        )
     return loss, logged.double(), valid.sum().double()
 
 
@@ -387,12 +434,23 @@ class Agent(nn.Module):
         super().__init__()
         if args.env_id == TOY_ENV_ID:
             self.num_blocks, num_actions, hidden = args.toy.num_blocks, args.toy.num_actions, 64
-            self.torso = nn.Sequential(layer_init(nn.Linear(self.num_blocks, hidden)), nn.ReLU(),
-                                       layer_init(nn.Linear(hidden, hidden)), nn.ReLU())
+            self.torso = nn.Sequential(
+                layer_init(nn.Linear(self.num_blocks, hidden)),
+                nn.ReLU(),
+                layer_init(nn.Linear(hidden, hidden)),
+                nn.ReLU(),
+            )
         else:
             self.num_blocks, num_actions, hidden = 0, 18, 256  # the full action space (Sec. 5)
-            self.torso = nn.Sequential(ConvSequence(4, 16), ConvSequence(16, 32), ConvSequence(32, 32), nn.ReLU(),
-                                       nn.Flatten(), layer_init(nn.Linear(32 * 11 * 11, hidden)), nn.ReLU())
+            self.torso = nn.Sequential(
+                ConvSequence(4, 16),
+                ConvSequence(16, 32),
+                ConvSequence(32, 32),
+                nn.ReLU(),
+                nn.Flatten(),
+                layer_init(nn.Linear(32 * 11 * 11, hidden)),
+                nn.ReLU(),
+            )
         self.actor = layer_init(nn.Linear(hidden, num_actions), std=0.01)
         self.critic = layer_init(nn.Linear(hidden, 1), std=1.0)
 
@@ -456,8 +514,16 @@ class ActorThread(threading.Thread):
     """One actor thread: its own EnvPool (envs_per_thread envs), its own copy of the network on its device, its own
     params queue and rollout queue of size 1 (Fig. 1 right)."""
 
-    def __init__(self, args: Args, index: int, device: torch.device, rank: int, start_update: int,
-                 template: nn.Module, stop: threading.Event):
+    def __init__(
+        self,
+        args: Args,
+        index: int,
+        device: torch.device,
+        rank: int,
+        start_update: int,
+        template: nn.Module,
+        stop: threading.Event,
+    ):
         super().__init__(daemon=True, name=f"actor-{index}")
         self.args, self.index, self.device, self.rank = args, index, device, rank
         self.start_update, self.stop = start_update, stop
@@ -475,7 +541,7 @@ class ActorThread(threading.Thread):
         logits, _ = self.agent(obs.to(self.device))
         generator = torch.Generator(device=self.device).manual_seed(noise_seed(self.args.seed, self.rank, update, step))
         uniform = torch.rand((self.args.local_num_envs, logits.shape[-1]), generator=generator, device=self.device)
-        action = sample_actions(logits, uniform[self.first_env:self.first_env + logits.shape[0]])
+        action = sample_actions(logits, uniform[self.first_env : self.first_env + logits.shape[0]])
         logprob, _ = logprob_entropy(logits, action)
         return action.cpu(), logprob.cpu()
 
@@ -523,8 +589,9 @@ class ActorThread(threading.Thread):
                 episodes.step(info, terminated | truncated)
             rollout = {key: torch.stack(rows) for key, rows in storage.items()}
             rollout["next_obs"] = obs  # o_T: the learner's V(o_T) bootstraps the last row
-            rollout.update(policy_version=policy_version, episodes=episodes.sums,
-                           params_queue_get_time=params_queue_get_time)
+            rollout.update(
+                policy_version=policy_version, episodes=episodes.sums, params_queue_get_time=params_queue_get_time
+            )
             blocking(partial(self.rollout_queue.put, rollout), alive)
 
 
@@ -543,8 +610,9 @@ class Learner:
     def __init__(self, args: Args, agent: nn.Module, device: torch.device, rank: int):
         self.args, self.agent, self.device, self.rank = args, agent, device, rank
         # Table 3: RMSprop with eps 0.01 (outside the square root) and decay 0.99, no momentum, not centred.
-        self.optimizer = torch.optim.RMSprop(agent.parameters(), lr=args.learning_rate, alpha=args.rmsprop_alpha,
-                                             eps=args.rmsprop_eps)
+        self.optimizer = torch.optim.RMSprop(
+            agent.parameters(), lr=args.learning_rate, alpha=args.rmsprop_alpha, eps=args.rmsprop_eps
+        )
 
     def update(self, batch: dict, update: int) -> dict:
         """num_minibatches RMSprop steps, each on a group of whole env sequences (one pass, no shuffling, as Cleanba).
@@ -590,8 +658,14 @@ class Logger:
         if args.track:
             import wandb
 
-            wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, sync_tensorboard=True,
-                       config=asdict(args), name=run_name, save_code=True)
+            wandb.init(
+                project=args.wandb_project_name,
+                entity=args.wandb_entity,
+                sync_tensorboard=True,
+                config=asdict(args),
+                name=run_name,
+                save_code=True,
+            )
         self.writer = SummaryWriter(str(run_dir))
         self.jsonl = open(run_dir / "updates.jsonl", "a")
         self.last: dict[str, float] = {}
@@ -611,8 +685,12 @@ class Logger:
 def save_checkpoint(path: Path, agent, optimizer, update: int, global_step: int) -> None:
     """Model, optimizer, update and global step (all randomness derives from the seed and the update number),
     written to a temporary file and renamed, so that a crash never leaves a half-written checkpoint."""
-    state = {"agent": agent.state_dict(), "optimizer": optimizer.state_dict(), "update": update,
-             "global_step": global_step}
+    state = {
+        "agent": agent.state_dict(),
+        "optimizer": optimizer.state_dict(),
+        "update": update,
+        "global_step": global_step,
+    }
     torch.save(state, path.with_name(path.name + ".tmp"))
     os.replace(path.with_name(path.name + ".tmp"), path)
 
@@ -681,8 +759,7 @@ def main(args: Args) -> dict:
         run_dir.mkdir(parents=True)
         (run_dir / "config.json").write_text(json.dumps(asdict(args), indent=2))
         logger = Logger(run_dir, args, run_name)
-    summary = {"global_step": global_step, "update": start_update - 1, "world_size": world_size,
-               "interrupted": False}
+    summary = {"global_step": global_step, "update": start_update - 1, "world_size": world_size, "interrupted": False}
     start_time, start_step = time.time(), global_step
     stop = threading.Event()
     actors = []
@@ -698,8 +775,9 @@ def main(args: Args) -> dict:
     except KeyboardInterrupt:
         summary["interrupted"] = True
         if rank == 0 and args.save_model and summary["update"] >= start_update:
-            save_checkpoint(run_dir / "final_ckpt.pt", agent, learner.optimizer, summary["update"],
-                            summary["global_step"])
+            save_checkpoint(
+                run_dir / "final_ckpt.pt", agent, learner.optimizer, summary["update"], summary["global_step"]
+            )
         raise
     finally:
         stop.set()
@@ -727,8 +805,17 @@ def publish_params(agent: nn.Module, actors: list[ActorThread], version: int) ->
         blocking(partial(actor.params_queue.put, (version, snapshots[actor.device])), actor.is_alive)
 
 
-def train(args: Args, learner: Learner, actors: list[ActorThread], logger: Optional[Logger], run_dir: Optional[Path],
-          rank: int, start_update: int, global_step: int, summary: dict) -> None:
+def train(
+    args: Args,
+    learner: Learner,
+    actors: list[ActorThread],
+    logger: Optional[Logger],
+    run_dir: Optional[Path],
+    rank: int,
+    start_update: int,
+    global_step: int,
+    summary: dict,
+) -> None:
     agent, device = learner.agent, learner.device
     try:
         publish_params(agent, actors, start_update)  # pi_start to every actor before it starts
@@ -750,8 +837,7 @@ def train(args: Args, learner: Learner, actors: list[ActorThread], logger: Optio
 
             keys = ("count", "returns", "lengths", "successes")
             episodes = torch.tensor([[r["episodes"][k] for k in keys] for r in rollouts], dtype=torch.float64)
-            count, returns, lengths, successes = all_reduce_sum(
-                episodes.sum(0).to(device), args.world_size).tolist()
+            count, returns, lengths, successes = all_reduce_sum(episodes.sum(0).to(device), args.world_size).tolist()
             summary["update"], summary["global_step"] = update, global_step
             if rank != 0:
                 continue
@@ -759,14 +845,18 @@ def train(args: Args, learner: Learner, actors: list[ActorThread], logger: Optio
             row = {f"losses/{name}": value for name, value in stats.items() if name != "learning_rate"}
             row["cleanba/rho_mean"] = row.pop("losses/rho_mean")  # how far behind the behaviour policy is
             row["cleanba/rho_clipfrac"] = row.pop("losses/rho_clipfrac")
-            row.update({"charts/learning_rate": stats["learning_rate"],
-                        "charts/SPS": (global_step - start_step) / (time.time() - train_start),
-                        "cleanba/data_policy_version": data_version, "cleanba/learner_policy_version": update,
-                        "cleanba/policy_lag": update - data_version,
-                        # Sec. 4.2: rollout_Q.get() longer than param_Q.get(): the actors are the bottleneck
-                        "cleanba/rollout_queue_get_time": rollout_queue_get_time,
-                        "cleanba/params_queue_get_time": float(np.mean([r["params_queue_get_time"]
-                                                                        for r in rollouts]))})
+            row.update(
+                {
+                    "charts/learning_rate": stats["learning_rate"],
+                    "charts/SPS": (global_step - start_step) / (time.time() - train_start),
+                    "cleanba/data_policy_version": data_version,
+                    "cleanba/learner_policy_version": update,
+                    "cleanba/policy_lag": update - data_version,
+                    # Sec. 4.2: rollout_Q.get() longer than param_Q.get(): the actors are the bottleneck
+                    "cleanba/rollout_queue_get_time": rollout_queue_get_time,
+                    "cleanba/params_queue_get_time": float(np.mean([r["params_queue_get_time"] for r in rollouts])),
+                }
+            )
             if count > 0:
                 row.update({"charts/episodic_return": returns / count, "charts/episodic_length": lengths / count})
                 if args.env_id == TOY_ENV_ID:

@@ -177,16 +177,20 @@ def resolve_args(args: Args, world_size: int = 1) -> Args:
             setattr(args, name, value)
     threads = args.num_actor_threads * len(args.actor_device_ids or [0])
     if args.local_num_envs % threads:
-        raise ArgsError(f"--local-num-envs {args.local_num_envs} does not split over {threads} actor threads "
-                        f"(--num-actor-threads x actor devices)")
+        raise ArgsError(
+            f"--local-num-envs {args.local_num_envs} does not split over {threads} actor threads "
+            f"(--num-actor-threads x actor devices)"
+        )
     args.world_size = world_size
     args.envs_per_thread = args.local_num_envs // threads
     args.num_envs = args.local_num_envs * world_size
     args.local_batch_size = args.local_num_envs * args.num_steps
     args.batch_size = args.local_batch_size * world_size
     if args.local_batch_size % args.num_minibatches:
-        raise ArgsError(f"the batch local_num_envs x num_steps = {args.local_batch_size} does not split into "
-                        f"--num-minibatches {args.num_minibatches}")
+        raise ArgsError(
+            f"the batch local_num_envs x num_steps = {args.local_batch_size} does not split into "
+            f"--num-minibatches {args.num_minibatches}"
+        )
     args.local_minibatch_size = args.local_batch_size // args.num_minibatches
     args.minibatch_size = args.local_minibatch_size * world_size
     args.num_updates = args.total_timesteps // args.batch_size
@@ -232,8 +236,10 @@ class ToyChainPool:
 def env_seeds(seed: int, rank: int, first_env: int, num_envs: int, start_update: int) -> list[int]:
     """One seed per env from its global index, so that an env gets the same seed whatever the number of actor
     threads it is split over; resuming at a later update draws new ones."""
-    return [int(np.random.SeedSequence([seed, rank, first_env + i, start_update]).generate_state(1)[0] >> 1)
-            for i in range(num_envs)]
+    return [
+        int(np.random.SeedSequence([seed, rank, first_env + i, start_update]).generate_state(1)[0] >> 1)
+        for i in range(num_envs)
+    ]
 
 
 def make_env(args: Args, num_envs: int, seeds: list[int]):
@@ -243,10 +249,24 @@ def make_env(args: Args, num_envs: int, seeds: list[int]):
 
     # Sec. 5 (Machado et al. 2018): sticky actions 0.25, full action space, no life-loss signal, 84x84 grey, 4 stacked
     # frames, frame skip 4; rewards clipped for learning (info["reward"] keeps the raw game score).
-    return envpool.make(args.env_id, env_type="gymnasium", num_envs=num_envs, batch_size=num_envs, seed=seeds,
-                        max_episode_steps=args.max_episode_steps, repeat_action_probability=0.25,
-                        full_action_space=True, episodic_life=False, noop_max=1, reward_clip=True, stack_num=4,
-                        frame_skip=4, img_height=84, img_width=84, gray_scale=True)
+    return envpool.make(
+        args.env_id,
+        env_type="gymnasium",
+        num_envs=num_envs,
+        batch_size=num_envs,
+        seed=seeds,
+        max_episode_steps=args.max_episode_steps,
+        repeat_action_probability=0.25,
+        full_action_space=True,
+        episodic_life=False,
+        noop_max=1,
+        reward_clip=True,
+        stack_num=4,
+        frame_skip=4,
+        img_height=84,
+        img_width=84,
+        gray_scale=True,
+    )
 
 
 # ---- Pure functions (importable, tested in tests/test_cleanba_ppo.py) ----
@@ -359,12 +379,23 @@ class Agent(nn.Module):
         super().__init__()
         if args.env_id == TOY_ENV_ID:
             self.num_blocks, num_actions, hidden = args.toy.num_blocks, args.toy.num_actions, 64
-            self.torso = nn.Sequential(layer_init(nn.Linear(self.num_blocks, hidden)), nn.ReLU(),
-                                       layer_init(nn.Linear(hidden, hidden)), nn.ReLU())
+            self.torso = nn.Sequential(
+                layer_init(nn.Linear(self.num_blocks, hidden)),
+                nn.ReLU(),
+                layer_init(nn.Linear(hidden, hidden)),
+                nn.ReLU(),
+            )
         else:
             self.num_blocks, num_actions, hidden = 0, 18, 256  # the full action space (Sec. 5)
-            self.torso = nn.Sequential(ConvSequence(4, 16), ConvSequence(16, 32), ConvSequence(32, 32), nn.ReLU(),
-                                       nn.Flatten(), layer_init(nn.Linear(32 * 11 * 11, hidden)), nn.ReLU())
+            self.torso = nn.Sequential(
+                ConvSequence(4, 16),
+                ConvSequence(16, 32),
+                ConvSequence(32, 32),
+                nn.ReLU(),
+                nn.Flatten(),
+                layer_init(nn.Linear(32 * 11 * 11, hidden)),
+                nn.ReLU(),
+            )
         self.actor = layer_init(nn.Linear(hidden, num_actions), std=0.01)
         self.critic = layer_init(nn.Linear(hidden, 1), std=1.0)
 
@@ -428,8 +459,16 @@ class ActorThread(threading.Thread):
     """One actor thread: its own EnvPool (envs_per_thread envs), its own copy of the network on its device, its own
     params queue and rollout queue of size 1 (Fig. 1 right)."""
 
-    def __init__(self, args: Args, index: int, device: torch.device, rank: int, start_update: int,
-                 template: nn.Module, stop: threading.Event):
+    def __init__(
+        self,
+        args: Args,
+        index: int,
+        device: torch.device,
+        rank: int,
+        start_update: int,
+        template: nn.Module,
+        stop: threading.Event,
+    ):
         super().__init__(daemon=True, name=f"actor-{index}")
         self.args, self.index, self.device, self.rank = args, index, device, rank
         self.start_update, self.stop = start_update, stop
@@ -447,7 +486,7 @@ class ActorThread(threading.Thread):
         logits, value = self.agent(obs.to(self.device))
         generator = torch.Generator(device=self.device).manual_seed(noise_seed(self.args.seed, self.rank, update, step))
         uniform = torch.rand((self.args.local_num_envs, logits.shape[-1]), generator=generator, device=self.device)
-        action = sample_actions(logits, uniform[self.first_env:self.first_env + logits.shape[0]])
+        action = sample_actions(logits, uniform[self.first_env : self.first_env + logits.shape[0]])
         logprob, _ = logprob_entropy(logits, action)
         return action.cpu(), logprob.cpu(), value.cpu()
 
@@ -496,8 +535,9 @@ class ActorThread(threading.Thread):
                 episodes.step(info, terminated | truncated)
             rollout = {key: torch.stack(rows) for key, rows in storage.items()}
             rollout["last_value"] = self.policy(obs, update, args.num_steps)[2]  # V(o_T), bootstrap of the last row
-            rollout.update(policy_version=policy_version, episodes=episodes.sums,
-                           params_queue_get_time=params_queue_get_time)
+            rollout.update(
+                policy_version=policy_version, episodes=episodes.sums, params_queue_get_time=params_queue_get_time
+            )
             blocking(partial(self.rollout_queue.put, rollout), alive)
 
 
@@ -526,8 +566,9 @@ class Learner:
         self.optimizer.param_groups[0]["lr"] = lr
         dones = batch["terminations"] | batch["truncations"]
         bootstrap_cut = batch["terminations"] if args.bootstrap_at_done == "truncated" else torch.zeros_like(dones)
-        advantages, returns = compute_gae(batch["rewards"], batch["values"], batch["last_value"], bootstrap_cut,
-                                          dones, args.gamma, args.gae_lambda)
+        advantages, returns = compute_gae(
+            batch["rewards"], batch["values"], batch["last_value"], bootstrap_cut, dones, args.gamma, args.gae_lambda
+        )
         obs, actions, logprobs = batch["obs"].flatten(0, 1), batch["actions"].flatten(), batch["logprobs"].flatten()
         advantages, returns, valid = advantages.flatten(), returns.flatten(), batch["valid"].flatten()
 
@@ -537,7 +578,7 @@ class Learner:
         for epoch in range(args.update_epochs):
             permutation = torch.randperm(args.local_batch_size, generator=generator).to(self.device)
             for start in range(0, args.local_batch_size, args.local_minibatch_size):
-                mb = permutation[start:start + args.local_minibatch_size]
+                mb = permutation[start : start + args.local_minibatch_size]
                 stats = self.minibatch_step(obs[mb], actions[mb], logprobs[mb], advantages[mb], returns[mb], valid[mb])
                 sums += stats
                 # every learner sees the same global approx KL, so all stop together
@@ -548,8 +589,14 @@ class Learner:
                 break
         out = {name: (sums[i] / sums[-1].clamp(min=1)).item() for i, name in enumerate(self.STATS)}
         values = batch["values"].flatten()
-        moments = torch.stack([((returns - values).square() * valid).sum(), (returns * valid).sum(),
-                               (returns.square() * valid).sum(), valid.sum()]).double()
+        moments = torch.stack(
+            [
+                ((returns - values).square() * valid).sum(),
+                (returns * valid).sum(),
+                (returns.square() * valid).sum(),
+                valid.sum(),
+            ]
+        ).double()
         error_sq, total, total_sq, count = all_reduce_sum(moments, args.world_size).tolist()
         var_returns = (total_sq - total * total / max(count, 1.0)) / max(count, 1.0)
         out["explained_variance"] = 1.0 - (error_sq / max(count, 1.0)) / max(var_returns, 1e-8)
@@ -570,8 +617,9 @@ class Learner:
         newlogprob, entropy = logprob_entropy(logits, actions)
         terms = ppo_loss_terms(newlogprob, old_logprobs, entropy, newvalue, advantages, returns, args.clip_coef)
         weight = valid.float() / max(count, 1.0)
-        loss = ((terms["policy_loss"] - args.ent_coef * terms["entropy"] + args.vf_coef * terms["value_loss"])
-                * weight).sum()
+        loss = (
+            (terms["policy_loss"] - args.ent_coef * terms["entropy"] + args.vf_coef * terms["value_loss"]) * weight
+        ).sum()
         self.optimizer.zero_grad()
         loss.backward()
         for param in self.agent.parameters():  # the sum of all learners' gradients (not their mean)
@@ -592,8 +640,14 @@ class Logger:
         if args.track:
             import wandb
 
-            wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, sync_tensorboard=True,
-                       config=asdict(args), name=run_name, save_code=True)
+            wandb.init(
+                project=args.wandb_project_name,
+                entity=args.wandb_entity,
+                sync_tensorboard=True,
+                config=asdict(args),
+                name=run_name,
+                save_code=True,
+            )
         self.writer = SummaryWriter(str(run_dir))
         self.jsonl = open(run_dir / "updates.jsonl", "a")
         self.last: dict[str, float] = {}
@@ -613,8 +667,12 @@ class Logger:
 def save_checkpoint(path: Path, agent, optimizer, update: int, global_step: int) -> None:
     """Model, optimizer, update and global step (all randomness derives from the seed and the update number),
     written to a temporary file and renamed, so that a crash never leaves a half-written checkpoint."""
-    state = {"agent": agent.state_dict(), "optimizer": optimizer.state_dict(), "update": update,
-             "global_step": global_step}
+    state = {
+        "agent": agent.state_dict(),
+        "optimizer": optimizer.state_dict(),
+        "update": update,
+        "global_step": global_step,
+    }
     torch.save(state, path.with_name(path.name + ".tmp"))
     os.replace(path.with_name(path.name + ".tmp"), path)
 
@@ -683,8 +741,7 @@ def main(args: Args) -> dict:
         run_dir.mkdir(parents=True)
         (run_dir / "config.json").write_text(json.dumps(asdict(args), indent=2))
         logger = Logger(run_dir, args, run_name)
-    summary = {"global_step": global_step, "update": start_update - 1, "world_size": world_size,
-               "interrupted": False}
+    summary = {"global_step": global_step, "update": start_update - 1, "world_size": world_size, "interrupted": False}
     start_time, start_step = time.time(), global_step
     stop = threading.Event()
     actors = []
@@ -700,8 +757,9 @@ def main(args: Args) -> dict:
     except KeyboardInterrupt:
         summary["interrupted"] = True
         if rank == 0 and args.save_model and summary["update"] >= start_update:
-            save_checkpoint(run_dir / "final_ckpt.pt", agent, learner.optimizer, summary["update"],
-                            summary["global_step"])
+            save_checkpoint(
+                run_dir / "final_ckpt.pt", agent, learner.optimizer, summary["update"], summary["global_step"]
+            )
         raise
     finally:
         stop.set()
@@ -729,8 +787,17 @@ def publish_params(agent: nn.Module, actors: list[ActorThread], version: int) ->
         blocking(partial(actor.params_queue.put, (version, snapshots[actor.device])), actor.is_alive)
 
 
-def train(args: Args, learner: Learner, actors: list[ActorThread], logger: Optional[Logger], run_dir: Optional[Path],
-          rank: int, start_update: int, global_step: int, summary: dict) -> None:
+def train(
+    args: Args,
+    learner: Learner,
+    actors: list[ActorThread],
+    logger: Optional[Logger],
+    run_dir: Optional[Path],
+    rank: int,
+    start_update: int,
+    global_step: int,
+    summary: dict,
+) -> None:
     agent, device = learner.agent, learner.device
     try:
         publish_params(agent, actors, start_update)  # pi_start to every actor before it starts
@@ -752,21 +819,24 @@ def train(args: Args, learner: Learner, actors: list[ActorThread], logger: Optio
 
             keys = ("count", "returns", "lengths", "successes")
             episodes = torch.tensor([[r["episodes"][k] for k in keys] for r in rollouts], dtype=torch.float64)
-            count, returns, lengths, successes = all_reduce_sum(
-                episodes.sum(0).to(device), args.world_size).tolist()
+            count, returns, lengths, successes = all_reduce_sum(episodes.sum(0).to(device), args.world_size).tolist()
             summary["update"], summary["global_step"] = update, global_step
             if rank != 0:
                 continue
             data_version = rollouts[0]["policy_version"]
             row = {f"losses/{name}": value for name, value in stats.items() if name != "learning_rate"}
-            row.update({"charts/learning_rate": stats["learning_rate"],
-                        "charts/SPS": (global_step - start_step) / (time.time() - train_start),
-                        "cleanba/data_policy_version": data_version, "cleanba/learner_policy_version": update,
-                        "cleanba/policy_lag": update - data_version,
-                        # Sec. 4.2: rollout_Q.get() longer than param_Q.get(): the actors are the bottleneck
-                        "cleanba/rollout_queue_get_time": rollout_queue_get_time,
-                        "cleanba/params_queue_get_time": float(np.mean([r["params_queue_get_time"]
-                                                                        for r in rollouts]))})
+            row.update(
+                {
+                    "charts/learning_rate": stats["learning_rate"],
+                    "charts/SPS": (global_step - start_step) / (time.time() - train_start),
+                    "cleanba/data_policy_version": data_version,
+                    "cleanba/learner_policy_version": update,
+                    "cleanba/policy_lag": update - data_version,
+                    # Sec. 4.2: rollout_Q.get() longer than param_Q.get(): the actors are the bottleneck
+                    "cleanba/rollout_queue_get_time": rollout_queue_get_time,
+                    "cleanba/params_queue_get_time": float(np.mean([r["params_queue_get_time"] for r in rollouts])),
+                }
+            )
             if count > 0:
                 row.update({"charts/episodic_return": returns / count, "charts/episodic_length": lengths / count})
                 if args.env_id == TOY_ENV_ID:

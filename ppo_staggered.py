@@ -143,8 +143,18 @@ class Args:
 TOY_ENV_ID = "ToyChain-v0"
 # App. B.2, Table 2: PPO on the toy chain (N = 512, K = 5, 150 updates).
 PRESETS: dict[str, dict] = {
-    TOY_ENV_ID: dict(num_envs=512, num_steps=5, gamma=0.99, gae_lambda=0.95, num_minibatches=4, ent_coef=0.01,
-                     target_kl=0.0, total_timesteps=150 * 512 * 5, eval_freq=10, num_eval_envs=128),
+    TOY_ENV_ID: dict(
+        num_envs=512,
+        num_steps=5,
+        gamma=0.99,
+        gae_lambda=0.95,
+        num_minibatches=4,
+        ent_coef=0.01,
+        target_kl=0.0,
+        total_timesteps=150 * 512 * 5,
+        eval_freq=10,
+        num_eval_envs=128,
+    ),
     # App. B.3, Table 3: per-task K, H, gamma, lambda and N of the ManiSkill experiments.
     "StackCube-v1": dict(num_steps=8, horizon=100, gamma=0.8, gae_lambda=0.9, num_envs=4096),
     "PushT-v1": dict(num_steps=8, horizon=100, gamma=0.99, gae_lambda=0.9, num_envs=4096),
@@ -154,15 +164,26 @@ PRESETS: dict[str, dict] = {
     "UnitreeG1TransportBox-v1": dict(num_steps=32, horizon=500, gamma=0.8, gae_lambda=0.9, num_envs=1024),
 }
 # Table 3, common rows: 32 minibatches, entropy 0.005, target KL 0.1, 2e8 steps, 128 eval envs.
-MANISKILL_COMMON = dict(num_minibatches=32, ent_coef=0.005, target_kl=0.1, total_timesteps=200_000_000,
-                        eval_freq=25, num_eval_envs=128)
+MANISKILL_COMMON = dict(
+    num_minibatches=32, ent_coef=0.005, target_kl=0.1, total_timesteps=200_000_000, eval_freq=25, num_eval_envs=128
+)
 # ManiSkill tasks without a Table 3 row: ManiSkill's own PPO baseline settings (H is the task's registered one).
 MANISKILL_OTHER = dict(num_steps=16, gamma=0.8, gae_lambda=0.9, num_envs=4096)
 # Without CUDA: a short trial on CPU simulation (one process per env), about 3 minutes (StackCube) on 2 cores.
 MANISKILL_CPU_TRIAL = dict(num_envs=8, num_minibatches=4, num_eval_envs=2, total_timesteps=30_000, eval_freq=50)
 # Other Gymnasium envs with Box observations and actions (e.g. Pendulum-v1).
-GYM_DEFAULTS = dict(num_envs=16, num_steps=16, gamma=0.99, gae_lambda=0.95, num_minibatches=4, ent_coef=0.0,
-                    target_kl=0.0, total_timesteps=1_000_000, eval_freq=25, num_eval_envs=8)
+GYM_DEFAULTS = dict(
+    num_envs=16,
+    num_steps=16,
+    gamma=0.99,
+    gae_lambda=0.95,
+    num_minibatches=4,
+    ent_coef=0.0,
+    target_kl=0.0,
+    total_timesteps=1_000_000,
+    eval_freq=25,
+    num_eval_envs=8,
+)
 
 
 class ArgsError(ValueError):
@@ -177,8 +198,15 @@ def resolve_args(args: Args) -> Args:
     kind = "toy" if args.env_id == TOY_ENV_ID else "maniskill" if args.env_id in REGISTERED_ENVS else "gym"
     if kind == "gym" and args.env_id not in gym.registry:
         raise ArgsError(f"--env-id {args.env_id!r} is not ToyChain-v0, a ManiSkill3 task or a Gymnasium id")
-    args.resolved_sim_backend = "torch" if kind == "toy" else "cpu" if kind == "gym" else \
-        "physx_cuda" if args.cuda and torch.cuda.is_available() else "physx_cpu"
+    args.resolved_sim_backend = (
+        "torch"
+        if kind == "toy"
+        else "cpu"
+        if kind == "gym"
+        else "physx_cuda"
+        if args.cuda and torch.cuda.is_available()
+        else "physx_cpu"
+    )
     if kind == "toy":
         preset = PRESETS[TOY_ENV_ID]
         try:
@@ -190,9 +218,11 @@ def resolve_args(args: Args) -> Args:
     else:
         preset = {**MANISKILL_COMMON, **PRESETS.get(args.env_id, MANISKILL_OTHER)}
         if args.resolved_sim_backend == "physx_cpu":
-            print(f"note: no CUDA GPU, so {args.env_id} runs a short trial on CPU simulation (physx_cpu, one process "
-                  f"per env): {MANISKILL_CPU_TRIAL}, a few minutes on 2 cores. The paper's preset (Table 3) needs "
-                  f"a CUDA GPU: {preset['num_envs']} envs, {preset['total_timesteps']:.0e} steps. Flags override it.")
+            print(
+                f"note: no CUDA GPU, so {args.env_id} runs a short trial on CPU simulation (physx_cpu, one process "
+                f"per env): {MANISKILL_CPU_TRIAL}, a few minutes on 2 cores. The paper's preset (Table 3) needs "
+                f"a CUDA GPU: {preset['num_envs']} envs, {preset['total_timesteps']:.0e} steps. Flags override it."
+            )
             preset.update(MANISKILL_CPU_TRIAL)
     for name, value in preset.items():
         if getattr(args, name) is None:
@@ -214,7 +244,9 @@ def resolve_args(args: Args) -> Args:
         raise ArgsError(f"--num-envs {args.num_envs}: with that many stagger groups the last starts at or after H={H}")
     args.batch_size = args.num_envs * K
     if args.batch_size % args.num_minibatches != 0:
-        raise ArgsError(f"the batch N*K = {args.batch_size} does not split into --num-minibatches {args.num_minibatches}")
+        raise ArgsError(
+            f"the batch N*K = {args.batch_size} does not split into --num-minibatches {args.num_minibatches}"
+        )
     args.minibatch_size = args.batch_size // args.num_minibatches
     args.num_iterations = args.total_timesteps // args.batch_size
     if args.num_iterations < 1 and not args.evaluate:
@@ -236,9 +268,15 @@ def make_maniskill_env(args: Args, num_envs: int, evaluation: bool, video_dir: O
     from mani_skill.utils.wrappers.gymnasium import CPUGymWrapper
     from mani_skill.utils.wrappers.record import RecordEpisode
 
-    env = gym.make(args.env_id, num_envs=num_envs, obs_mode="state", sim_backend=args.resolved_sim_backend,
-                   max_episode_steps=args.horizon, reconfiguration_freq=1 if evaluation else None,
-                   render_mode="rgb_array" if video_dir else None)
+    env = gym.make(
+        args.env_id,
+        num_envs=num_envs,
+        obs_mode="state",
+        sim_backend=args.resolved_sim_backend,
+        max_episode_steps=args.horizon,
+        reconfiguration_freq=1 if evaluation else None,
+        render_mode="rgb_array" if video_dir else None,
+    )
     if video_dir:
         env = RecordEpisode(env, video_dir, save_trajectory=False, max_steps_per_video=args.horizon)
     if args.resolved_sim_backend == "physx_cpu":  # one env with numpy outputs, for a Gymnasium vector env
@@ -282,8 +320,11 @@ class PartialResetVecEnv(gym.vector.VectorEnv):
         self.action_space = gym.vector.utils.batch_space(self.single_action_space, num_envs)
 
     def tensor(self, x, dtype) -> torch.Tensor:
-        return torch.as_tensor(x if torch.is_tensor(x) else np.asarray(x), device=self.device, dtype=dtype).reshape(
-            self.num_envs, -1).squeeze(-1)
+        return (
+            torch.as_tensor(x if torch.is_tensor(x) else np.asarray(x), device=self.device, dtype=dtype)
+            .reshape(self.num_envs, -1)
+            .squeeze(-1)
+        )
 
     def reset(self, *, seed=None, options=None):
         mask = None if options is None else options.get("reset_mask")
@@ -297,7 +338,8 @@ class PartialResetVecEnv(gym.vector.VectorEnv):
 
     def step(self, actions: torch.Tensor):
         obs, reward, terminated, truncated, info = self.env.step(
-            actions if self.batched_maniskill else actions.cpu().numpy())
+            actions if self.batched_maniskill else actions.cpu().numpy()
+        )
         obs = torch.as_tensor(obs, device=self.device, dtype=torch.float32)
         reward, truncated = self.tensor(reward, torch.float32), self.tensor(truncated, torch.bool)
         terminated = self.tensor(terminated if self.batched_maniskill else info["terminated"], torch.bool)
@@ -306,8 +348,7 @@ class PartialResetVecEnv(gym.vector.VectorEnv):
         final_obs = obs.clone()  # (a reset may write into the simulator's observation buffers)
         if bool(reset_now.any()):
             obs, _ = self.reset(options={"reset_mask": reset_now})
-        return obs, reward, terminated, truncated, {"success": success, "final_obs": final_obs,
-                                                    "_final_obs": reset_now}
+        return obs, reward, terminated, truncated, {"success": success, "final_obs": final_obs, "_final_obs": reset_now}
 
     def close_extras(self, **kwargs):
         self.env.close()
@@ -320,8 +361,10 @@ def make_env(args: Args, num_envs: int, device: torch.device, evaluation: bool, 
     if args.resolved_sim_backend == "physx_cuda":
         env = make_maniskill_env(args, num_envs, evaluation, video_dir)
     else:
-        fns = [partial(make_single_env, args, evaluation, video_dir and os.path.join(video_dir, f"env{i}"))
-               for i in range(num_envs)]
+        fns = [
+            partial(make_single_env, args, evaluation, video_dir and os.path.join(video_dir, f"env{i}"))
+            for i in range(num_envs)
+        ]
         disabled = gym.vector.AutoresetMode.DISABLED
         if args.resolved_sim_backend == "physx_cpu" and num_envs > 1:  # one ManiSkill process per env
             env = gym.vector.AsyncVectorEnv(fns, context="forkserver", autoreset_mode=disabled)
@@ -343,8 +386,9 @@ def stagger_start_steps(num_groups: int, stagger_step: int) -> list[int]:
     return [(num_groups - 1 - j) * stagger_step for j in range(num_groups)]
 
 
-def reset_bookkeeping(stale, waiting, terminated, truncated, final_mask, episode_step,
-                      next_step_mode: bool, gate_mode: bool):
+def reset_bookkeeping(
+    stale, waiting, terminated, truncated, final_mask, episode_step, next_step_mode: bool, gate_mode: bool
+):
     """Which transitions are trained on, and who waits, after one vector step t (Sec. 3.3; autoreset_modes.txt).
     (N,) inputs: stale (next-step mode: step t only resets the env), waiting (gate mode: terminated earlier, waits
     for its group's reset gate, which is its time limit), the flags of step t, final_mask (same-step: reset inside
@@ -388,8 +432,11 @@ def batch_temporal_stats(episode_steps: torch.Tensor, valid: torch.Tensor, horiz
         return {}
     num_windows = math.ceil(horizon / window)
     counts = torch.bincount((steps // window).clamp(max=num_windows - 1), minlength=num_windows)
-    return {"episode_step_min": steps.min().item(), "episode_step_max": steps.max().item(),
-            "stage_coverage": (counts > 0).float().mean().item()}
+    return {
+        "episode_step_min": steps.min().item(),
+        "episode_step_max": steps.max().item(),
+        "stage_coverage": (counts > 0).float().mean().item(),
+    }
 
 
 def forgetting_matrix(accuracy: np.ndarray) -> np.ndarray:
@@ -441,7 +488,9 @@ class ChainAgent(nn.Module):
     def __init__(self, num_blocks: int, num_actions: int):
         super().__init__()
         self.register_buffer("blocks", torch.arange(num_blocks))
-        self.actor = nn.Sequential(nn.Embedding(num_blocks, 64), mlp([64, 256, 256, 256, 256, num_actions], nn.ReLU, 0.01))
+        self.actor = nn.Sequential(
+            nn.Embedding(num_blocks, 64), mlp([64, 256, 256, 256, 256, num_actions], nn.ReLU, 0.01)
+        )
         self.critic = nn.Sequential(nn.Embedding(num_blocks, 64), mlp([64, 256, 256, 256, 256, 1], nn.ReLU, 1.0))
 
     def get_value(self, obs: torch.Tensor) -> torch.Tensor:
@@ -501,8 +550,12 @@ def make_agent(envs) -> nn.Module:
 def save_checkpoint(path: Path, agent, optimizer, obs_rms: RunningMeanStd, global_step: int) -> None:
     """Model, optimizer, observation normalizer and global step: enough to resume or to evaluate. Written to a
     temporary file and renamed, so an interrupted save never leaves a half-written checkpoint."""
-    state = {"agent": agent.state_dict(), "optimizer": optimizer.state_dict(), "global_step": global_step,
-             "obs_rms": [obs_rms.mean, obs_rms.var, obs_rms.count]}
+    state = {
+        "agent": agent.state_dict(),
+        "optimizer": optimizer.state_dict(),
+        "global_step": global_step,
+        "obs_rms": [obs_rms.mean, obs_rms.var, obs_rms.count],
+    }
     tmp = path.with_name(path.name + ".tmp")
     try:
         torch.save(state, tmp)
@@ -521,8 +574,14 @@ def main(args: Args) -> dict:
     if args.track:
         import wandb
 
-        wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, sync_tensorboard=True,
-                   config=asdict(args), name=run_name, save_code=True)
+        wandb.init(
+            project=args.wandb_project_name,
+            entity=args.wandb_entity,
+            sync_tensorboard=True,
+            config=asdict(args),
+            name=run_name,
+            save_code=True,
+        )
     writer = SummaryWriter(str(run_dir))
     last: dict[str, float] = {}  # the last value of every scalar, for summary.json
 
@@ -549,8 +608,13 @@ def main(args: Args) -> dict:
     global_step, start_step, start_time = 0, 0, time.time()
     try:
         envs = None if args.evaluate else make_env(args, N, device, evaluation=False)
-        eval_envs = make_env(args, args.num_eval_envs, device, evaluation=True,
-                             video_dir=str(run_dir / "videos") if args.capture_video else None)
+        eval_envs = make_env(
+            args,
+            args.num_eval_envs,
+            device,
+            evaluation=True,
+            video_dir=str(run_dir / "videos") if args.capture_video else None,
+        )
         agent = make_agent(eval_envs).to(device)
         optimizer = torch.optim.Adam(agent.parameters(), lr=args.learning_rate, eps=1e-5)  # Table 3: Adam, eps 1e-5
         observe = RunningMeanStd(eval_envs.single_observation_space.shape, device, enabled=not is_toy)  # Table 3
@@ -573,8 +637,12 @@ def main(args: Args) -> dict:
             for _ in range(H):
                 obs, reward, terminated, truncated, info = eval_envs.step(agent.deterministic_action(observe(obs)))
                 ret, success_once = ret + reward, success_once | info["success"]
-            for key, value in (("return", ret.mean()), ("success_once", success_once.float().mean()),
-                               ("success_at_end", info["success"].float().mean()), ("episode_len", H)):
+            for key, value in (
+                ("return", ret.mean()),
+                ("success_once", success_once.float().mean()),
+                ("success_at_end", info["success"].float().mean()),
+                ("episode_len", H),
+            ):
                 log(f"eval/{key}", value, global_step)
             log("time/eval", clock() - eval_start, global_step)
             print(f"global_step={global_step} " + " ".join(f"{k}={v:.3f}" for k, v in last.items() if "eval/" in k))
@@ -590,7 +658,8 @@ def main(args: Args) -> dict:
         actions_buf = torch.zeros((K, N, *envs.single_action_space.shape), dtype=dtype, device=device)
         logprobs_buf, rewards_buf, values_buf, final_values_buf = (torch.zeros((K, N), device=device) for _ in range(4))
         no_bootstrap_buf, dones_buf, valid_buf, final_mask_buf, correct_buf = (
-            torch.zeros((K, N), dtype=torch.bool, device=device) for _ in range(5))
+            torch.zeros((K, N), dtype=torch.bool, device=device) for _ in range(5)
+        )
         episode_step_buf = torch.zeros((K, N), dtype=torch.long, device=device)
 
         # ---- the policy step and the PPO minibatch gradient (eager; --cudagraphs wraps them) ------------
@@ -634,16 +703,28 @@ def main(args: Args) -> dict:
         gate_mode = args.partial_reset_mode == "gate"
         starts = stagger_start_steps(args.num_stagger_groups, args.stagger_step)  # of each group
         env_starts = torch.tensor(starts, device=device)[stagger_groups(N, args.num_stagger_groups, device)]
-        stale, waiting = torch.zeros(N, dtype=torch.bool, device=device), torch.zeros(N, dtype=torch.bool, device=device)
+        stale, waiting = (
+            torch.zeros(N, dtype=torch.bool, device=device),
+            torch.zeros(N, dtype=torch.bool, device=device),
+        )
         episode_step = torch.zeros(N, dtype=torch.long, device=device)
         raw_obs, _ = envs.reset(seed=args.seed + global_step)
         envs.action_space.seed(args.seed + global_step)  # the advance's random actions, reproducible
         obs = observe(raw_obs, update=True)
         for t in range(starts[0]):
-            raw_obs, _, terminated, truncated, info = envs.step(torch.as_tensor(envs.action_space.sample(), device=device))
+            raw_obs, _, terminated, truncated, info = envs.step(
+                torch.as_tensor(envs.action_space.sample(), device=device)
+            )
             _, _, stale, waiting, episode_step = reset_bookkeeping(
-                stale, waiting, terminated, truncated, info.get("_final_obs", terminated & False), episode_step,
-                next_step_mode, gate_mode)
+                stale,
+                waiting,
+                terminated,
+                truncated,
+                info.get("_final_obs", terminated & False),
+                episode_step,
+                next_step_mode,
+                gate_mode,
+            )
             starting = env_starts == t + 1
             if bool(starting.any()):
                 raw_obs, _ = envs.reset(options={"reset_mask": starting})  # (the observations of all envs)
@@ -678,16 +759,25 @@ def main(args: Args) -> dict:
                         final_values_buf[step] = agent.get_value(observe(info["final_obs"]))
                 # STAGGER: reset gates. An env that terminated waits (masked) until its group's gate resets it.
                 valid, episode_end, stale, waiting, episode_step = reset_bookkeeping(
-                    stale, waiting, terminated, truncated, final_mask, episode_step, next_step_mode, gate_mode)
+                    stale, waiting, terminated, truncated, final_mask, episode_step, next_step_mode, gate_mode
+                )
                 valid_buf[step] = valid
                 if is_toy:
                     correct_buf[step] = info["correct"]
                 # episode statistics, over the trained-on steps of the episodes that started in training
-                ep_return, ep_len, ep_success = ep_return + reward * valid, ep_len + valid, ep_success | (info["success"] & valid)
+                ep_return, ep_len, ep_success = (
+                    ep_return + reward * valid,
+                    ep_len + valid,
+                    ep_success | (info["success"] & valid),
+                )
                 recorded = episode_end & tracked
                 for key, value in zip(ended, (ep_return, ep_len, ep_success, 1.0)):
                     ended[key] += (value * recorded).sum()
-                ep_return, ep_len, ep_success = ep_return * ~episode_end, ep_len * ~episode_end, ep_success & ~episode_end
+                ep_return, ep_len, ep_success = (
+                    ep_return * ~episode_end,
+                    ep_len * ~episode_end,
+                    ep_success & ~episode_end,
+                )
                 tracked = tracked | (episode_step == 0)
                 obs = observe(raw_obs, update=True)
             global_step += N * K
@@ -696,8 +786,9 @@ def main(args: Args) -> dict:
             with torch.no_grad():
                 next_values = torch.cat([values_buf[1:], agent.get_value(obs).unsqueeze(0)])
                 next_values = torch.where(final_mask_buf, final_values_buf, next_values)
-                advantages, returns = compute_gae(rewards_buf, values_buf, next_values, no_bootstrap_buf, dones_buf,
-                                                  args.gamma, args.gae_lambda)
+                advantages, returns = compute_gae(
+                    rewards_buf, values_buf, next_values, no_bootstrap_buf, dones_buf, args.gamma, args.gae_lambda
+                )
             rollout_time = clock() - rollout_start
 
             # ---- PPO update ------------------------------------------------------------------------------------------
@@ -710,9 +801,10 @@ def main(args: Args) -> dict:
             for epoch in range(args.update_epochs):
                 permutation = torch.randperm(args.batch_size, device=device)
                 for start in range(0, args.batch_size, args.minibatch_size):
-                    mb = permutation[start:start + args.minibatch_size]
-                    mb_stats = minibatch_grads(b_obs[mb], b_actions[mb], b_logprobs[mb], b_advantages[mb],
-                                               b_returns[mb], b_valid[mb])
+                    mb = permutation[start : start + args.minibatch_size]
+                    mb_stats = minibatch_grads(
+                        b_obs[mb], b_actions[mb], b_logprobs[mb], b_advantages[mb], b_returns[mb], b_valid[mb]
+                    )
                     stop = args.target_kl > 0 and bool(mb_stats[4] > args.target_kl)
                     if stop:  # Table 3's target-KL early stop: skip this step and the rest of the update
                         break
@@ -726,11 +818,20 @@ def main(args: Args) -> dict:
                 _, newlogprob, _, _ = agent.get_action_and_value(b_obs, b_actions)
                 policy_kl = 0.5 * masked_mean((newlogprob - b_logprobs).square(), b_valid)
                 value_mse = masked_mean((b_values - b_returns).square(), b_valid)
-                explained_var = 1 - value_mse / masked_mean((b_returns - masked_mean(b_returns, b_valid)).square(),
-                                                            b_valid).clamp(min=1e-8)
+                explained_var = 1 - value_mse / masked_mean(
+                    (b_returns - masked_mean(b_returns, b_valid)).square(), b_valid
+                ).clamp(min=1e-8)
 
             # ---- logging ---------------------------------------------------------------------------------------------
-            names = ("policy_loss", "value_loss", "entropy", "old_approx_kl", "approx_kl", "clipfrac", "explained_variance")
+            names = (
+                "policy_loss",
+                "value_loss",
+                "entropy",
+                "old_approx_kl",
+                "approx_kl",
+                "clipfrac",
+                "explained_variance",
+            )
             for name, value in zip(names, (stats / max(num_steps_taken, 1)).tolist() + [explained_var]):
                 log(f"losses/{name}", value, global_step)
             log("charts/learning_rate", optimizer.param_groups[0]["lr"], global_step)
@@ -738,8 +839,12 @@ def main(args: Args) -> dict:
             if ended["n"] > 0:
                 for key in ("episodic_return", "episodic_length", "success_rate"):
                     log(f"charts/{key}", ended[key] / ended["n"], global_step)
-            for name, value in dict(value_mse=value_mse, policy_kl=policy_kl, valid_fraction=valid_buf.float().mean(),
-                                    **batch_temporal_stats(episode_step_buf, valid_buf, H, K)).items():
+            for name, value in dict(
+                value_mse=value_mse,
+                policy_kl=policy_kl,
+                valid_fraction=valid_buf.float().mean(),
+                **batch_temporal_stats(episode_step_buf, valid_buf, H, K),
+            ).items():
                 log(f"stagger/{name}", value, global_step)
             for name, value in (("rollout", rollout_time), ("env_step", env_time), ("update", clock() - update_start)):
                 log(f"time/{name}", value, global_step)
@@ -753,7 +858,9 @@ def main(args: Args) -> dict:
 
         run_evaluation("final_ckpt.pt")
         if is_toy and toy_accuracy:
-            np.savez(run_dir / "toy_diagnostics.npz", occupancy=np.stack(toy_occupancy), accuracy=np.stack(toy_accuracy))
+            np.savez(
+                run_dir / "toy_diagnostics.npz", occupancy=np.stack(toy_occupancy), accuracy=np.stack(toy_accuracy)
+            )
             summary["toy/forgetting_mean_overall"] = float(forgetting_matrix(np.stack(toy_accuracy)).mean())
     except KeyboardInterrupt:
         summary["interrupted"] = True

@@ -163,11 +163,28 @@ class Args:
 
 # Defaults per kind of env (any flag overrides them).
 PRESETS: dict[str, dict] = {
-    "toy": dict(num_envs=16, num_steps=32, total_timesteps=300_000, learning_rate=2.5e-4, gamma=0.99,
-                gae_lambda=0.95, ent_coef=0.01, bootstrap_at_done="truncated"),
+    "toy": dict(
+        num_envs=16,
+        num_steps=32,
+        total_timesteps=300_000,
+        learning_rate=2.5e-4,
+        gamma=0.99,
+        gae_lambda=0.95,
+        ent_coef=0.01,
+        bootstrap_at_done="truncated",
+    ),
     # ManiSkill's own PPO baseline settings (gamma 0.8, lambda 0.9, target KL 0.1, bootstrap at every episode end).
-    "maniskill": dict(num_envs=8, num_steps=50, total_timesteps=2_000_000, learning_rate=3e-4, gamma=0.8,
-                      gae_lambda=0.9, target_kl=0.1, ent_coef=0.0, bootstrap_at_done="always"),
+    "maniskill": dict(
+        num_envs=8,
+        num_steps=50,
+        total_timesteps=2_000_000,
+        learning_rate=3e-4,
+        gamma=0.8,
+        gae_lambda=0.9,
+        target_kl=0.1,
+        ent_coef=0.0,
+        bootstrap_at_done="always",
+    ),
 }
 
 
@@ -199,9 +216,15 @@ def resolve_args(args: Args, world_size: Optional[int] = None) -> Args:
 
         if resolved.env_id not in REGISTERED_ENVS:
             raise ArgsError(f"--env-id {resolved.env_id!r}: neither ToyChain-v0 nor a ManiSkill3 task")
-        if not (glob.glob("/usr/share/vulkan/icd.d/*") or glob.glob("/etc/vulkan/icd.d/*") or os.environ.get("VK_ICD_FILENAMES")):
-            raise ArgsError(f"--env-id {resolved.env_id}: ManiSkill3 needs a Vulkan driver even for state-only "
-                            "simulation, and none is installed; on Debian/Ubuntu run: bash .ci/install_system.sh")
+        if not (
+            glob.glob("/usr/share/vulkan/icd.d/*")
+            or glob.glob("/etc/vulkan/icd.d/*")
+            or os.environ.get("VK_ICD_FILENAMES")
+        ):
+            raise ArgsError(
+                f"--env-id {resolved.env_id}: ManiSkill3 needs a Vulkan driver even for state-only "
+                "simulation, and none is installed; on Debian/Ubuntu run: bash .ci/install_system.sh"
+            )
     if resolved.evaluate and not resolved.checkpoint:
         raise ArgsError("--evaluate needs --checkpoint PATH")
     N = resolved.num_envs
@@ -212,9 +235,11 @@ def resolve_args(args: Args, world_size: Optional[int] = None) -> Args:
         resolved.inference_min_batch = max(1, int(N / 1.5))  # habitat-lab's default
     resolved.batch_size = N * resolved.num_steps
     if resolved.batch_size % resolved.num_minibatches != 0:
-        raise ArgsError(f"the batch T*N = {resolved.num_steps}*{N} = {resolved.batch_size} does not split into "
-                        f"--num-minibatches {resolved.num_minibatches} equal minibatches (Sec. 2.2); pick T, N or the "
-                        f"number of minibatches so that it divides")
+        raise ArgsError(
+            f"the batch T*N = {resolved.num_steps}*{N} = {resolved.batch_size} does not split into "
+            f"--num-minibatches {resolved.num_minibatches} equal minibatches (Sec. 2.2); pick T, N or the "
+            f"number of minibatches so that it divides"
+        )
     return resolved
 
 
@@ -239,14 +264,27 @@ class EnvAdapter:
         if self.kind == "toy":
             obs, reward, terminated, truncated, info = self.env.step(torch.as_tensor(action).reshape(1))
             final = info["final_obs"].numpy()[0] if bool(info["_final_obs"][0]) else None
-            return (obs.numpy()[0], float(reward[0]), bool(terminated[0]), bool(truncated[0]), final,
-                    bool(info["success"][0]))
+            return (
+                obs.numpy()[0],
+                float(reward[0]),
+                bool(terminated[0]),
+                bool(truncated[0]),
+                final,
+                bool(info["success"][0]),
+            )
         action = np.clip(action, self.action_space.low, self.action_space.high)
         obs, reward, terminated, truncated, info = self.env.step(action)
         final = np.asarray(obs) if terminated or truncated else None
         if final is not None:
             obs, _ = self.env.reset()
-        return np.asarray(obs), float(reward), bool(terminated), bool(truncated), final, bool(info.get("success", False))
+        return (
+            np.asarray(obs),
+            float(reward),
+            bool(terminated),
+            bool(truncated),
+            final,
+            bool(info.get("success", False)),
+        )
 
 
 def make_env(args: Args, evaluation: bool = False) -> EnvAdapter:
@@ -282,6 +320,7 @@ class SharedSlots:
     def allocate(num_envs: int, env: EnvAdapter) -> "SharedSlots":
         """Slots for num_envs copies of `env`; a Box (ManiSkill) is stored as float32, a Discrete space (ToyChain) as
         its int64 index."""
+
         def shared(shape, dtype):
             return torch.zeros((num_envs, *shape), dtype=dtype).share_memory_()
 
@@ -289,10 +328,16 @@ class SharedSlots:
             discrete = isinstance(space, gym.spaces.Discrete)
             return shared((), torch.int64) if discrete else shared(space.shape, torch.float32)
 
-        return SharedSlots(obs=slot_for(env.observation_space), final_obs=slot_for(env.observation_space),
-                           action=slot_for(env.action_space), reward=shared((), torch.float64),
-                           terminated=shared((), torch.bool), truncated=shared((), torch.bool),
-                           success=shared((), torch.bool), busy_time=shared((), torch.float64))
+        return SharedSlots(
+            obs=slot_for(env.observation_space),
+            final_obs=slot_for(env.observation_space),
+            action=slot_for(env.action_space),
+            reward=shared((), torch.float64),
+            terminated=shared((), torch.bool),
+            truncated=shared((), torch.bool),
+            success=shared((), torch.bool),
+            busy_time=shared((), torch.float64),
+        )
 
 
 def env_worker(env_index: int, args: Args, slots: SharedSlots, conn, seed: int) -> None:
@@ -332,13 +377,16 @@ class EnvWorkers:
 
     def __init__(self, args: Args, slots: SharedSlots, base_seed: int):
         ctx = mp.get_context("forkserver")
-        ctx.set_forkserver_preload(["torch", "gymnasium", "numpy", "toy_chain_env"]
-                                   + (["mani_skill.envs"] if args.env_kind == "maniskill" else []))
+        ctx.set_forkserver_preload(
+            ["torch", "gymnasium", "numpy", "toy_chain_env"]
+            + (["mani_skill.envs"] if args.env_kind == "maniskill" else [])
+        )
         self.processes, self.conns = [], []
         for e in range(args.num_envs):
             parent, child = ctx.Pipe(duplex=True)
-            p = ctx.Process(target=env_worker, args=(e, args, slots, child, base_seed + e), daemon=True,
-                            name=f"ver-env-worker-{e}")
+            p = ctx.Process(
+                target=env_worker, args=(e, args, slots, child, base_seed + e), daemon=True, name=f"ver-env-worker-{e}"
+            )
             p.start()
             child.close()
             self.processes.append(p)
@@ -370,8 +418,10 @@ class EnvWorkers:
     def _raise_dead(self, e: int):
         p = self.processes[e]
         p.join(timeout=1.0)
-        raise WorkerError(f"env worker {e} (pid {p.pid}) died with exit code {p.exitcode} without a message "
-                          f"(killed, or crashed inside native code)")
+        raise WorkerError(
+            f"env worker {e} (pid {p.pid}) died with exit code {p.exitcode} without a message "
+            f"(killed, or crashed inside native code)"
+        )
 
     def close(self, timeout: float = 3.0) -> None:
         """Closes the pipes (a worker exits when its pipe closes), waits up to `timeout` seconds, then kills what is
@@ -424,8 +474,14 @@ def pack_layout(lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray
     return select, batch_sizes.astype(np.int64), sorted_sequences
 
 
-def compute_gae_packed(rewards: torch.Tensor, values: torch.Tensor, next_values: torch.Tensor,
-                       batch_sizes: np.ndarray, gamma: float, gae_lambda: float) -> torch.Tensor:
+def compute_gae_packed(
+    rewards: torch.Tensor,
+    values: torch.Tensor,
+    next_values: torch.Tensor,
+    batch_sizes: np.ndarray,
+    gamma: float,
+    gae_lambda: float,
+) -> torch.Tensor:
     """GAE over variable-length sequences in PackedSequence layout (inputs in packed order, see pack_layout).
 
     delta_t = r_t + gamma * V(s_{t+1}) - V(s_t)
@@ -441,12 +497,14 @@ def compute_gae_packed(rewards: torch.Tensor, values: torch.Tensor, next_values:
         n = int(batch_sizes[t])
         carried = torch.zeros(n, dtype=rewards.dtype, device=rewards.device)
         carried[: following.numel()] = following
-        following = deltas[offsets[t]:offsets[t] + n] + gamma * gae_lambda * carried
-        advantages[offsets[t]:offsets[t] + n] = following
+        following = deltas[offsets[t] : offsets[t] + n] + gamma * gae_lambda * carried
+        advantages[offsets[t] : offsets[t] + n] = following
     return advantages
 
 
-def make_minibatches(lengths: np.ndarray, num_minibatches: int, rng: np.random.Generator) -> list[tuple[np.ndarray, np.ndarray]]:
+def make_minibatches(
+    lengths: np.ndarray, num_minibatches: int, rng: np.random.Generator
+) -> list[tuple[np.ndarray, np.ndarray]]:
     """VER's minibatches (Sec. 2.2, Fig. 3B): shuffle the sequences, concatenate their steps and cut the result into
     `num_minibatches` chunks of equal size. A sequence is split only where a cut falls inside it; each piece is
     then its own sequence (starting from the stored recurrent state of its first step).
@@ -464,7 +522,7 @@ def make_minibatches(lengths: np.ndarray, num_minibatches: int, rng: np.random.G
     minibatches = []
     for b in range(num_minibatches):
         inside = boundaries[(boundaries >= b * size) & (boundaries <= (b + 1) * size)]
-        minibatches.append((flat[b * size:(b + 1) * size], np.diff(inside)))
+        minibatches.append((flat[b * size : (b + 1) * size], np.diff(inside)))
     return minibatches
 
 
@@ -478,8 +536,9 @@ def importance_weights(env_ids: torch.Tensor, num_envs: int, num_steps: int, cli
     return (num_steps / counts[env_ids]).clamp(max=clip_max)
 
 
-def optimal_preemption_time(step_times: np.ndarray, rank_cap: int, env_cap: Optional[int], learn_time: float,
-                            resolution: float = 1e-3) -> tuple[float, int, float]:
+def optimal_preemption_time(
+    step_times: np.ndarray, rank_cap: int, env_cap: Optional[int], learn_time: float, resolution: float = 1e-3
+) -> tuple[float, int, float]:
     """The straggler preemption rule of Sec. 2.3: collect the S steps that maximize S / (Time(S) + LT).
 
     step_times[r, e] is the mean time env e of rank r took per step in the previous rollout (simulation plus
@@ -530,9 +589,17 @@ class Agent(nn.Module):
     observation (ToyChain's block index) is embedded first. Continuous actions: a Gaussian with a learned,
     state-independent log std. The (learned) entropy coefficient alpha lives here as log_ent_coef."""
 
-    def __init__(self, obs_space: gym.Space, act_space: gym.Space, recurrent: bool, ent_coef: float,
-                 learned_ent_coef: bool, hidden_sizes: tuple[int, ...] = (256, 256), lstm_hidden_size: int = 128,
-                 lstm_layers: int = 1):
+    def __init__(
+        self,
+        obs_space: gym.Space,
+        act_space: gym.Space,
+        recurrent: bool,
+        ent_coef: float,
+        learned_ent_coef: bool,
+        hidden_sizes: tuple[int, ...] = (256, 256),
+        lstm_hidden_size: int = 128,
+        lstm_layers: int = 1,
+    ):
         super().__init__()
         if isinstance(obs_space, gym.spaces.Discrete):
             self.embed = nn.Embedding(int(obs_space.n), 64)
@@ -655,9 +722,18 @@ def build_batch(st: RolloutStorage, num_envs: int, num_steps: int, gamma: float,
     advantages = torch.empty_like(values)
     advantages[sel] = compute_gae_packed(rewards[sel], values[sel], next_values[sel], batch_sizes, gamma, gae_lambda)
     env_ids = torch.as_tensor(st.env_ids[rows], device=st.device)
-    return dict(obs=st.obs[rows_t], actions=st.actions[rows_t], logprobs=st.logprobs[rows_t], values=values,
-                advantages=advantages, returns=advantages + values, weights=importance_weights(env_ids, num_envs, num_steps),
-                hidden=None if st.hidden is None else st.hidden[rows_t], env_ids=env_ids, lengths=lengths)
+    return dict(
+        obs=st.obs[rows_t],
+        actions=st.actions[rows_t],
+        logprobs=st.logprobs[rows_t],
+        values=values,
+        advantages=advantages,
+        returns=advantages + values,
+        weights=importance_weights(env_ids, num_envs, num_steps),
+        hidden=None if st.hidden is None else st.hidden[rows_t],
+        env_ids=env_ids,
+        lengths=lengths,
+    )
 
 
 def fill_from_previous(batch: dict, previous: dict, size: int, rng: np.random.Generator) -> dict:
@@ -789,7 +865,11 @@ class Collector:
         """Env e's result completes the step at `row`; returns True if it needs V(true last observation)."""
         st, view = self.storage, self.view
         reward = float(view["reward"][e])
-        terminated, truncated, success = bool(view["terminated"][e]), bool(view["truncated"][e]), bool(view["success"][e])
+        terminated, truncated, success = (
+            bool(view["terminated"][e]),
+            bool(view["truncated"][e]),
+            bool(view["success"][e]),
+        )
         st.rewards[row], st.complete[row] = reward, True
         self.collected += 1
         self.steps_in_rollout[e] += 1
@@ -910,8 +990,9 @@ def ver_stop_rule(collector: Collector, args: Args, learn_time: float) -> tuple[
     gathered = [torch.empty_like(local) for _ in range(args.world_size)]
     dist.all_gather(gathered, local)
     gathered = torch.stack(gathered).cpu().numpy()
-    t_star, _, t_full = optimal_preemption_time(gathered[:, :args.num_envs], args.batch_size, collector.quota,
-                                                float(gathered[:, args.num_envs].mean()))
+    t_star, _, t_full = optimal_preemption_time(
+        gathered[:, : args.num_envs], args.batch_size, collector.quota, float(gathered[:, args.num_envs].mean())
+    )
     deadline = time.perf_counter() + (t_star if t_star < t_full else math.inf)
     return (lambda steps: time.perf_counter() >= deadline), t_star
 
@@ -924,8 +1005,9 @@ def ddppo_stop_rule(store: dist.Store, args: Args, iteration: int) -> Callable:
 
 
 # ---- PPO update (Sec. 2.2, 4) -----------------------------------------------------------------------------------------
-def ppo_update(args: Args, agent: Agent, optimizer: torch.optim.Optimizer, batch: dict,
-               rng: np.random.Generator) -> dict:
+def ppo_update(
+    args: Args, agent: Agent, optimizer: torch.optim.Optimizer, batch: dict, rng: np.random.Generator
+) -> dict:
     """PPO epochs over VER minibatches (Sec. 2.2), losses weighted by the truncated importance weights (Sec. 4):
     mean(w * clipped surrogate), mean(w * value loss), mean(w * entropy). With --learned-ent-coef the entropy
     coefficient alpha minimizes alpha * ([mean entropy]_sg - target) (the unweighted mean) while the policy maximizes
@@ -941,7 +1023,9 @@ def ppo_update(args: Args, agent: Agent, optimizer: torch.optim.Optimizer, batch
             if agent.recurrent:  # each piece starts from the stored state of its first step
                 first = torch.as_tensor(mb_idx[np.concatenate([[0], np.cumsum(piece_lengths)[:-1]])], device=device)
                 state0 = batch["hidden"][first].permute(1, 2, 0, 3)  # (h, c), each (layers, pieces, hidden)
-            newlogprob, entropy, newvalue = agent.evaluate(batch["obs"][idx], batch["actions"][idx], state0, piece_lengths)
+            newlogprob, entropy, newvalue = agent.evaluate(
+                batch["obs"][idx], batch["actions"][idx], state0, piece_lengths
+            )
             logratio = newlogprob - batch["logprobs"][idx]
             ratio = logratio.exp()
             with torch.no_grad():
@@ -953,7 +1037,11 @@ def ppo_update(args: Args, agent: Agent, optimizer: torch.optim.Optimizer, batch
             weights = batch["weights"][idx]
             pg = torch.max(-advantages * ratio, -advantages * ratio.clamp(1 - args.clip_coef, 1 + args.clip_coef))
             value_error = (newvalue - batch["returns"][idx]).square()  # not clipped (CleanRL and habitat-lab clip it)
-            pg_loss, v_loss, ent = (weights * pg).mean(), 0.5 * (weights * value_error).mean(), (weights * entropy).mean()
+            pg_loss, v_loss, ent = (
+                (weights * pg).mean(),
+                0.5 * (weights * value_error).mean(),
+                (weights * entropy).mean(),
+            )
             alpha = agent.log_ent_coef.exp()
             loss = pg_loss + args.vf_coef * v_loss - alpha.detach() * ent
             if args.learned_ent_coef:
@@ -967,8 +1055,9 @@ def ppo_update(args: Args, agent: Agent, optimizer: torch.optim.Optimizer, batch
             if args.learned_ent_coef:
                 with torch.no_grad():
                     agent.log_ent_coef.clamp_(math.log(1e-4), 0.0)
-            totals += torch.stack([pg_loss.detach(), v_loss.detach(), entropy.detach().mean(), old_approx_kl,
-                                   approx_kl, clipfrac])
+            totals += torch.stack(
+                [pg_loss.detach(), v_loss.detach(), entropy.detach().mean(), old_approx_kl, approx_kl, clipfrac]
+            )
             updates += 1
         if args.target_kl is not None:  # the mean over ranks: the same decision on every rank
             if float(all_reduce_sum(approx_kl.reshape(1))[0]) / args.world_size > args.target_kl:
@@ -984,8 +1073,15 @@ def save_checkpoint(path: Path, agent, optimizer, global_step: int, iteration: i
     """What resuming needs: model, optimizer, global step and iteration (the number of updates made). Written to a
     temporary file and renamed, so that a save interrupted by Ctrl-C never leaves a half-written checkpoint."""
     tmp = path.with_name(path.name + ".tmp")
-    torch.save({"agent": agent.state_dict(), "optimizer": optimizer.state_dict(), "global_step": global_step,
-                "iteration": iteration}, tmp)
+    torch.save(
+        {
+            "agent": agent.state_dict(),
+            "optimizer": optimizer.state_dict(),
+            "global_step": global_step,
+            "iteration": iteration,
+        },
+        tmp,
+    )
     os.replace(tmp, path)
 
 
@@ -1022,8 +1118,10 @@ def main(args: Args) -> dict:
     synchronize = torch.cuda.synchronize if use_cuda else (lambda: None)  # queued GPU work, before a timer is read
     if distributed:  # torchrun: NCCL on GPUs, gloo on CPU, one GPU per local rank; a store counts the ranks done
         dist.init_process_group(backend="nccl" if use_cuda else "gloo")
-        store = dist.PrefixStore("ppo_ver", dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
-                                                          args.world_size, is_master=False))
+        store = dist.PrefixStore(
+            "ppo_ver",
+            dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), args.world_size, is_master=False),
+        )
     if device.type == "cpu":
         torch.set_num_threads(1)  # leave the cores to the env workers
     torch.manual_seed(args.seed)  # DD-PPO: the same initial weights on every rank (or the same checkpoint)
@@ -1038,8 +1136,14 @@ def main(args: Args) -> dict:
         if args.track:
             import wandb
 
-            wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, sync_tensorboard=True,
-                       config=asdict(args), name=run_name, save_code=True)
+            wandb.init(
+                project=args.wandb_project_name,
+                entity=args.wandb_entity,
+                sync_tensorboard=True,
+                config=asdict(args),
+                name=run_name,
+                save_code=True,
+            )
         writer = SummaryWriter(str(run_dir))
 
     def log(name: str, value, step: int) -> None:
@@ -1061,8 +1165,9 @@ def main(args: Args) -> dict:
         # The evaluation env (rank 0's) tells the spaces: the shared slots, the network; then the checkpoint.
         eval_env = make_env(args, evaluation=True)
         slots = SharedSlots.allocate(args.num_envs, eval_env)
-        agent = Agent(eval_env.observation_space, eval_env.action_space, args.recurrent, args.ent_coef,
-                      args.learned_ent_coef).to(device)
+        agent = Agent(
+            eval_env.observation_space, eval_env.action_space, args.recurrent, args.ent_coef, args.learned_ent_coef
+        ).to(device)
         optimizer = torch.optim.Adam(agent.parameters(), lr=args.learning_rate, eps=1e-5)
         if args.checkpoint:
             ckpt = torch.load(args.checkpoint, map_location=device, weights_only=True)
@@ -1080,7 +1185,9 @@ def main(args: Args) -> dict:
             return summary
         worker_args = args
         if rank == 0 and distributed:  # --slow-rank-factor: rank 0 simulates slower
-            worker_args = replace(args, toy=replace(args.toy, step_time_mean=args.toy.step_time_mean * args.slow_rank_factor))
+            worker_args = replace(
+                args, toy=replace(args.toy, step_time_mean=args.toy.step_time_mean * args.slow_rank_factor)
+            )
         workers = EnvWorkers(worker_args, slots, base_seed=args.seed + rank * args.num_envs)
         collector = Collector(args, workers, slots, agent, device)
         if args.env_kind == "toy":
@@ -1119,8 +1226,17 @@ def main(args: Args) -> dict:
 
             # 4. Counters of all ranks, logging (rank 0), evaluation and checkpoints.
             episodes = np.array(collector.episodes, dtype=np.float64).reshape(-1, 4)
-            local = torch.tensor([collector.collected, collector.env_busy, len(episodes), *episodes.sum(0),
-                                  float(fresh < args.batch_size)], dtype=torch.float64, device=device)
+            local = torch.tensor(
+                [
+                    collector.collected,
+                    collector.env_busy,
+                    len(episodes),
+                    *episodes.sum(0),
+                    float(fresh < args.batch_size),
+                ],
+                dtype=torch.float64,
+                device=device,
+            )
             total = all_reduce_sum(local).tolist()
             global_step += int(total[0])
             env_busy_time += total[1]
@@ -1128,7 +1244,9 @@ def main(args: Args) -> dict:
             if rank > 0:
                 continue
             log("charts/SPS", (global_step - start_step) / (time.time() - train_start), global_step)
-            log("charts/learning_rate", args.learning_rate, global_step)  # constant: CleanRL anneals it, VER a cosine (Sec. 4)
+            log(
+                "charts/learning_rate", args.learning_rate, global_step
+            )  # constant: CleanRL anneals it, VER a cosine (Sec. 4)
             if total[2] > 0:
                 log("charts/episodic_return", total[3] / total[2], global_step)
                 log("charts/episodic_length", total[4] / total[2], global_step)
@@ -1148,7 +1266,11 @@ def main(args: Args) -> dict:
             log("time/collect", collect_time, global_step)
             log("time/learn", learn_time, global_step)
             if args.env_kind == "toy":
-                log("toy/accuracy", (batch["actions"][:fresh] == targets[batch["obs"][:fresh]]).float().mean(), global_step)
+                log(
+                    "toy/accuracy",
+                    (batch["actions"][:fresh] == targets[batch["obs"][:fresh]]).float().mean(),
+                    global_step,
+                )
             if args.eval_freq and iteration % args.eval_freq == 0 and global_step < args.total_timesteps:
                 run_evaluation(final=False)
         if distributed:  # DD-PPO keeps the ranks' weights identical: check it (summary.json)
@@ -1176,8 +1298,12 @@ def main(args: Args) -> dict:
             eval_env.env.close()
         if rank == 0:
             wall = time.time() - start_time
-            summary.update(global_step=global_step, wall_time_s=wall, sps=(global_step - start_step) / wall,
-                           env_busy_time_s=env_busy_time)
+            summary.update(
+                global_step=global_step,
+                wall_time_s=wall,
+                sps=(global_step - start_step) / wall,
+                env_busy_time_s=env_busy_time,
+            )
             summary.update(last)
             (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
             writer.close()

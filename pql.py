@@ -171,14 +171,29 @@ class Args:
 
 TOY_ENV_ID = "ToyChainContinuous-v0"
 # Small networks and batches on the toy chain, so that a run takes about a minute on two CPU cores.
-TOY_PRESET = dict(num_envs=64, num_eval_envs=64, batch_size=1024, total_timesteps=64 * 600, eval_freq=25,
-                  norm_obs=False, hidden_dims=(256, 256), bootstrap_at_done="truncated")
+TOY_PRESET = dict(
+    num_envs=64,
+    num_eval_envs=64,
+    batch_size=1024,
+    total_timesteps=64 * 600,
+    eval_freq=25,
+    norm_obs=False,
+    hidden_dims=(256, 256),
+    bootstrap_at_done="truncated",
+)
 # ManiSkill3 with GPU simulation: Table B.1 (4096 envs, batch 8192) and the original code's networks.
-MANISKILL_GPU = dict(num_envs=4096, num_eval_envs=16, batch_size=8192, total_timesteps=30_000_000, eval_freq=200,
-                     norm_obs=True, hidden_dims=(512, 256, 128), bootstrap_at_done="always")
+MANISKILL_GPU = dict(
+    num_envs=4096,
+    num_eval_envs=16,
+    batch_size=8192,
+    total_timesteps=30_000_000,
+    eval_freq=200,
+    norm_obs=True,
+    hidden_dims=(512, 256, 128),
+    bootstrap_at_done="always",
+)
 # ManiSkill3 with CPU simulation (one worker process per env): for trying things out.
-MANISKILL_CPU = dict(MANISKILL_GPU, num_envs=8, num_eval_envs=2, batch_size=1024, total_timesteps=200_000,
-                     eval_freq=50)
+MANISKILL_CPU = dict(MANISKILL_GPU, num_envs=8, num_eval_envs=2, batch_size=1024, total_timesteps=200_000, eval_freq=50)
 LOG_EVERY = 5  # Actor steps between two writes of the training scalars
 NUM_ATOMS, V_MIN, V_MAX = 51, -10.0, 10.0  # PQL-D's support (App. C)
 ROLES = {"v_learner": "V-learner", "p_learner": "P-learner"}
@@ -197,9 +212,12 @@ def resolve_args(args: Args) -> Args:
     is_toy = args.env_id == TOY_ENV_ID
     if not is_toy:
         from mani_skill.utils.registration import REGISTERED_ENVS
+
         if args.env_id not in REGISTERED_ENVS:
-            raise ArgsError(f"--env-id {args.env_id!r} is not {TOY_ENV_ID} or a registered ManiSkill3 task "
-                            f"(e.g. PickCube-v1, PushCube-v1, StackCube-v1)")
+            raise ArgsError(
+                f"--env-id {args.env_id!r} is not {TOY_ENV_ID} or a registered ManiSkill3 task "
+                f"(e.g. PickCube-v1, PushCube-v1, StackCube-v1)"
+            )
     default_device = "cuda" if args.cuda and torch.cuda.is_available() else "cpu"
     args.actor_device = args.actor_device or default_device
     args.v_learner_device = args.v_learner_device or args.actor_device
@@ -207,9 +225,11 @@ def resolve_args(args: Args) -> Args:
     args.sim_backend = "torch" if is_toy else ("physx_cuda" if args.actor_device.startswith("cuda") else "physx_cpu")
     preset = TOY_PRESET if is_toy else (MANISKILL_GPU if args.sim_backend == "physx_cuda" else MANISKILL_CPU)
     if preset is MANISKILL_CPU:
-        print(f"note: without CUDA, {args.env_id} runs a short trial on CPU simulation "
-              f"({MANISKILL_CPU['num_envs']} envs, {MANISKILL_CPU['total_timesteps']:,} steps); the paper's preset "
-              f"needs a CUDA GPU; flags override it")
+        print(
+            f"note: without CUDA, {args.env_id} runs a short trial on CPU simulation "
+            f"({MANISKILL_CPU['num_envs']} envs, {MANISKILL_CPU['total_timesteps']:,} steps); the paper's preset "
+            f"needs a CUDA GPU; flags override it"
+        )
     for name, value in preset.items():
         if getattr(args, name) is None:
             setattr(args, name, value)
@@ -219,19 +239,25 @@ def resolve_args(args: Args) -> Args:
         except ValueError as e:
             raise ArgsError(str(e)) from e
         if args.toy.autoreset_mode != "same_step":
-            raise ArgsError("--toy.autoreset-mode: pql.py consumes same-step autoreset (as ManiSkill); "
-                            "use --toy.autoreset-mode same_step")
+            raise ArgsError(
+                "--toy.autoreset-mode: pql.py consumes same-step autoreset (as ManiSkill); "
+                "use --toy.autoreset-mode same_step"
+            )
         args.resolved_horizon = args.toy.horizon
     else:
         args.resolved_horizon = args.horizon or gym.spec(args.env_id).max_episode_steps
         icd_files = glob.glob("/usr/share/vulkan/icd.d/*.json") + glob.glob("/etc/vulkan/icd.d/*.json")
         if sys.platform == "linux" and not (icd_files or os.environ.get("VK_ICD_FILENAMES")):
-            raise ArgsError("ManiSkill3 needs a Vulkan driver even for state-only simulation, and none is installed; "
-                            "on Debian/Ubuntu run: bash .ci/install_system.sh")
+            raise ArgsError(
+                "ManiSkill3 needs a Vulkan driver even for state-only simulation, and none is installed; "
+                "on Debian/Ubuntu run: bash .ci/install_system.sh"
+            )
     args.num_actor_steps = args.total_timesteps // args.num_envs
     if not args.evaluate and args.num_actor_steps <= args.warm_up_steps + args.nstep:
-        raise ArgsError(f"--total-timesteps {args.total_timesteps} gives {args.num_actor_steps} Actor steps of "
-                        f"{args.num_envs} envs: not more than --warm-up-steps + --nstep, nothing would be learned")
+        raise ArgsError(
+            f"--total-timesteps {args.total_timesteps} gives {args.num_actor_steps} Actor steps of "
+            f"{args.num_envs} envs: not more than --warm-up-steps + --nstep, nothing would be learned"
+        )
     if args.evaluate and not args.checkpoint:
         raise ArgsError("--evaluate needs --checkpoint PATH")
     if args.checkpoint and not os.path.isfile(args.checkpoint):
@@ -270,8 +296,11 @@ class ManiSkillVecEnv(gym.vector.VectorEnv):
         if self.gpu:
             self.env = make(num_envs=num_envs)
         else:
-            self.env = gym.vector.AsyncVectorEnv([partial(make, num_envs=1)] * num_envs, context="forkserver",
-                                                 autoreset_mode=gym.vector.AutoresetMode.DISABLED)
+            self.env = gym.vector.AsyncVectorEnv(
+                [partial(make, num_envs=1)] * num_envs,
+                context="forkserver",
+                autoreset_mode=gym.vector.AutoresetMode.DISABLED,
+            )
         self.single_observation_space = self.env.unwrapped.single_observation_space  # (a vector env's is itself)
         self.single_action_space = self.env.unwrapped.single_action_space
 
@@ -285,14 +314,21 @@ class ManiSkillVecEnv(gym.vector.VectorEnv):
     def step(self, actions: torch.Tensor):
         obs, reward, terminated, truncated, info = self.env.step(actions if self.gpu else actions.cpu().numpy())
         obs = self.as_tensor(obs, torch.float32).reshape(self.num_envs, -1)
-        reward, terminated, truncated, success = (self.as_tensor(x, dtype).reshape(self.num_envs) for x, dtype in (
-            (reward, torch.float32), (terminated, torch.bool), (truncated, torch.bool),
-            (info.get("success", np.zeros(self.num_envs, bool)), torch.bool)))
+        reward, terminated, truncated, success = (
+            self.as_tensor(x, dtype).reshape(self.num_envs)
+            for x, dtype in (
+                (reward, torch.float32),
+                (terminated, torch.bool),
+                (truncated, torch.bool),
+                (info.get("success", np.zeros(self.num_envs, bool)), torch.bool),
+            )
+        )
         reset_now = truncated | (terminated & self.reset_on_termination)
         final_obs = obs
         if bool(reset_now.any()):  # partial reset: ManiSkill on the GPU takes env indices, a vector env a mask
-            obs, _ = self.reset(options={"env_idx": reset_now.nonzero()[:, 0]} if self.gpu
-                                else {"reset_mask": reset_now.cpu().numpy()})
+            obs, _ = self.reset(
+                options={"env_idx": reset_now.nonzero()[:, 0]} if self.gpu else {"reset_mask": reset_now.cpu().numpy()}
+            )
         return obs, reward, terminated, truncated, {"success": success, "final_obs": final_obs, "_final_obs": reset_now}
 
     def close_extras(self, **kwargs):
@@ -366,8 +402,9 @@ class NStepAssembler:
         return dict(obs=obs0, action=action0, reward=returns, next_obs=bootstrap_obs, discount=discounts)
 
 
-def categorical_projection(probs: torch.Tensor, returns: torch.Tensor, discounts: torch.Tensor,
-                           support: torch.Tensor) -> torch.Tensor:
+def categorical_projection(
+    probs: torch.Tensor, returns: torch.Tensor, discounts: torch.Tensor, support: torch.Tensor
+) -> torch.Tensor:
     """C51 projection (Bellemare et al. 2017, Alg. 1; PQL-D, App. C): the distribution of returns + discount * Z, with
     Z ~ `probs` (B, K) on the fixed `support` (K,), projected back onto the support. Atoms shifted past the ends are
     clamped to them; each shifted atom's mass is split between its two neighbouring atoms in proportion to closeness."""
@@ -409,8 +446,10 @@ def actor_may_step(actor_steps: int, v_updates: int, beta_a_v: float) -> bool:
 def v_may_update(v_updates: int, actor_steps: int, p_updates: int, beta_a_v: float, beta_p_v: float) -> bool:
     """May the V-learner do update V + 1: within the data's budget k_v * A, and not too far ahead of the P-learner?"""
     k_v, k_p = 1.0 / beta_a_v, 1.0 / beta_p_v
-    return (v_updates + 1 <= k_v * actor_steps + RATIO_EPS
-            and v_updates + 1 <= k_p * p_updates + 2.0 * max(k_p, 1.0) + RATIO_EPS)
+    return (
+        v_updates + 1 <= k_v * actor_steps + RATIO_EPS
+        and v_updates + 1 <= k_p * p_updates + 2.0 * max(k_p, 1.0) + RATIO_EPS
+    )
 
 
 def p_may_update(p_updates: int, v_updates: int, beta_p_v: float) -> bool:
@@ -514,7 +553,7 @@ def load_vector(module: nn.Module, vector: torch.Tensor) -> None:
     """Copies a flat parameter vector (parameters_to_vector's layout) into `module`'s parameters."""
     offset = 0
     for param in module.parameters():
-        param.copy_(vector[offset:offset + param.numel()].view_as(param))
+        param.copy_(vector[offset : offset + param.numel()].view_as(param))
         offset += param.numel()
 
 
@@ -530,8 +569,10 @@ def initial_networks(args: Args, obs_dim: int, act_dim: int, device) -> tuple[Po
             policy.load_state_dict(state["policy"])
             critic.load_state_dict(state["critic"])
         except RuntimeError as e:
-            raise ArgsError(f"--checkpoint {args.checkpoint} does not fit these networks (was it trained with "
-                            f"another --env-id or --distributional?): {e}") from e
+            raise ArgsError(
+                f"--checkpoint {args.checkpoint} does not fit these networks (was it trained with "
+                f"another --env-id or --distributional?): {e}"
+            ) from e
     return policy.to(device), critic.to(device), state
 
 
@@ -548,8 +589,11 @@ class VLearner:
         if state is not None:
             self.critic_target.load_state_dict(state["critic_target"])
             self.optimizer.load_state_dict(state["critic_optimizer"])
-        self.buffer = ReplayBuffer(capacity, {"obs": (obs_dim,), "action": (act_dim,), "reward": (), "next_obs": (obs_dim,),
-                                              "discount": ()}, device)
+        self.buffer = ReplayBuffer(
+            capacity,
+            {"obs": (obs_dim,), "action": (act_dim,), "reward": (), "next_obs": (obs_dim,), "discount": ()},
+            device,
+        )
         self.generator = torch.Generator(device=device).manual_seed(args.seed + 1)
         self.obs_stats = None
 
@@ -565,8 +609,9 @@ class VLearner:
         """The n-step double-Q target y = R + discount * min(Q1', Q2')(s', pi^v(s') + clip(noise)) (target networks
         Q', the lagged policy pi^v); with PQL-D the projected target distribution (B, NUM_ATOMS)."""
         next_action = self.policy(next_obs)
-        noise = (torch.randn(next_action.shape, device=self.device, generator=self.generator)
-                 * self.args.target_noise_std).clamp(-0.2, 0.2)
+        noise = (
+            torch.randn(next_action.shape, device=self.device, generator=self.generator) * self.args.target_noise_std
+        ).clamp(-0.2, 0.2)
         next_action = (next_action + noise).clamp(-1.0, 1.0)
         if self.critic.distributional:
             logits1, logits2 = self.critic_target(next_obs, next_action)
@@ -599,8 +644,11 @@ class VLearner:
         return loss.detach(), obs
 
     def state_dict(self) -> dict:
-        return {"critic": self.critic.state_dict(), "critic_target": self.critic_target.state_dict(),
-                "critic_optimizer": self.optimizer.state_dict()}
+        return {
+            "critic": self.critic.state_dict(),
+            "critic_target": self.critic_target.state_dict(),
+            "critic_optimizer": self.optimizer.state_dict(),
+        }
 
 
 class PLearner:
@@ -651,8 +699,10 @@ class SlotRing:
     def __init__(self, shapes: dict, device, num_slots: int):
         self.device, self.num_slots = torch.device(device), num_slots
         # share_memory_() moves CPU tensors to shared memory; CUDA tensors go to the other process by CUDA IPC
-        self.slots = [{k: torch.zeros(shape, device=self.device).share_memory_() for k, shape in shapes.items()}
-                      for _ in range(num_slots)]
+        self.slots = [
+            {k: torch.zeros(shape, device=self.device).share_memory_() for k, shape in shapes.items()}
+            for _ in range(num_slots)
+        ]
         self.counters = torch.zeros(2, dtype=torch.int64).share_memory_()  # written, read
 
     def has_room(self) -> bool:
@@ -685,9 +735,20 @@ A, V, P, CKPT_REQUEST, CKPT_SERVED_V, CKPT_SERVED_P = range(6)
 POLL_S = 2e-4
 
 
-def learner_process(role: str, args: Args, obs_dim: int, act_dim: int, capacity: int, inbox: SlotRing,
-                    outbox: SlotRing, counters: torch.Tensor, losses: torch.Tensor, stop, run_dir: str,
-                    threads: int) -> None:
+def learner_process(
+    role: str,
+    args: Args,
+    obs_dim: int,
+    act_dim: int,
+    capacity: int,
+    inbox: SlotRing,
+    outbox: SlotRing,
+    counters: torch.Tensor,
+    losses: torch.Tensor,
+    stop,
+    run_dir: str,
+    threads: int,
+) -> None:
     """The V-learner or P-learner process (Alg. 2, 3): take the Actor's messages, serve checkpoint requests, and update
     whenever the speed ratios allow it (Sec. 3.2), else wait. It ignores Ctrl-C (the Actor stops it through `stop`);
     an error stops the run, its traceback written to {role}_error.txt in the run directory for the Actor to report;
@@ -711,8 +772,11 @@ def learner_process(role: str, args: Args, obs_dim: int, act_dim: int, capacity:
                 torch.save(learner.state_dict(), Path(run_dir, f"{role}_state.pt"))
                 counters[served] = request
             steps, v_updates, p_updates = counters[:3].tolist()
-            allowed = (v_may_update(v_updates, steps, p_updates, args.beta_a_v, args.beta_p_v) if is_v
-                       else p_may_update(p_updates, v_updates, args.beta_p_v))
+            allowed = (
+                v_may_update(v_updates, steps, p_updates, args.beta_a_v, args.beta_p_v)
+                if is_v
+                else p_may_update(p_updates, v_updates, args.beta_p_v)
+            )
             if allowed and learner.buffer.size > 0:
                 loss = learner.update()
                 counters[mine] += 1
@@ -742,8 +806,12 @@ def evaluate(policy: Policy, eval_envs, obs_stats, horizon: int, seed: int, act_
         action = act_low + (policy(normalize_obs(obs, obs_stats)) + 1.0) * 0.5 * (act_high - act_low)
         obs, reward, terminated, truncated, info = eval_envs.step(action)
         ret, success_once = ret + reward, success_once | info["success"]
-    return {"return": ret.mean().item(), "success_once": success_once.float().mean().item(),
-            "success_at_end": info["success"].float().mean().item(), "episode_len": horizon}
+    return {
+        "return": ret.mean().item(),
+        "success_once": success_once.float().mean().item(),
+        "success_at_end": info["success"].float().mean().item(),
+        "episode_len": horizon,
+    }
 
 
 # ---- The Actor (Alg. 1): the main process ----------------------------------------------------------------------------
@@ -767,8 +835,14 @@ def main(args: Args) -> dict:
     if args.track:
         import wandb
 
-        wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, sync_tensorboard=True,
-                   config=asdict(args), name=run_name, save_code=True)
+        wandb.init(
+            project=args.wandb_project_name,
+            entity=args.wandb_entity,
+            sync_tensorboard=True,
+            config=asdict(args),
+            name=run_name,
+            save_code=True,
+        )
     writer = SummaryWriter(str(run_dir))
     last: dict[str, float] = {}  # the last value of every scalar, for summary.json
 
@@ -796,9 +870,12 @@ def main(args: Args) -> dict:
             stop.set()
             errors = sorted(run_dir.glob("*_error.txt"))  # a failing learner writes its traceback, then sets `stop`
             code = processes[dead[0]].exitcode if dead else None
-            raise ProcessFailed(errors[0].read_text().rstrip() if errors else
-                                f"the {ROLES[dead[0]] if dead else 'learner'} process stopped (exit code {code}"
-                                f"{f', killed by signal {-code}' if code and code < 0 else ''})")
+            raise ProcessFailed(
+                errors[0].read_text().rstrip()
+                if errors
+                else f"the {ROLES[dead[0]] if dead else 'learner'} process stopped (exit code {code}"
+                f"{f', killed by signal {-code}' if code and code < 0 else ''})"
+            )
 
     def wait_for(condition, timeout: float = float("inf"), interruptible: bool = True) -> None:
         """Waits (bounded) until condition() holds, at safe points."""
@@ -814,8 +891,10 @@ def main(args: Args) -> dict:
         check()  # a Ctrl-C during start-up ends the run before the training envs are built
         obs_dim = int(np.prod(eval_envs.single_observation_space.shape))
         act_dim = int(np.prod(eval_envs.single_action_space.shape))
-        act_low, act_high = (torch.as_tensor(x, dtype=torch.float32, device=device)
-                             for x in (eval_envs.single_action_space.low, eval_envs.single_action_space.high))
+        act_low, act_high = (
+            torch.as_tensor(x, dtype=torch.float32, device=device)
+            for x in (eval_envs.single_action_space.low, eval_envs.single_action_space.high)
+        )
         policy, critic, ckpt = initial_networks(args, obs_dim, act_dim, device)
         obs_rms = RunningMeanStd((obs_dim,), device)
         if ckpt is not None:
@@ -825,8 +904,16 @@ def main(args: Args) -> dict:
 
         def run_eval(final: bool = False) -> None:
             start = time.time()
-            metrics = evaluate(policy, eval_envs, obs_stats, args.resolved_horizon, args.seed + 10_000 +
-                               actor_step, act_low, act_high, check)
+            metrics = evaluate(
+                policy,
+                eval_envs,
+                obs_stats,
+                args.resolved_horizon,
+                args.seed + 10_000 + actor_step,
+                act_low,
+                act_high,
+                check,
+            )
             summary["eval_time_s"] += time.time() - start  # the learners idle meanwhile
             log("time/eval", time.time() - start, global_step)  # seconds of this evaluation (synchronized by .item())
             for k, v in metrics.items():
@@ -843,16 +930,20 @@ def main(args: Args) -> dict:
             if parallel:
                 counters[CKPT_REQUEST] += 1
                 request = int(counters[CKPT_REQUEST])
-                wait_for(lambda: counters[CKPT_SERVED_V] >= request and counters[CKPT_SERVED_P] >= request,
-                         timeout=60.0, interruptible=False)
+                wait_for(
+                    lambda: counters[CKPT_SERVED_V] >= request and counters[CKPT_SERVED_P] >= request,
+                    timeout=60.0,
+                    interruptible=False,
+                )
                 state = {}
                 for role in ROLES:
                     state.update(torch.load(run_dir / f"{role}_state.pt", map_location="cpu", weights_only=True))
                     (run_dir / f"{role}_state.pt").unlink()
             else:
                 state = {**v_learner.state_dict(), **p_learner.state_dict()}
-            state.update(global_step=global_step, actor_step=actor_step, args=json.dumps(asdict(args)),
-                         obs_rms=vars(obs_rms))  # its mean, var and count
+            state.update(
+                global_step=global_step, actor_step=actor_step, args=json.dumps(asdict(args)), obs_rms=vars(obs_rms)
+            )  # its mean, var and count
             torch.save(state, path.with_name(path.name + ".tmp"))
             os.replace(path.with_name(path.name + ".tmp"), path)
 
@@ -865,11 +956,16 @@ def main(args: Args) -> dict:
         needed[args.v_learner_device] += capacity * 4 * (2 * obs_dim + act_dim + 2)  # V-learner: s, s', a, r, discount
         needed[args.p_learner_device] += capacity * 4 * obs_dim  # P-learner: s
         for buffer_device, bytes_needed in needed.items():
-            free = (torch.cuda.mem_get_info(buffer_device)[0] if torch.device(buffer_device).type == "cuda"
-                    else os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+            free = (
+                torch.cuda.mem_get_info(buffer_device)[0]
+                if torch.device(buffer_device).type == "cuda"
+                else os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+            )
             if bytes_needed > free:
-                raise ArgsError(f"--buffer-size {args.buffer_size}: the replay buffers need {bytes_needed / 2**30:.1f} "
-                                f"GiB on {buffer_device}, {free / 2**30:.1f} GiB free; use a smaller --buffer-size")
+                raise ArgsError(
+                    f"--buffer-size {args.buffer_size}: the replay buffers need {bytes_needed / 2**30:.1f} "
+                    f"GiB on {buffer_device}, {free / 2**30:.1f} GiB free; use a smaller --buffer-size"
+                )
         envs = make_env(args, args.num_envs, device, evaluation=False)
         first_step = actor_step
         critic_vector = parameters_to_vector(critic.parameters()).detach().to(args.p_learner_device)
@@ -877,16 +973,41 @@ def main(args: Args) -> dict:
             # what travels each Actor step (float32): to the V-learner (Alg. 3) and the P-learner (Alg. 2), and back
             n, stats = args.num_envs, {"obs_mean": (obs_dim,), "obs_var": (obs_dim,)}
             policy_numel, critic_numel = sum(p.numel() for p in policy.parameters()), critic_vector.numel()
-            to_shapes = {"v_learner": {"obs": (n, obs_dim), "action": (n, act_dim), "reward": (n,),
-                                       "next_obs": (n, obs_dim), "discount": (n,), "policy": (policy_numel,), **stats},
-                         "p_learner": {"obs": (n, obs_dim), "critic": (critic_numel,), **stats}}
+            to_shapes = {
+                "v_learner": {
+                    "obs": (n, obs_dim),
+                    "action": (n, act_dim),
+                    "reward": (n,),
+                    "next_obs": (n, obs_dim),
+                    "discount": (n,),
+                    "policy": (policy_numel,),
+                    **stats,
+                },
+                "p_learner": {"obs": (n, obs_dim), "critic": (critic_numel,), **stats},
+            }
             back_shapes = {"v_learner": {"critic": (critic_numel,)}, "p_learner": {"policy": (policy_numel,)}}
             to_learner = {role: SlotRing(to_shapes[role], getattr(args, f"{role}_device"), 4) for role in ROLES}
             from_learner = {role: SlotRing(back_shapes[role], getattr(args, f"{role}_device"), 2) for role in ROLES}
             for role in ROLES:
-                processes[role] = ctx.Process(target=learner_process, name=f"pql-{role}", daemon=True, args=(
-                    role, args, obs_dim, act_dim, capacity, to_learner[role], from_learner[role], counters,
-                    losses, stop, str(run_dir), threads))
+                processes[role] = ctx.Process(
+                    target=learner_process,
+                    name=f"pql-{role}",
+                    daemon=True,
+                    args=(
+                        role,
+                        args,
+                        obs_dim,
+                        act_dim,
+                        capacity,
+                        to_learner[role],
+                        from_learner[role],
+                        counters,
+                        losses,
+                        stop,
+                        str(run_dir),
+                        threads,
+                    ),
+                )
             # SIGINT blocked while they start: the learners inherit the blocked signal (they never see Ctrl-C),
             # the Actor gets it when it unblocks
             signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
@@ -897,8 +1018,9 @@ def main(args: Args) -> dict:
                 print(f"{ROLES[role]} started: pid {process.pid}", flush=True)
         else:  # --ddpg-n, --sequential: both learners in this process
             v_learner = VLearner(args, obs_dim, act_dim, capacity, torch.device(args.v_learner_device))
-            p_learner = PLearner(args, obs_dim, act_dim, 0 if args.ddpg_n else capacity,
-                                 torch.device(args.p_learner_device))
+            p_learner = PLearner(
+                args, obs_dim, act_dim, 0 if args.ddpg_n else capacity, torch.device(args.p_learner_device)
+            )
             if args.ddpg_n:  # live networks: one policy and one critic, no lag, no copies
                 v_learner.policy, p_learner.critic = p_learner.policy, v_learner.critic
             qf_loss = actor_loss = torch.zeros((), device=args.v_learner_device)
@@ -933,7 +1055,9 @@ def main(args: Args) -> dict:
                     action = torch.rand((N, act_dim), device=device) * 2.0 - 1.0
                 else:  # Sec. 3.3: pi(s) + N(0, sigma_i^2), sigma_i fixed per env
                     action = explore(policy(normalize_obs(raw_obs, obs_stats)), sigmas)
-            next_raw, reward, terminated, truncated, info = envs.step(act_low + (action + 1.0) * 0.5 * (act_high - act_low))
+            next_raw, reward, terminated, truncated, info = envs.step(
+                act_low + (action + 1.0) * 0.5 * (act_high - act_low)
+            )
             # the true next observation: where an env reset in this step (same-step autoreset), info["final_obs"]
             true_next = torch.where(info["_final_obs"][:, None], info["final_obs"].reshape(N, -1), next_raw)
             transitions = assembler.push(raw_obs, action, reward * args.reward_scale, terminated, truncated, true_next)
@@ -942,8 +1066,10 @@ def main(args: Args) -> dict:
             if transitions is not None:  # Alg. 1: send data, the normalizer and the newest networks
                 normalizer = {"obs_mean": obs_rms.mean, "obs_var": obs_rms.var}
                 policy_vector = parameters_to_vector(policy.parameters())
-                messages = {"v_learner": {**transitions, **normalizer, "policy": policy_vector},
-                            "p_learner": {"obs": transitions["obs"], **normalizer, "critic": critic_vector}}
+                messages = {
+                    "v_learner": {**transitions, **normalizer, "policy": policy_vector},
+                    "p_learner": {"obs": transitions["obs"], **normalizer, "critic": critic_vector},
+                }
                 if parallel:
                     for role in ROLES:
                         wait_for(to_learner[role].has_room)
@@ -979,15 +1105,18 @@ def main(args: Args) -> dict:
             ep_return += reward
             ep_len += 1
             success_once |= info["success"]
-            episodes += torch.stack([done.sum(), (ep_return * done).sum(), (ep_len * done).sum(),
-                                     (success_once & done).sum()]).float()
+            episodes += torch.stack(
+                [done.sum(), (ep_return * done).sum(), (ep_len * done).sum(), (success_once & done).sum()]
+            ).float()
             ep_return, ep_len = ep_return * ~done, ep_len * ~done
             success_once &= ~done
             actor_step += 1
             global_step += N
 
             if actor_step % LOG_EVERY == 0:
-                log("charts/SPS", (global_step - start_step) / (time.time() - start_time), global_step)  # since the start
+                log(
+                    "charts/SPS", (global_step - start_step) / (time.time() - start_time), global_step
+                )  # since the start
                 if episodes[0] > 0:
                     for i, name in ((1, "episodic_return"), (2, "episodic_length"), (3, "success_rate")):
                         log(f"charts/{name}", episodes[i] / episodes[0], global_step)
@@ -1001,8 +1130,12 @@ def main(args: Args) -> dict:
                 episodes.zero_()
 
         if parallel:  # the learners finish the updates the last Actor steps paid for
-            wait_for(lambda: not v_may_update(*counters[[V, A, P]].tolist(), args.beta_a_v, args.beta_p_v)
-                     and not p_may_update(int(counters[P]), int(counters[V]), args.beta_p_v))
+            wait_for(
+                lambda: (
+                    not v_may_update(*counters[[V, A, P]].tolist(), args.beta_a_v, args.beta_p_v)
+                    and not p_may_update(int(counters[P]), int(counters[V]), args.beta_p_v)
+                )
+            )
             from_learner["p_learner"].take(lambda slot: load_vector(policy, slot["policy"]), newest_only=True)
         else:
             load_vector(policy, parameters_to_vector(p_learner.policy.parameters()))
@@ -1014,8 +1147,9 @@ def main(args: Args) -> dict:
             save(run_dir / "final_ckpt.pt")  # (a learner that cannot answer: ProcessFailed or TimeoutError, exit 1)
     finally:
         wall = time.time() - start_time
-        summary.update(global_step=global_step, actor_steps=actor_step, wall_time_s=wall,
-                       sps=(global_step - start_step) / wall)
+        summary.update(
+            global_step=global_step, actor_steps=actor_step, wall_time_s=wall, sps=(global_step - start_step) / wall
+        )
         summary.update(last)
         steps, v_updates, p_updates = counters[:3].tolist()
         summary.update({"pql/learning_steps": steps, "pql/v_updates": v_updates, "pql/p_updates": p_updates})

@@ -123,9 +123,7 @@ class ToyChainConfig:
         if self.reset_lambda < 0.0:
             raise ValueError(f"--toy.reset-lambda must be >= 0, got {self.reset_lambda}")
         if self.autoreset_mode not in ("next_step", "same_step"):
-            raise ValueError(
-                f"--toy.autoreset-mode must be 'next_step' or 'same_step', got {self.autoreset_mode!r}"
-            )
+            raise ValueError(f"--toy.autoreset-mode must be 'next_step' or 'same_step', got {self.autoreset_mode!r}")
         for name in ("step_time_mean", "step_time_spread", "step_time_jitter"):
             if not getattr(self, name) >= 0.0:
                 raise ValueError(f"--toy.{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
@@ -234,8 +232,10 @@ class ToyChainVectorEnv(VectorEnv):
         """One step of every env; returns (obs, reward, terminated, truncated, info) as torch tensors."""
         self._num_step_calls += 1
         if self.config.crash_at_step and self._num_step_calls == self.config.crash_at_step:
-            raise RuntimeError(f"ToyChain: deliberate crash in step() call {self._num_step_calls} "
-                               f"(--toy.crash-at-step {self.config.crash_at_step}, a test option)")
+            raise RuntimeError(
+                f"ToyChain: deliberate crash in step() call {self._num_step_calls} "
+                f"(--toy.crash-at-step {self.config.crash_at_step}, a test option)"
+            )
         if self.config.step_time_mean > 0.0:
             time.sleep(self._simulation_time())  # simulation time, spent in the process that steps the env
         actions = torch.as_tensor(actions, device=self.device).long().reshape(self.num_envs)
@@ -312,7 +312,9 @@ class ToyChainContinuousConfig(ToyChainConfig):
         if self.action_dim < 1:
             raise ValueError(f"--toy.action-dim must be >= 1, got {self.action_dim}")
         if not 0.0 < self.target_radius <= 2.0:
-            raise ValueError(f"--toy.target-radius must be in (0, 2] (RMS distance in [-1, 1]^d), got {self.target_radius}")
+            raise ValueError(
+                f"--toy.target-radius must be in (0, 2] (RMS distance in [-1, 1]^d), got {self.target_radius}"
+            )
 
 
 def draw_target_vectors(config: ToyChainContinuousConfig) -> torch.Tensor:

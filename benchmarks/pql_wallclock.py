@@ -79,32 +79,85 @@ class Options:
 
 def variants(options: Options) -> dict[str, list[str]]:
     if options.suite == "toy":
-        return {"PQL (3 processes)": [], "DDPG(n), the paper's baseline: --ddpg-n": ["--ddpg-n"],
-                "ablation, PQL's schedule serially: --sequential": ["--sequential"]}
-    out = {"PQL (3 processes, 1 GPU)": [], "DDPG(n), the paper's baseline: --ddpg-n": ["--ddpg-n"],
-           "ablation, PQL's schedule serially: --sequential": ["--sequential"]}
+        return {
+            "PQL (3 processes)": [],
+            "DDPG(n), the paper's baseline: --ddpg-n": ["--ddpg-n"],
+            "ablation, PQL's schedule serially: --sequential": ["--sequential"],
+        }
+    out = {
+        "PQL (3 processes, 1 GPU)": [],
+        "DDPG(n), the paper's baseline: --ddpg-n": ["--ddpg-n"],
+        "ablation, PQL's schedule serially: --sequential": ["--sequential"],
+    }
     if options.fasttd3:
-        out["PQL, FastTD3 settings"] = ["--batch-size", "32768", "--tau", "0.1", "--sigma-min", "0.001",
-                                        "--sigma-max", "0.4", "--distributional", "--learning-rate", "3e-4",
-                                        "--target-noise-std", "0.001"]
+        out["PQL, FastTD3 settings"] = [
+            "--batch-size",
+            "32768",
+            "--tau",
+            "0.1",
+            "--sigma-min",
+            "0.001",
+            "--sigma-max",
+            "0.4",
+            "--distributional",
+            "--learning-rate",
+            "3e-4",
+            "--target-noise-std",
+            "0.001",
+        ]
     return out
 
 
 def settings(options: Options) -> tuple[str, float, list[tuple[str, list[str]]]]:
     """(metric, threshold, [(task, common flags)])."""
     if options.suite == "toy":
-        common = ["--env-id", "ToyChainContinuous-v0", "--toy.horizon", "50", "--eval-freq", "5", "--no-cuda",
-                  "--total-timesteps", str(options.total_timesteps or 64 * 600)]
-        return "eval/return", options.threshold if options.threshold is not None else 20.0, \
-            [("ToyChainContinuous-v0", common + options.extra)]
+        common = [
+            "--env-id",
+            "ToyChainContinuous-v0",
+            "--toy.horizon",
+            "50",
+            "--eval-freq",
+            "5",
+            "--no-cuda",
+            "--total-timesteps",
+            str(options.total_timesteps or 64 * 600),
+        ]
+        return (
+            "eval/return",
+            options.threshold if options.threshold is not None else 20.0,
+            [("ToyChainContinuous-v0", common + options.extra)],
+        )
     tasks = []
     for env_id in options.env_ids:
         if options.smoke:
-            common = ["--env-id", env_id, "--no-cuda", "--num-envs", "2", "--num-eval-envs", "1", "--horizon", "20",
-                      "--total-timesteps", "100", "--warm-up-steps", "10", "--batch-size", "32", "--eval-freq", "20"]
+            common = [
+                "--env-id",
+                env_id,
+                "--no-cuda",
+                "--num-envs",
+                "2",
+                "--num-eval-envs",
+                "1",
+                "--horizon",
+                "20",
+                "--total-timesteps",
+                "100",
+                "--warm-up-steps",
+                "10",
+                "--batch-size",
+                "32",
+                "--eval-freq",
+                "20",
+            ]
         else:
-            common = ["--env-id", env_id, "--eval-freq", "50", "--total-timesteps",
-                      str(options.total_timesteps or 50_000_000)]
+            common = [
+                "--env-id",
+                env_id,
+                "--eval-freq",
+                "50",
+                "--total-timesteps",
+                str(options.total_timesteps or 50_000_000),
+            ]
         tasks.append((env_id, common + options.extra))
     threshold = options.threshold if options.threshold is not None else 0.8
     return "eval/success_once", threshold, tasks
@@ -118,12 +171,18 @@ def read_scalars(run_dir: str) -> dict:
     return {tag: [(e.wall_time, e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
 
 
-def run_one(flags: list[str], seed: int, name: str, metric: str, threshold: float, workdir: str,
-            max_time: Optional[float]) -> dict:
+def run_one(
+    flags: list[str], seed: int, name: str, metric: str, threshold: float, workdir: str, max_time: Optional[float]
+) -> dict:
     out_dir = tempfile.mkdtemp(dir=workdir)
     launched = time.time()
-    proc = subprocess.Popen([sys.executable, str(SCRIPT), *flags, "--seed", str(seed), "--output-dir", out_dir],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    proc = subprocess.Popen(
+        [sys.executable, str(SCRIPT), *flags, "--seed", str(seed), "--output-dir", out_dir],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+    )
     try:
         _, stderr = proc.communicate(timeout=max_time)
     except subprocess.TimeoutExpired:  # the time budget: Ctrl-C, pql.py writes summary.json and exits 130
@@ -139,11 +198,18 @@ def run_one(flags: list[str], seed: int, name: str, metric: str, threshold: floa
     curve = [(wall - launched, step, value) for wall, step, value in scalars[metric]]
     hit = next(((t, s) for t, s, v in curve if v >= threshold), None)
     return {
-        "variant": name, "seed": seed, "launch_to_end_s": total, "time_to_threshold_s": hit[0] if hit else None,
-        "steps_to_threshold": hit[1] if hit else None, "final": curve[-1][2], "curve": curve,
-        "v_updates": summary.get("pql/v_updates"), "train_wall_s": summary["wall_time_s"],
+        "variant": name,
+        "seed": seed,
+        "launch_to_end_s": total,
+        "time_to_threshold_s": hit[0] if hit else None,
+        "steps_to_threshold": hit[1] if hit else None,
+        "final": curve[-1][2],
+        "curve": curve,
+        "v_updates": summary.get("pql/v_updates"),
+        "train_wall_s": summary["wall_time_s"],
         "v_updates_per_s": summary.get("pql/v_updates", 0) / max(summary["wall_time_s"], 1e-9),
-        "ratio_a_v": summary.get("pql/ratio_a_v"), "ratio_p_v": summary.get("pql/ratio_p_v"),
+        "ratio_a_v": summary.get("pql/ratio_a_v"),
+        "ratio_p_v": summary.get("pql/ratio_p_v"),
     }
 
 
@@ -158,35 +224,60 @@ def fmt(x, digits=1) -> str:
 
 def write_report(options: Options, metric: str, threshold: float, results: dict, wall: float, out: Path) -> None:
     names = list(variants(options))
-    lines = [f"# PQL vs DDPG(n) (--ddpg-n) and the serial ablation (--sequential): wall-clock time to {metric} >= {threshold:g}", ""]
-    lines += [f"Produced by `python benchmarks/pql_wallclock.py {' '.join(sys.argv[1:])}` in {wall / 60:.1f} min "
-              f"on {platform.machine()} ({os.cpu_count()} CPU cores visible), run alone on the machine. "
-              f"Medians over seeds; time from launching the run (process start-up, warm-up and evaluations "
-              f"included, the same for every variant) to the first evaluation at or above the threshold.", ""]
-    lines += ["Paper (Sec. 4.2, Fig. 3, Isaac Gym, RTX 3090, 4096 envs): PQL learns faster in wall-clock time than "
-              "DDPG(n) on 5 of 6 tasks; the paper gives curves, not times.", ""]
+    lines = [
+        f"# PQL vs DDPG(n) (--ddpg-n) and the serial ablation (--sequential): wall-clock time to {metric} >= {threshold:g}",
+        "",
+    ]
+    lines += [
+        f"Produced by `python benchmarks/pql_wallclock.py {' '.join(sys.argv[1:])}` in {wall / 60:.1f} min "
+        f"on {platform.machine()} ({os.cpu_count()} CPU cores visible), run alone on the machine. "
+        f"Medians over seeds; time from launching the run (process start-up, warm-up and evaluations "
+        f"included, the same for every variant) to the first evaluation at or above the threshold.",
+        "",
+    ]
+    lines += [
+        "Paper (Sec. 4.2, Fig. 3, Isaac Gym, RTX 3090, 4096 envs): PQL learns faster in wall-clock time than "
+        "DDPG(n) on 5 of 6 tasks; the paper gives curves, not times.",
+        "",
+    ]
     for task, runs in results.items():
-        lines += [f"## {task}", "",
-                  "| variant | reached | time to threshold (s) | env steps to threshold | final metric | "
-                  "V-updates/s | measured beta_a:v, beta_p:v |",
-                  "|---|---|---|---|---|---|---|"]
+        lines += [
+            f"## {task}",
+            "",
+            "| variant | reached | time to threshold (s) | env steps to threshold | final metric | "
+            "V-updates/s | measured beta_a:v, beta_p:v |",
+            "|---|---|---|---|---|---|---|",
+        ]
         for name in names:
             rs = [r for r in runs if r["variant"] == name]
             reached = sum(r["time_to_threshold_s"] is not None for r in rs)
-            ratios = f"1:{1 / median([r['ratio_a_v'] for r in rs]):.2f}, 1:{1 / median([r['ratio_p_v'] for r in rs]):.2f}" \
-                if median([r["ratio_a_v"] for r in rs]) else "-"
-            lines.append(f"| {name} | {reached}/{len(rs)} | {fmt(median([r['time_to_threshold_s'] for r in rs]))} | "
-                         f"{fmt(median([r['steps_to_threshold'] for r in rs]), 0)} | "
-                         f"{fmt(median([r['final'] for r in rs]), 2)} | "
-                         f"{fmt(median([r['v_updates_per_s'] for r in rs]))} | {ratios} |")
+            ratios = (
+                f"1:{1 / median([r['ratio_a_v'] for r in rs]):.2f}, 1:{1 / median([r['ratio_p_v'] for r in rs]):.2f}"
+                if median([r["ratio_a_v"] for r in rs])
+                else "-"
+            )
+            lines.append(
+                f"| {name} | {reached}/{len(rs)} | {fmt(median([r['time_to_threshold_s'] for r in rs]))} | "
+                f"{fmt(median([r['steps_to_threshold'] for r in rs]), 0)} | "
+                f"{fmt(median([r['final'] for r in rs]), 2)} | "
+                f"{fmt(median([r['v_updates_per_s'] for r in rs]))} | {ratios} |"
+            )
         base, others = names[0], names[1:]
         for other in others:
-            pairs = [(a["time_to_threshold_s"], b["time_to_threshold_s"]) for a in runs if a["variant"] == base
-                     for b in runs if b["variant"] == other and b["seed"] == a["seed"]]
+            pairs = [
+                (a["time_to_threshold_s"], b["time_to_threshold_s"])
+                for a in runs
+                if a["variant"] == base
+                for b in runs
+                if b["variant"] == other and b["seed"] == a["seed"]
+            ]
             speedups = [b / a for a, b in pairs if a is not None and b is not None]
             if speedups:
-                lines.append(f"\n{other} / {base}, per seed (time to threshold): "
-                             + ", ".join(f"{s:.2f}" for s in speedups) + f"; median {np.median(speedups):.2f}")
+                lines.append(
+                    f"\n{other} / {base}, per seed (time to threshold): "
+                    + ", ".join(f"{s:.2f}" for s in speedups)
+                    + f"; median {np.median(speedups):.2f}"
+                )
         lines.append("")
     (out / f"pql_{options.suite}.md").write_text("\n".join(lines) + "\n")
 
@@ -223,7 +314,9 @@ def main(options: Options) -> None:
         import torch
 
         if not torch.cuda.is_available():
-            sys.exit("error: --suite maniskill needs a CUDA GPU (4096 GPU-simulated envs); --smoke checks it on the CPU")
+            sys.exit(
+                "error: --suite maniskill needs a CUDA GPU (4096 GPU-simulated envs); --smoke checks it on the CPU"
+            )
     metric, threshold, tasks = settings(options)
     out = Path(options.output)
     out.mkdir(parents=True, exist_ok=True)
@@ -238,14 +331,20 @@ def main(options: Options) -> None:
                 for name, flags in order:
                     max_time = options.max_time or (None if options.suite == "toy" or options.smoke else 1800)
                     r = run_one(common + flags, seed, name, metric, threshold, workdir, max_time)
-                    print(f"{task} {name} seed {seed}: time to threshold {fmt(r['time_to_threshold_s'])} s, "
-                          f"steps {r['steps_to_threshold']}, final {r['final']:.3f}, "
-                          f"{r['v_updates_per_s']:.1f} V-updates/s", flush=True)
+                    print(
+                        f"{task} {name} seed {seed}: time to threshold {fmt(r['time_to_threshold_s'])} s, "
+                        f"steps {r['steps_to_threshold']}, final {r['final']:.3f}, "
+                        f"{r['v_updates_per_s']:.1f} V-updates/s",
+                        flush=True,
+                    )
                     results[task].append(r)
     wall = time.time() - start
     with open(out / f"pql_{options.suite}.json", "w") as f:
-        json.dump({"options": vars(options), "metric": metric, "threshold": threshold, "wall_s": wall,
-                   "results": results}, f, indent=1)
+        json.dump(
+            {"options": vars(options), "metric": metric, "threshold": threshold, "wall_s": wall, "results": results},
+            f,
+            indent=1,
+        )
     write_report(options, metric, threshold, results, wall, out)
     plot(results, metric, threshold, out / f"pql_{options.suite}.png")
     print((out / f"pql_{options.suite}.md").read_text())

@@ -76,9 +76,12 @@ def env_vs_forward(device: str, repeats: int) -> dict:
         timed(fn, 50, device)  # warm-up
     step_s = [timed(step, 200, device) for _ in range(repeats)]
     forward_s = [timed(forward, 200, device) for _ in range(repeats)]
-    return {"device": device, "env_step_us": 1e6 * float(np.median(step_s)),
-            "policy_forward_us": 1e6 * float(np.median(forward_s)),
-            "ratio_forward_over_step": float(np.median(forward_s) / np.median(step_s))}
+    return {
+        "device": device,
+        "env_step_us": 1e6 * float(np.median(step_s)),
+        "policy_forward_us": 1e6 * float(np.median(forward_s)),
+        "ratio_forward_over_step": float(np.median(forward_s) / np.median(step_s)),
+    }
 
 
 def training_sps(args: ppo.Args) -> dict:
@@ -91,9 +94,11 @@ def training_sps(args: ppo.Args) -> dict:
     get = lambda tag: np.array([e.value for e in acc.Scalars(tag)])[1:]  # noqa: E731  (skip the warm-up iteration)
     rollout, update, env_step = get("time/rollout"), get("time/update"), get("time/env_step")
     batch = ppo.resolve_args(args).batch_size
-    return {"train_sps": float(np.median(batch / (rollout + update))),
-            "env_share_of_rollout": float(np.median(env_step / rollout)),
-            "update_share": float(np.median(update / (rollout + update)))}
+    return {
+        "train_sps": float(np.median(batch / (rollout + update))),
+        "env_share_of_rollout": float(np.median(env_step / rollout)),
+        "update_share": float(np.median(update / (rollout + update))),
+    }
 
 
 def raw_toy_sps(device: str, repeats: int) -> float:
@@ -130,29 +135,57 @@ def main(options: Options):
     out.mkdir(parents=True, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix="speed_")
     devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
-    results: dict = {"machine": f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} torch "
-                                f"threads, torch {torch.__version__}",
-                     "env_vs_forward": [], "toy": [], "maniskill": []}
+    results: dict = {
+        "machine": f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} torch "
+        f"threads, torch {torch.__version__}",
+        "env_vs_forward": [],
+        "toy": [],
+        "maniskill": [],
+    }
     for device in devices:
         r = env_vs_forward(device, options.repeats)
         results["env_vs_forward"].append(r)
         print(r, flush=True)
         raw = raw_toy_sps(device, options.repeats)
         for stagger in (True, False):
-            runs = [training_sps(ppo.Args(env_id="ToyChain-v0", cuda=device == "cuda", stagger=stagger, seed=seed,
-                                          total_timesteps=512 * 5 * 30, eval_freq=10**6,
-                                          output_dir=tmp)) for seed in range(1, options.repeats + 1)]
-            row = {"device": device, "stagger": stagger, "raw_env_sps": raw,
-                   **{k: float(np.median([r[k] for r in runs])) for k in runs[0]}}
+            runs = [
+                training_sps(
+                    ppo.Args(
+                        env_id="ToyChain-v0",
+                        cuda=device == "cuda",
+                        stagger=stagger,
+                        seed=seed,
+                        total_timesteps=512 * 5 * 30,
+                        eval_freq=10**6,
+                        output_dir=tmp,
+                    )
+                )
+                for seed in range(1, options.repeats + 1)
+            ]
+            row = {
+                "device": device,
+                "stagger": stagger,
+                "raw_env_sps": raw,
+                **{k: float(np.median([r[k] for r in runs])) for k in runs[0]},
+            }
             row["overhead_x"] = raw / row["train_sps"]
             results["toy"].append(row)
             print(row, flush=True)
     if not options.skip_maniskill:
         for n in options.maniskill_envs:
             raw = raw_maniskill_sps(n, options.repeats)
-            run = training_sps(ppo.Args(env_id="StackCube-v1", cuda=False, num_envs=n, num_eval_envs=1,
-                                        total_timesteps=n * 8 * 25, eval_freq=10**6,
-                                        output_dir=tmp, num_minibatches=2))
+            run = training_sps(
+                ppo.Args(
+                    env_id="StackCube-v1",
+                    cuda=False,
+                    num_envs=n,
+                    num_eval_envs=1,
+                    total_timesteps=n * 8 * 25,
+                    eval_freq=10**6,
+                    output_dir=tmp,
+                    num_minibatches=2,
+                )
+            )
             row = {"num_envs": n, "raw_env_sps": raw, **run, "overhead_x": raw / run["train_sps"]}
             results["maniskill"].append(row)
             print(row, flush=True)
@@ -162,28 +195,49 @@ def main(options: Options):
 
 
 def write_report(results: dict, path: Path) -> None:
-    lines = ["# Speed of ppo_staggered.py against its environments", "",
-             f"`python benchmarks/speed.py`; machine: {results['machine']}. Medians of repeats, measured side by "
-             "side in one run. Training steps/s = N*K / (rollout + update time) per iteration (evaluation excluded).",
-             "", "## ToyChain env step vs policy forward pass (512 envs)", "",
-             "| device | env.step (µs) | policy forward (µs) | forward / step |", "|---|---|---|---|"]
+    lines = [
+        "# Speed of ppo_staggered.py against its environments",
+        "",
+        f"`python benchmarks/speed.py`; machine: {results['machine']}. Medians of repeats, measured side by "
+        "side in one run. Training steps/s = N*K / (rollout + update time) per iteration (evaluation excluded).",
+        "",
+        "## ToyChain env step vs policy forward pass (512 envs)",
+        "",
+        "| device | env.step (µs) | policy forward (µs) | forward / step |",
+        "|---|---|---|---|",
+    ]
     for r in results["env_vs_forward"]:
-        lines.append(f"| {r['device']} | {r['env_step_us']:.0f} | {r['policy_forward_us']:.0f} | "
-                     f"{r['ratio_forward_over_step']:.1f}x |")
-    lines += ["", "## ToyChain: raw env vs training (N=512, K=5, Table 2)", "",
-              "| device | resets | raw env steps/s | training steps/s | raw / training | env share of rollout | "
-              "update share |", "|---|---|---|---|---|---|---|"]
+        lines.append(
+            f"| {r['device']} | {r['env_step_us']:.0f} | {r['policy_forward_us']:.0f} | "
+            f"{r['ratio_forward_over_step']:.1f}x |"
+        )
+    lines += [
+        "",
+        "## ToyChain: raw env vs training (N=512, K=5, Table 2)",
+        "",
+        "| device | resets | raw env steps/s | training steps/s | raw / training | env share of rollout | "
+        "update share |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for r in results["toy"]:
-        lines.append(f"| {r['device']} | {'staggered' if r['stagger'] else 'naive'} | {r['raw_env_sps']:,.0f} | "
-                     f"{r['train_sps']:,.0f} | {r['overhead_x']:.1f}x | {r['env_share_of_rollout']:.0%} | "
-                     f"{r['update_share']:.0%} |")
+        lines.append(
+            f"| {r['device']} | {'staggered' if r['stagger'] else 'naive'} | {r['raw_env_sps']:,.0f} | "
+            f"{r['train_sps']:,.0f} | {r['overhead_x']:.1f}x | {r['env_share_of_rollout']:.0%} | "
+            f"{r['update_share']:.0%} |"
+        )
     if results["maniskill"]:
-        lines += ["", "## StackCube-v1, CPU simulation (physx_cpu, one process per env), staggered, K=8", "",
-                  "| envs | raw env steps/s | training steps/s | raw / training | env share of rollout | "
-                  "update share |", "|---|---|---|---|---|---|"]
+        lines += [
+            "",
+            "## StackCube-v1, CPU simulation (physx_cpu, one process per env), staggered, K=8",
+            "",
+            "| envs | raw env steps/s | training steps/s | raw / training | env share of rollout | update share |",
+            "|---|---|---|---|---|---|",
+        ]
         for r in results["maniskill"]:
-            lines.append(f"| {r['num_envs']} | {r['raw_env_sps']:,.1f} | {r['train_sps']:,.1f} | "
-                         f"{r['overhead_x']:.2f}x | {r['env_share_of_rollout']:.0%} | {r['update_share']:.0%} |")
+            lines.append(
+                f"| {r['num_envs']} | {r['raw_env_sps']:,.1f} | {r['train_sps']:,.1f} | "
+                f"{r['overhead_x']:.2f}x | {r['env_share_of_rollout']:.0%} | {r['update_share']:.0%} |"
+            )
     lines.append("")
     path.write_text("\n".join(lines))
 

@@ -75,8 +75,17 @@ def first_crossing(series, threshold: float, start_time: float):
 
 
 def run_ours(extra: list[str], out_dir: str, name: str) -> str:
-    cmd = [sys.executable, str(ROOT / "ppo_staggered.py"), "--env-id", "StackCube-v1", "--output-dir", out_dir,
-           "--exp-name", name, *extra]
+    cmd = [
+        sys.executable,
+        str(ROOT / "ppo_staggered.py"),
+        "--env-id",
+        "StackCube-v1",
+        "--output-dir",
+        out_dir,
+        "--exp-name",
+        name,
+        *extra,
+    ]
     print("$", " ".join(cmd), flush=True)
     subprocess.run(cmd, check=True, cwd=ROOT)
     dirs = [d for d in Path(out_dir).glob(f"StackCube-v1__{name}__*") if d.is_dir()]
@@ -94,31 +103,73 @@ def learning(options: Options, tmp: str, size: list[str]) -> list[dict]:
     for seed in range(1, options.seeds + 1):
         for stagger in (True, False):
             name = f"{'stag' if stagger else 'naive'}_s{seed}"
-            run_dir = run_ours(size + ["--seed", str(seed), "--total-timesteps", str(options.total_timesteps),
-                                       "--eval-freq", str(options.eval_freq), "--stagger" if stagger else "--no-stagger"],
-                               tmp, name)
+            run_dir = run_ours(
+                size
+                + [
+                    "--seed",
+                    str(seed),
+                    "--total-timesteps",
+                    str(options.total_timesteps),
+                    "--eval-freq",
+                    str(options.eval_freq),
+                    "--stagger" if stagger else "--no-stagger",
+                ],
+                tmp,
+                name,
+            )
             s = scalars(run_dir)
             start = min(t for series in s.values() for _, t, _ in series)
             steps, minutes = first_crossing(s["eval/success_once"], options.threshold, start)
-            rows.append({"seed": seed, "stagger": stagger, "steps": steps, "minutes": minutes,
-                         "final_success_once": s["eval/success_once"][-1][2],
-                         "final_success_at_end": s["eval/success_at_end"][-1][2]})
+            rows.append(
+                {
+                    "seed": seed,
+                    "stagger": stagger,
+                    "steps": steps,
+                    "minutes": minutes,
+                    "final_success_once": s["eval/success_once"][-1][2],
+                    "final_success_at_end": s["eval/success_at_end"][-1][2],
+                }
+            )
             print(rows[-1], flush=True)
     return rows
 
 
 def speed(options: Options, tmp: str, size: list[str], batch: int) -> list[dict]:
     rows = []
-    modes = [("ppo_staggered.py (eager)", [])] + ([] if options.smoke else [("ppo_staggered.py --cudagraphs", ["--cudagraphs"])])
+    modes = [("ppo_staggered.py (eager)", [])] + (
+        [] if options.smoke else [("ppo_staggered.py --cudagraphs", ["--cudagraphs"])]
+    )
     for label, flags in modes:
-        run_dir = run_ours(size + ["--total-timesteps", str(options.speed_timesteps), "--eval-freq", "100000"] + flags,
-                           tmp, "speed" + "_".join(flags).replace("-", ""))
+        run_dir = run_ours(
+            size + ["--total-timesteps", str(options.speed_timesteps), "--eval-freq", "100000"] + flags,
+            tmp,
+            "speed" + "_".join(flags).replace("-", ""),
+        )
         rows.append({"script": label, "train_sps": median_train_sps(scalars(run_dir), batch)})
         print(rows[-1], flush=True)
     if options.maniskill_ppo_dir:
-        common = ["--env_id", "StackCube-v1", "--num_envs", "4096", "--num_steps", "8", "--update_epochs", "4",
-                  "--num_minibatches", "32", "--gamma", "0.8", "--gae_lambda", "0.9", "--total_timesteps",
-                  str(options.speed_timesteps), "--eval_freq", "100000", "--no-capture-video", "--no-save-model"]
+        common = [
+            "--env_id",
+            "StackCube-v1",
+            "--num_envs",
+            "4096",
+            "--num_steps",
+            "8",
+            "--update_epochs",
+            "4",
+            "--num_minibatches",
+            "32",
+            "--gamma",
+            "0.8",
+            "--gae_lambda",
+            "0.9",
+            "--total_timesteps",
+            str(options.speed_timesteps),
+            "--eval_freq",
+            "100000",
+            "--no-capture-video",
+            "--no-save-model",
+        ]
         for script, flags in (("ppo.py", []), ("ppo_fast.py", ["--cudagraphs"])):
             work = tempfile.mkdtemp(dir=tmp)
             cmd = [sys.executable, str(Path(options.maniskill_ppo_dir) / script), *common, *flags]
@@ -127,32 +178,53 @@ def speed(options: Options, tmp: str, size: list[str], batch: int) -> list[dict]
             run_dir = next(p.parent for p in Path(work).rglob("events.out.tfevents.*"))
             s = scalars(str(run_dir))
             sps = [v for _, _, v in s["charts/SPS"]]
-            rows.append({"script": f"ManiSkill {script} {' '.join(flags)}".strip(), "train_sps": float(sps[-1]),
-                         "note": "ManiSkill's charts/SPS (global step / wall time since start)"})
+            rows.append(
+                {
+                    "script": f"ManiSkill {script} {' '.join(flags)}".strip(),
+                    "train_sps": float(sps[-1]),
+                    "note": "ManiSkill's charts/SPS (global step / wall time since start)",
+                }
+            )
             print(rows[-1], flush=True)
     return rows
 
 
 def write_report(options: Options, learn: list[dict], fast: list[dict], path: Path) -> None:
-    lines = ["# StackCube-v1 on a GPU: staggered vs naive PPO, and speed beside ManiSkill's PPO", "",
-             "`python benchmarks/stackcube_gpu.py" + (" --smoke" if options.smoke else "") + "`", ""]
+    lines = [
+        "# StackCube-v1 on a GPU: staggered vs naive PPO, and speed beside ManiSkill's PPO",
+        "",
+        "`python benchmarks/stackcube_gpu.py" + (" --smoke" if options.smoke else "") + "`",
+        "",
+    ]
     if learn:
-        lines += [f"## Env steps and minutes to eval success_once >= {options.threshold}", "",
-                  "| resets | env steps (M), ours | minutes, ours | reached | env steps (M), paper | minutes, paper |",
-                  "|---|---|---|---|---|---|"]
+        lines += [
+            f"## Env steps and minutes to eval success_once >= {options.threshold}",
+            "",
+            "| resets | env steps (M), ours | minutes, ours | reached | env steps (M), paper | minutes, paper |",
+            "|---|---|---|---|---|---|",
+        ]
         for stagger in (True, False):
             runs = [r for r in learn if r["stagger"] == stagger]
             hit = [r for r in runs if r["steps"] is not None]
-            steps = f"{np.mean([r['steps'] for r in hit]) / 1e6:.1f} ± {np.std([r['steps'] for r in hit]) / 1e6:.1f}" if hit else "DNC"
-            mins = f"{np.mean([r['minutes'] for r in hit]):.1f} ± {np.std([r['minutes'] for r in hit]):.1f}" if hit else "DNC"
+            steps = (
+                f"{np.mean([r['steps'] for r in hit]) / 1e6:.1f} ± {np.std([r['steps'] for r in hit]) / 1e6:.1f}"
+                if hit
+                else "DNC"
+            )
+            mins = (
+                f"{np.mean([r['minutes'] for r in hit]):.1f} ± {np.std([r['minutes'] for r in hit]):.1f}"
+                if hit
+                else "DNC"
+            )
             ps, pm = PAPER["steps_M"][stagger], PAPER["minutes"][stagger]
-            lines.append(f"| {'staggered' if stagger else 'naive'} | {steps} | {mins} | {len(hit)}/{len(runs)} | "
-                         f"{ps[0]} ± {ps[1]} | {pm[0]} ± {pm[1]} |")
+            lines.append(
+                f"| {'staggered' if stagger else 'naive'} | {steps} | {mins} | {len(hit)}/{len(runs)} | "
+                f"{ps[0]} ± {ps[1]} | {pm[0]} ± {pm[1]} |"
+            )
         lines.append("")
     if fast:
         settings = "tiny CPU smoke settings" if options.smoke else "N=4096, K=8, 4 epochs x 32 minibatches"
-        lines += [f"## Training steps/s at the same settings ({settings})", "",
-                  "| script | steps/s |", "|---|---|"]
+        lines += [f"## Training steps/s at the same settings ({settings})", "", "| script | steps/s |", "|---|---|"]
         lines += [f"| {r['script']} | {r['train_sps']:,.0f} |" for r in fast]
         lines.append("")
     path.write_text("\n".join(lines))
@@ -167,8 +239,22 @@ def main(options: Options):
     out.mkdir(parents=True, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix="stackcube_gpu_")
     if options.smoke:
-        size, batch = ["--num-envs", "2", "--num-eval-envs", "1", "--horizon", "20", "--num-steps", "4",
-                       "--num-minibatches", "2", "--no-cuda"], 8
+        size, batch = (
+            [
+                "--num-envs",
+                "2",
+                "--num-eval-envs",
+                "1",
+                "--horizon",
+                "20",
+                "--num-steps",
+                "4",
+                "--num-minibatches",
+                "2",
+                "--no-cuda",
+            ],
+            8,
+        )
         options.total_timesteps, options.speed_timesteps, options.eval_freq, options.seeds = 80, 80, 5, 1
     else:
         size, batch = ["--num-envs", "4096", "--num-steps", "8"], 4096 * 8

@@ -73,35 +73,46 @@ def run_one(job: dict) -> dict:
     import torch
 
     torch.set_num_threads(1)
-    import ppo_staggered as ppo
-    from toy_chain_env import ToyChainConfig
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+    import ppo_staggered as ppo
+    from toy_chain_env import ToyChainConfig
+
     horizon, p_prog, lam, terminal = job["setting"]
-    args = ppo.Args(env_id="ToyChain-v0", seed=job["seed"], stagger=job["stagger"], cuda=False,
-                    output_dir=job["tmp"], eval_freq=50, num_eval_envs=256,
-                    exp_name=f"H{horizon}_p{p_prog}_l{lam}{'_term' if terminal else ''}_"
-                             f"{'stag' if job['stagger'] else 'naive'}",
-                    toy=ToyChainConfig(horizon=horizon, progression_prob=p_prog, reset_lambda=lam,
-                                       terminal_horizon=terminal))
+    args = ppo.Args(
+        env_id="ToyChain-v0",
+        seed=job["seed"],
+        stagger=job["stagger"],
+        cuda=False,
+        output_dir=job["tmp"],
+        eval_freq=50,
+        num_eval_envs=256,
+        exp_name=f"H{horizon}_p{p_prog}_l{lam}{'_term' if terminal else ''}_{'stag' if job['stagger'] else 'naive'}",
+        toy=ToyChainConfig(horizon=horizon, progression_prob=p_prog, reset_lambda=lam, terminal_horizon=terminal),
+    )
     start = time.time()
     summary = ppo.main(args)
     run_dir = summary["run_dir"]
     acc = EventAccumulator(run_dir, size_guidance={"scalars": 0})
     acc.Reload()
-    series = {tag: [e.value for e in acc.Scalars(tag)]
-              for tag in ("toy/accuracy", "stagger/value_mse", "stagger/policy_kl", "toy/forgetting_mean")}
+    series = {
+        tag: [e.value for e in acc.Scalars(tag)]
+        for tag in ("toy/accuracy", "stagger/value_mse", "stagger/policy_kl", "toy/forgetting_mean")
+    }
     diag = np.load(os.path.join(run_dir, "toy_diagnostics.npz"))
     shutil.rmtree(run_dir, ignore_errors=True)
     return {
-        **job, "setting": list(job["setting"]), "wall_s": time.time() - start,
+        **job,
+        "setting": list(job["setting"]),
+        "wall_s": time.time() - start,
         "eval_success": summary["eval/success_at_end"],
         "train_accuracy": float(np.mean(series["toy/accuracy"][-10:])),  # App. C's rolling training accuracy
         "forgetting": summary["toy/forgetting_mean_overall"],
         "value_mse_max": float(np.max(series["stagger/value_mse"])),
         "policy_kl_mean": float(np.mean(series["stagger/policy_kl"])),
         "series": series,
-        "occupancy": diag["occupancy"].tolist(), "accuracy_matrix": diag["accuracy"].tolist(),
+        "occupancy": diag["occupancy"].tolist(),
+        "accuracy_matrix": diag["accuracy"].tolist(),
     }
 
 
@@ -114,14 +125,18 @@ def group(results, setting, stagger):
 
 
 def sweep_table(results, settings, label, index) -> list[str]:
-    rows = [f"| {label} | staggered: eval success | naive: eval success | staggered: train acc. | naive: train acc. |",
-            "|---|---|---|---|---|"]
+    rows = [
+        f"| {label} | staggered: eval success | naive: eval success | staggered: train acc. | naive: train acc. |",
+        "|---|---|---|---|---|",
+    ]
     for s in settings:
         st, nv = group(results, s, True), group(results, s, False)
         if st and nv:
-            rows.append(f"| {s[index]} | {mean_std([r['eval_success'] for r in st])} | "
-                        f"{mean_std([r['eval_success'] for r in nv])} | {mean_std([r['train_accuracy'] for r in st])} | "
-                        f"{mean_std([r['train_accuracy'] for r in nv])} |")
+            rows.append(
+                f"| {s[index]} | {mean_std([r['eval_success'] for r in st])} | "
+                f"{mean_std([r['eval_success'] for r in nv])} | {mean_std([r['train_accuracy'] for r in st])} | "
+                f"{mean_std([r['train_accuracy'] for r in nv])} |"
+            )
     return rows
 
 
@@ -131,8 +146,11 @@ def plot_fig2(results, path):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    panels = [(FIG2A, 0, "horizon H", "(a) horizon"), (FIG2B, 2, "reset homogeneity 2 - lambda_R", "(b) reset"),
-              (FIG2C, 1, "progression probability p_prog", "(c) skill gating")]
+    panels = [
+        (FIG2A, 0, "horizon H", "(a) horizon"),
+        (FIG2B, 2, "reset homogeneity 2 - lambda_R", "(b) reset"),
+        (FIG2C, 1, "progression probability p_prog", "(c) skill gating"),
+    ]
     metrics = (("eval_success", "eval success rate"), ("train_accuracy", "training accuracy (last 10 updates)"))
     fig, axes = plt.subplots(2, 3, figsize=(15, 8))
     for row, (metric, ylabel) in enumerate(metrics):
@@ -187,43 +205,66 @@ def plot_runs(results, setting, path, kind):
             axes[row, 0].set_title(f"{name}: value MSE (max {max(r['series']['stagger/value_mse']):.2f})")
             axes[row, 1].plot(r["series"]["stagger/policy_kl"])
             axes[row, 1].set_title(f"{name}: policy KL between updates")
-            im = axes[row, 2].imshow(forgetting_matrix(np.array(r["accuracy_matrix"])).T, aspect="auto",
-                                     origin="lower", cmap="inferno", vmin=0, vmax=1)
+            im = axes[row, 2].imshow(
+                forgetting_matrix(np.array(r["accuracy_matrix"])).T,
+                aspect="auto",
+                origin="lower",
+                cmap="inferno",
+                vmin=0,
+                vmax=1,
+            )
             axes[row, 2].set_title(f"{name}: forgetting matrix (mean {r['forgetting']:.3f})")
             fig.colorbar(im, ax=axes[row, 2])
         for ax in axes[row]:
             ax.set_xlabel("PPO update")
     horizon_kind = "terminal horizon" if setting[3] else "time-limit horizon"
-    fig.suptitle(f"ToyChain H={setting[0]}, p_prog={setting[1]}, lambda_R={setting[2]}, {horizon_kind} "
-                 f"(seed {runs[True]['seed']}); "
-                 + ("cf. paper Fig. 6" if kind == "fig6" else "cf. paper Figs. 12/13"))
+    fig.suptitle(
+        f"ToyChain H={setting[0]}, p_prog={setting[1]}, lambda_R={setting[2]}, {horizon_kind} "
+        f"(seed {runs[True]['seed']}); " + ("cf. paper Fig. 6" if kind == "fig6" else "cf. paper Figs. 12/13")
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=90)
     plt.close(fig)
 
 
 def write_report(results, options, wall, out: Path):
-    lines = ["# ToyChain: staggered vs naive resets (paper Sec. 4, App. C, App. E)", "",
-             f"Produced by `python benchmarks/toy_sweeps.py --experiment {options.experiment}` "
-             f"({options.seeds} seed(s) per point, {len(results)} runs, {wall / 60:.1f} min on "
-             f"{options.workers} CPU worker(s)). Table 2 PPO: N=512, K=5, 150 updates; L=5, A_c=20, k_mastery=3. "
-             "Eval success = fraction of 256 deterministic evaluation episodes that end in the final block; train "
-             "acc. = fraction of correct actions in the last 10 training batches (App. C's accuracy). Mean ± std "
-             "over seeds. With p_prog = 1 every gate opens whatever the agent does, so eval success is 1 for any "
-             "policy (Fig. 2b, right end of Fig. 2c): there training accuracy is the informative number.", ""]
+    lines = [
+        "# ToyChain: staggered vs naive resets (paper Sec. 4, App. C, App. E)",
+        "",
+        f"Produced by `python benchmarks/toy_sweeps.py --experiment {options.experiment}` "
+        f"({options.seeds} seed(s) per point, {len(results)} runs, {wall / 60:.1f} min on "
+        f"{options.workers} CPU worker(s)). Table 2 PPO: N=512, K=5, 150 updates; L=5, A_c=20, k_mastery=3. "
+        "Eval success = fraction of 256 deterministic evaluation episodes that end in the final block; train "
+        "acc. = fraction of correct actions in the last 10 training batches (App. C's accuracy). Mean ± std "
+        "over seeds. With p_prog = 1 every gate opens whatever the agent does, so eval success is 1 for any "
+        "policy (Fig. 2b, right end of Fig. 2c): there training accuracy is the informative number.",
+        "",
+    ]
     if any(group(results, s, True) for s in FIG2A):
-        lines += ["## Fig. 2a: horizon (K=5, p_prog=0.5, lambda_R=0)", "",
-                  "Paper: staggered stays robust as H grows; naive degrades with longer horizons.", ""]
+        lines += [
+            "## Fig. 2a: horizon (K=5, p_prog=0.5, lambda_R=0)",
+            "",
+            "Paper: staggered stays robust as H grows; naive degrades with longer horizons.",
+            "",
+        ]
         lines += sweep_table(results, FIG2A, "H", 0) + [""]
     if any(group(results, s, True) for s in FIG2B):
-        lines += ["## Fig. 2b: reset stochasticity (H=50, p_prog=1.0)", "",
-                  "Paper: naive deteriorates as resets become deterministic (lambda_R -> 0); some reset randomness "
-                  "helps it only marginally; staggered is consistently better.", ""]
+        lines += [
+            "## Fig. 2b: reset stochasticity (H=50, p_prog=1.0)",
+            "",
+            "Paper: naive deteriorates as resets become deterministic (lambda_R -> 0); some reset randomness "
+            "helps it only marginally; staggered is consistently better.",
+            "",
+        ]
         lines += sweep_table(results, FIG2B, "lambda_R", 2) + [""]
     if any(group(results, s, True) for s in FIG2C):
-        lines += ["## Fig. 2c: skill gating (H=200, lambda_R=0)", "",
-                  "Paper: staggered is robust at every p_prog; naive is best with hard gates (p_prog=0) and degrades "
-                  "as gates soften, so the gap widens with p_prog.", ""]
+        lines += [
+            "## Fig. 2c: skill gating (H=200, lambda_R=0)",
+            "",
+            "Paper: staggered is robust at every p_prog; naive is best with hard gates (p_prog=0) and degrades "
+            "as gates soften, so the gap widens with p_prog.",
+            "",
+        ]
         lines += sweep_table(results, FIG2C, "p_prog", 1) + [""]
     for setting, title in (
         (APPE, "App. E (H=200, p_prog=0.1), horizon = time-limit truncation (our default)"),
@@ -233,25 +274,37 @@ def write_report(results, options, wall, out: Path):
         st, nv = group(results, setting, True), group(results, setting, False)
         if not (st and nv):
             continue
-        lines += [f"## {title}", "", "| metric | staggered (ours) | naive (ours) | staggered (paper) | naive (paper) |",
-                  "|---|---|---|---|---|"]
+        lines += [
+            f"## {title}",
+            "",
+            "| metric | staggered (ours) | naive (ours) | staggered (paper) | naive (paper) |",
+            "|---|---|---|---|---|",
+        ]
         paper = {"value_mse_max": ("< 2.5", "> 80"), "forgetting": ("0.015", "0.21")} if setting[:3] == APPE[:3] else {}
-        for key, label in (("eval_success", "eval success"), ("train_accuracy", "train accuracy"),
-                           ("forgetting", "mean forgetting (App. E.0.1)"),
-                           ("value_mse_max", "max value MSE over updates"),
-                           ("policy_kl_mean", "mean policy KL between updates")):
+        for key, label in (
+            ("eval_success", "eval success"),
+            ("train_accuracy", "train accuracy"),
+            ("forgetting", "mean forgetting (App. E.0.1)"),
+            ("value_mse_max", "max value MSE over updates"),
+            ("policy_kl_mean", "mean policy KL between updates"),
+        ):
             p_st, p_nv = paper.get(key, ("", ""))
-            lines.append(f"| {label} | {mean_std([r[key] for r in st])} | {mean_std([r[key] for r in nv])} | "
-                         f"{p_st} | {p_nv} |")
+            lines.append(
+                f"| {label} | {mean_std([r[key] for r in st])} | {mean_std([r[key] for r in nv])} | {p_st} | {p_nv} |"
+            )
         lines.append("")
-    lines += ["Figures: `toy_fig2.png` (Fig. 2), `toy_fig6.png` (App. C Fig. 6), `toy_appE.png` and "
-              "`toy_appE_terminal.png` (App. E Figs. 12/13).", "",
-              "Value MSE is App. E.0.1's (critic predictions vs. GAE returns on the batch, before the update). The "
-              "paper's spikes above 80 at the mass resets appear when the end of the horizon is a termination: the "
-              "observation carries no time, so the value of a block then depends on how far the episode is, and "
-              "after a mass reset the critic, fitted to late-episode targets, meets early-episode ones. With the "
-              "horizon as a time limit (bootstrapped, the correct model and our default) the value of a block does "
-              "not depend on time and the spikes are much smaller; forgetting and the naive/staggered gap remain.", ""]
+    lines += [
+        "Figures: `toy_fig2.png` (Fig. 2), `toy_fig6.png` (App. C Fig. 6), `toy_appE.png` and "
+        "`toy_appE_terminal.png` (App. E Figs. 12/13).",
+        "",
+        "Value MSE is App. E.0.1's (critic predictions vs. GAE returns on the batch, before the update). The "
+        "paper's spikes above 80 at the mass resets appear when the end of the horizon is a termination: the "
+        "observation carries no time, so the value of a block then depends on how far the episode is, and "
+        "after a mass reset the critic, fitted to late-episode targets, meets early-episode ones. With the "
+        "horizon as a time limit (bootstrapped, the correct model and our default) the value of a block does "
+        "not depend on time and the spikes are much smaller; forgetting and the naive/staggered gap remain.",
+        "",
+    ]
     (out / "toy_sweeps.md").write_text("\n".join(lines))
 
 
@@ -273,17 +326,24 @@ def main(options: Options):
     seeds = options.seeds if options.experiment != "compare" or "--seeds" in sys.argv else 1
     options.seeds = seeds
     tmp = tempfile.mkdtemp(prefix="toy_sweeps_")
-    jobs = [{"setting": s, "seed": seed, "stagger": stagger, "tmp": tmp}
-            for s in settings_for(options.experiment) for seed in range(1, seeds + 1) for stagger in (True, False)]
+    jobs = [
+        {"setting": s, "seed": seed, "stagger": stagger, "tmp": tmp}
+        for s in settings_for(options.experiment)
+        for seed in range(1, seeds + 1)
+        for stagger in (True, False)
+    ]
     start = time.time()
     print(f"{len(jobs)} runs on {options.workers} worker(s)", flush=True)
     results = []
     with mp.get_context("spawn").Pool(options.workers) as pool:
         for i, r in enumerate(pool.imap_unordered(run_one, jobs), 1):
             results.append(r)
-            print(f"[{i}/{len(jobs)} {time.time() - start:.0f}s] H={r['setting'][0]} p={r['setting'][1]} "
-                  f"lambda={r['setting'][2]}{' terminal' if r['setting'][3] else ''} seed={r['seed']} {'staggered' if r['stagger'] else 'naive    '} "
-                  f"eval_success={r['eval_success']:.2f} forgetting={r['forgetting']:.3f}", flush=True)
+            print(
+                f"[{i}/{len(jobs)} {time.time() - start:.0f}s] H={r['setting'][0]} p={r['setting'][1]} "
+                f"lambda={r['setting'][2]}{' terminal' if r['setting'][3] else ''} seed={r['seed']} {'staggered' if r['stagger'] else 'naive    '} "
+                f"eval_success={r['eval_success']:.2f} forgetting={r['forgetting']:.3f}",
+                flush=True,
+            )
     wall = time.time() - start
     shutil.rmtree(tmp, ignore_errors=True)
     stem = "toy_compare" if options.experiment == "compare" else "toy_sweeps"

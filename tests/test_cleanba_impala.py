@@ -14,18 +14,34 @@ import numpy as np
 import pytest
 import torch
 from conftest import DEVICES, ROOT
-from test_cleanba_ppo import (ATARI_PROTOCOL, check_a_failing_actor_ends_the_run_with_its_error,
-                              check_ctrl_c_writes_the_summary_and_a_checkpoint,
-                              check_one_and_two_learners_make_the_same_step,
-                              check_the_actor_acts_with_the_params_it_receives, only_run_dir, read_run, save_step,
-                              scalars)
+from test_cleanba_ppo import (
+    ATARI_PROTOCOL,
+    check_a_failing_actor_ends_the_run_with_its_error,
+    check_ctrl_c_writes_the_summary_and_a_checkpoint,
+    check_one_and_two_learners_make_the_same_step,
+    check_the_actor_acts_with_the_params_it_receives,
+    only_run_dir,
+    read_run,
+    save_step,
+    scalars,
+)
 from test_cleanba_ppo import run_script as ppo_run_script
 
 import cleanba_impala as ci
 
 SCRIPT = os.path.join(ROOT, "cleanba_impala.py")
-TOY = ["--env-id", "ToyChain-v0", "--toy.horizon", "20", "--num-steps", "5", "--num-eval-episodes", "4",
-       "--local-num-envs", "8"]
+TOY = [
+    "--env-id",
+    "ToyChain-v0",
+    "--toy.horizon",
+    "20",
+    "--num-steps",
+    "5",
+    "--num-eval-episodes",
+    "4",
+    "--local-num-envs",
+    "8",
+]
 TIMERS = ("charts/SPS", "cleanba/rollout_queue_get_time", "cleanba/params_queue_get_time")
 GAMMA = 0.9
 
@@ -55,8 +71,13 @@ def rlax_vtrace(values, next_values, rewards, discounts, log_rhos, lam):
     vs, adv = [], []
     for i in range(values.shape[1]):
         out = rlax.vtrace_td_error_and_advantage(
-            jnp.asarray(values[:, i]), jnp.asarray(next_values[:, i]), jnp.asarray(rewards[:, i]),
-            jnp.asarray(discounts[:, i]), jnp.exp(jnp.asarray(log_rhos[:, i])), lambda_=lam)
+            jnp.asarray(values[:, i]),
+            jnp.asarray(next_values[:, i]),
+            jnp.asarray(rewards[:, i]),
+            jnp.asarray(discounts[:, i]),
+            jnp.exp(jnp.asarray(log_rhos[:, i])),
+            lambda_=lam,
+        )
         vs.append(np.asarray(out.errors) + values[:, i])
         adv.append(np.asarray(out.pg_advantage))
     return np.stack(vs, 1), np.stack(adv, 1)
@@ -94,11 +115,12 @@ def test_a_truncation_equals_rlax_on_the_two_episodes_separately():
     truncs = np.zeros((10, 1), dtype=bool)
     truncs[k] = True
     t = torch.as_tensor
-    vs, adv = ci.vtrace(t(values), t(next_values), t(rewards), t(np.zeros_like(truncs)), t(truncs), t(log_rhos),
-                        GAMMA, 1.0)
+    vs, adv = ci.vtrace(
+        t(values), t(next_values), t(rewards), t(np.zeros_like(truncs)), t(truncs), t(log_rhos), GAMMA, 1.0
+    )
     disc = np.full((10, 1), GAMMA)
-    head = rlax_vtrace(values[:k + 1], next_values[:k + 1], rewards[:k + 1], disc[:k + 1], log_rhos[:k + 1], 1.0)
-    tail = rlax_vtrace(values[k + 1:], next_values[k + 1:], rewards[k + 1:], disc[k + 1:], log_rhos[k + 1:], 1.0)
+    head = rlax_vtrace(values[: k + 1], next_values[: k + 1], rewards[: k + 1], disc[: k + 1], log_rhos[: k + 1], 1.0)
+    tail = rlax_vtrace(values[k + 1 :], next_values[k + 1 :], rewards[k + 1 :], disc[k + 1 :], log_rhos[k + 1 :], 1.0)
     np.testing.assert_allclose(vs.numpy(), np.concatenate([head[0], tail[0]]), rtol=1e-10)
     np.testing.assert_allclose(adv.numpy(), np.concatenate([head[1], tail[1]]), rtol=1e-10)
 
@@ -135,12 +157,16 @@ def random_minibatch(args, T, N, seed=0):
     terminations = torch.rand(T, N, generator=generator) < 0.2
     valid = torch.ones(T, N, dtype=torch.bool)
     valid[1:] = ~terminations[:-1]  # the row after an episode end only resets the env
-    return dict(obs=torch.randint(0, args.toy.num_blocks, (T, N), generator=generator),
-                next_obs=torch.randint(0, args.toy.num_blocks, (N,), generator=generator),
-                actions=torch.randint(0, args.toy.num_actions, (T, N), generator=generator),
-                logprobs=-1.0 - 2.0 * torch.rand(T, N, generator=generator),
-                rewards=torch.randn(T, N, generator=generator), terminations=terminations,
-                truncations=torch.zeros(T, N, dtype=torch.bool), valid=valid)
+    return dict(
+        obs=torch.randint(0, args.toy.num_blocks, (T, N), generator=generator),
+        next_obs=torch.randint(0, args.toy.num_blocks, (N,), generator=generator),
+        actions=torch.randint(0, args.toy.num_actions, (T, N), generator=generator),
+        logprobs=-1.0 - 2.0 * torch.rand(T, N, generator=generator),
+        rewards=torch.randn(T, N, generator=generator),
+        terminations=terminations,
+        truncations=torch.zeros(T, N, dtype=torch.bool),
+        valid=valid,
+    )
 
 
 def test_impala_loss_and_gradient_match_an_independent_jax_computation():
@@ -148,8 +174,14 @@ def test_impala_loss_and_gradient_match_an_independent_jax_computation():
     ratios pi/mu of the learner's log-probabilities over the actor's, targets and advantages without gradient, sums
     over the valid rows. The loss value and every parameter's gradient agree."""
     jax, jnp, rlax = jax_modules()
-    args = toy_args(toy=ci.ToyChainConfig(horizon=20, block_length=5, num_actions=6), local_num_envs=3, num_steps=7,
-                    ent_coef=0.05, vf_coef=0.7, gamma=GAMMA)
+    args = toy_args(
+        toy=ci.ToyChainConfig(horizon=20, block_length=5, num_actions=6),
+        local_num_envs=3,
+        num_steps=7,
+        ent_coef=0.05,
+        vf_coef=0.7,
+        gamma=GAMMA,
+    )
     torch.manual_seed(3)
     agent = ci.Agent(args)
     agent.actor.weight.data.normal_(0.0, 1.0)  # a policy far from uniform, so that pi/mu matters
@@ -181,8 +213,13 @@ def test_impala_loss_and_gradient_match_an_independent_jax_computation():
         policy_loss = value_loss = 0.0
         for i in range(values.shape[1]):
             out = rlax.vtrace_td_error_and_advantage(
-                jax.lax.stop_gradient(values[:, i]), jax.lax.stop_gradient(next_values[:, i]), b["rewards"][:, i],
-                discounts[:, i], rhos[:, i], lambda_=1.0)
+                jax.lax.stop_gradient(values[:, i]),
+                jax.lax.stop_gradient(next_values[:, i]),
+                b["rewards"][:, i],
+                discounts[:, i],
+                rhos[:, i],
+                lambda_=1.0,
+            )
             vs = jax.lax.stop_gradient(out.errors + values[:, i])
             policy_loss += (-logprob[:, i] * out.pg_advantage * b["valid"][:, i]).sum()
             value_loss += (0.5 * (vs - values[:, i]) ** 2 * b["valid"][:, i]).sum()
@@ -196,10 +233,20 @@ def test_impala_loss_and_gradient_match_an_independent_jax_computation():
 
 def test_resolve_args_fills_table_3():
     a = ci.resolve_args(ci.Args(env_id="Breakout-v5"))
-    assert (a.local_num_envs, a.num_steps, a.num_minibatches, a.learning_rate, a.max_grad_norm) == (128, 20, 4, 6e-4,
-                                                                                                    40.0)
+    assert (a.local_num_envs, a.num_steps, a.num_minibatches, a.learning_rate, a.max_grad_norm) == (
+        128,
+        20,
+        4,
+        6e-4,
+        40.0,
+    )
     assert (a.rmsprop_eps, a.rmsprop_alpha, a.vtrace_lambda, a.clip_rho_threshold, a.clip_pg_rho_threshold) == (
-        0.01, 0.99, 1.0, 1.0, 1.0)
+        0.01,
+        0.99,
+        1.0,
+        1.0,
+        1.0,
+    )
     assert (a.gamma, a.ent_coef, a.vf_coef, a.anneal_lr) == (0.99, 0.01, 0.5, True)
     assert a.concurrency and (a.batch_size, a.minibatch_size, a.num_updates) == (2560, 640, 19531)
     learner = ci.Learner(a, ci.Agent(a), torch.device("cpu"), rank=0)
@@ -225,8 +272,18 @@ def learner_step(rank, world_size, port, out_dir):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     if world_size > 1:
         torch.distributed.init_process_group("gloo", rank=rank, world_size=world_size)
-    args = ci.resolve_args(ci.Args(env_id="ToyChain-v0", local_num_envs=8 // world_size, num_steps=6,
-                                   num_minibatches=1, num_actor_threads=1, max_grad_norm=1e9, cuda=False), world_size)
+    args = ci.resolve_args(
+        ci.Args(
+            env_id="ToyChain-v0",
+            local_num_envs=8 // world_size,
+            num_steps=6,
+            num_minibatches=1,
+            num_actor_threads=1,
+            max_grad_norm=1e9,
+            cuda=False,
+        ),
+        world_size,
+    )
     torch.manual_seed(0)
     learner = ci.Learner(args, ci.Agent(args), torch.device("cpu"), rank)
     columns = slice(rank * args.local_num_envs, (rank + 1) * args.local_num_envs)
@@ -247,8 +304,13 @@ def test_two_gloo_learners_on_the_halves_make_the_step_of_one_learner_on_the_who
 @pytest.mark.parametrize("concurrency", [True, False])
 @pytest.mark.parametrize("device", DEVICES)
 def test_toy_chain_run_trains_on_the_data_version_of_table_1(tmp_path, concurrency, device):
-    args = TOY + ["--total-timesteps", "800", "--concurrency" if concurrency else "--no-concurrency",
-                  "--num-minibatches", "2"]
+    args = TOY + [
+        "--total-timesteps",
+        "800",
+        "--concurrency" if concurrency else "--no-concurrency",
+        "--num-minibatches",
+        "2",
+    ]
     run_script(args + (["--no-cuda"] if device == "cpu" else []), tmp_path)
     summary, rows, run_dir = read_run(tmp_path)
     assert summary["global_step"] == 800 and summary["update"] == 20 and summary["sps"] > 0
@@ -256,9 +318,19 @@ def test_toy_chain_run_trains_on_the_data_version_of_table_1(tmp_path, concurren
     expected = [max(i - 1, 1) for i in range(1, 21)] if concurrency else list(range(1, 21))
     assert [r["cleanba/data_policy_version"] for r in rows] == expected
     assert [v for _, v in scalars(run_dir, "cleanba/policy_lag")] == [i - e for i, e in zip(range(1, 21), expected)]
-    for key in ("charts/episodic_return", "charts/success_rate", "losses/policy_loss", "losses/value_loss",
-                "losses/entropy", "losses/grad_norm", "cleanba/rho_mean", "cleanba/rho_clipfrac", "eval/return",
-                "eval/success_at_end", *TIMERS):
+    for key in (
+        "charts/episodic_return",
+        "charts/success_rate",
+        "losses/policy_loss",
+        "losses/value_loss",
+        "losses/entropy",
+        "losses/grad_norm",
+        "cleanba/rho_mean",
+        "cleanba/rho_clipfrac",
+        "eval/return",
+        "eval/success_at_end",
+        *TIMERS,
+    ):
         assert key in summary, key
     assert summary["charts/episodic_length"] == 20 and summary["eval/episode_len"] == 20
     # the first minibatch of update 1 is on-policy (rho = 1); the second follows one small step
@@ -270,8 +342,19 @@ def test_a_slower_learner_gives_bit_identical_losses_and_returns(tmp_path):
     synchronous one is covered in test_cleanba_ppo.py on the same code)."""
     runs = {}
     for delay in ("0", "0.25"):
-        run_script(TOY + ["--total-timesteps", "400", "--no-cuda", "--debug-learner-delay", delay,
-                          "--toy.progression-prob", "0.3"], tmp_path / delay)
+        run_script(
+            TOY
+            + [
+                "--total-timesteps",
+                "400",
+                "--no-cuda",
+                "--debug-learner-delay",
+                delay,
+                "--toy.progression-prob",
+                "0.3",
+            ],
+            tmp_path / delay,
+        )
         runs[delay] = read_run(tmp_path / delay)
     fast, slow = ([{k: v for k, v in row.items() if k not in TIMERS} for row in runs[d][1]] for d in ("0", "0.25"))
     assert fast == slow and any("charts/episodic_return" in row for row in fast)
@@ -283,9 +366,28 @@ def test_logged_returns_are_raw_game_scores(tmp_path):
     """SpaceInvaders pays 5 to 30 points per invader: the learner sees clipped rewards, charts/episodic_return and
     eval/return must be the raw score. Measured for seeds 1-5: charts/episodic_return 40-87.5 (4 episodes of 200
     steps), eval/return 40-62.5 (2 episodes); the clipped sum (the number of invaders hit) gave 6.25 at seed 1."""
-    run_script(["--env-id", "SpaceInvaders-v5", "--local-num-envs", "4", "--num-actor-threads", "1", "--num-steps",
-                "100", "--total-timesteps", "800", "--max-episode-steps", "200", "--num-minibatches", "2",
-                "--num-eval-episodes", "2", "--no-cuda"], tmp_path)
+    run_script(
+        [
+            "--env-id",
+            "SpaceInvaders-v5",
+            "--local-num-envs",
+            "4",
+            "--num-actor-threads",
+            "1",
+            "--num-steps",
+            "100",
+            "--total-timesteps",
+            "800",
+            "--max-episode-steps",
+            "200",
+            "--num-minibatches",
+            "2",
+            "--num-eval-episodes",
+            "2",
+            "--no-cuda",
+        ],
+        tmp_path,
+    )
     summary, rows, run_dir = read_run(tmp_path)
     config = json.load(open(os.path.join(run_dir, "config.json")))
     assert config["max_episode_steps"] == 200 and [r["cleanba/data_policy_version"] for r in rows] == [1, 1]
@@ -317,21 +419,28 @@ def test_torchrun_two_learners_with_gloo(tmp_path):
 
 
 def test_save_model_then_evaluate_then_resume(tmp_path):
-    run_script(TOY + ["--total-timesteps", "400", "--save-model", "--checkpoint-freq", "5", "--no-cuda"],
-               tmp_path / "first")
+    run_script(
+        TOY + ["--total-timesteps", "400", "--save-model", "--checkpoint-freq", "5", "--no-cuda"], tmp_path / "first"
+    )
     run_dir = only_run_dir(tmp_path / "first")
-    assert sorted(os.path.basename(p) for p in glob.glob(os.path.join(run_dir, "*.pt"))) == \
-        ["ckpt_200.pt", "ckpt_400.pt", "final_ckpt.pt"]
+    assert sorted(os.path.basename(p) for p in glob.glob(os.path.join(run_dir, "*.pt"))) == [
+        "ckpt_200.pt",
+        "ckpt_400.pt",
+        "final_ckpt.pt",
+    ]
     ckpt = torch.load(os.path.join(run_dir, "final_ckpt.pt"), weights_only=True)
     assert ckpt["update"] == 10 and ckpt["global_step"] == 400 and ckpt["optimizer"]["state"]  # RMSprop's averages
 
-    run_script(TOY + ["--evaluate", "--checkpoint", os.path.join(run_dir, "final_ckpt.pt"), "--no-cuda"],
-               tmp_path / "second")
+    run_script(
+        TOY + ["--evaluate", "--checkpoint", os.path.join(run_dir, "final_ckpt.pt"), "--no-cuda"], tmp_path / "second"
+    )
     evaluated, _, _ = read_run(tmp_path / "second")
     assert evaluated["eval/episode_len"] == 20 and "eval/return" in evaluated and evaluated["global_step"] == 400
 
-    proc = run_script(TOY + ["--total-timesteps", "800", "--checkpoint", os.path.join(run_dir, "ckpt_200.pt"),
-                             "--no-cuda"], tmp_path / "third")
+    proc = run_script(
+        TOY + ["--total-timesteps", "800", "--checkpoint", os.path.join(run_dir, "ckpt_200.pt"), "--no-cuda"],
+        tmp_path / "third",
+    )
     assert "resuming from" in proc.stdout
     summary, rows, _ = read_run(tmp_path / "third")
     assert summary["global_step"] == 800 and [r["cleanba/learner_policy_version"] for r in rows] == list(range(6, 21))

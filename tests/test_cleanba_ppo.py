@@ -24,8 +24,18 @@ from conftest import DEVICES, ROOT
 import cleanba_ppo as cp
 
 SCRIPT = os.path.join(ROOT, "cleanba_ppo.py")
-TOY = ["--env-id", "ToyChain-v0", "--toy.horizon", "20", "--num-steps", "5", "--num-eval-episodes", "4",
-       "--local-num-envs", "8"]
+TOY = [
+    "--env-id",
+    "ToyChain-v0",
+    "--toy.horizon",
+    "20",
+    "--num-steps",
+    "5",
+    "--num-eval-episodes",
+    "4",
+    "--local-num-envs",
+    "8",
+]
 TIMERS = ("charts/SPS", "cleanba/rollout_queue_get_time", "cleanba/params_queue_get_time")
 
 
@@ -40,8 +50,18 @@ def test_app_a_sizes_do_not_depend_on_learners_or_actor_threads():
         assert (a.num_envs, a.batch_size, a.minibatch_size) == (120, 15360, 3840)
     assert (two.local_batch_size, two.local_minibatch_size) == (7680, 1920)
     table_2 = cp.resolve_args(cp.Args(env_id="Breakout-v5"))
-    assert (table_2.local_num_envs, table_2.num_steps, table_2.num_minibatches, table_2.update_epochs) == (128, 128, 4, 4)
-    assert (table_2.learning_rate, table_2.clip_coef, table_2.gae_lambda, table_2.max_grad_norm) == (2.5e-4, 0.1, 0.95, 0.5)
+    assert (table_2.local_num_envs, table_2.num_steps, table_2.num_minibatches, table_2.update_epochs) == (
+        128,
+        128,
+        4,
+        4,
+    )
+    assert (table_2.learning_rate, table_2.clip_coef, table_2.gae_lambda, table_2.max_grad_norm) == (
+        2.5e-4,
+        0.1,
+        0.95,
+        0.5,
+    )
     assert (table_2.batch_size, table_2.num_updates, table_2.envs_per_thread) == (16384, 3051, 64)
     assert not table_2.concurrency and table_2.bootstrap_at_done == "truncated"  # synchronous by default (Sec. 5.3)
     one_thread = cp.resolve_args(cp.Args(env_id="Breakout-v5", num_actor_threads=1))
@@ -117,8 +137,18 @@ def test_impala_resnet_shapes_and_size():
 # ----------------------------------------------------------------------------------------------------------------------
 # EnvPool as the script configures it
 # ----------------------------------------------------------------------------------------------------------------------
-ATARI_PROTOCOL = dict(repeat_action_probability=0.25, full_action_space=True, episodic_life=False, img_height=84,
-                      img_width=84, gray_scale=True, stack_num=4, frame_skip=4, reward_clip=True, max_episode_steps=10)
+ATARI_PROTOCOL = dict(
+    repeat_action_probability=0.25,
+    full_action_space=True,
+    episodic_life=False,
+    img_height=84,
+    img_width=84,
+    gray_scale=True,
+    stack_num=4,
+    frame_skip=4,
+    reward_clip=True,
+    max_episode_steps=10,
+)
 
 
 def test_envpool_atari_is_next_step_autoreset_with_time_limit_truncation():
@@ -146,14 +176,17 @@ def test_env_seeds_do_not_depend_on_how_envs_are_split_over_threads():
     assert cp.env_seeds(1, rank=1, first_env=0, num_envs=8, start_update=1) != whole
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    (dict(env_id="NoSuchGame-v5"), "--env-id"),
-    (dict(env_id="ToyChain-v0", local_num_envs=9, num_actor_threads=2), "--local-num-envs 9 does not split"),
-    (dict(env_id="ToyChain-v0", local_num_envs=6, num_steps=1, num_minibatches=4), "--num-minibatches 4"),
-    (dict(env_id="ToyChain-v0", total_timesteps=10), "--total-timesteps 10 is less than one batch"),
-    (dict(env_id="ToyChain-v0", evaluate=True), "--evaluate needs --checkpoint"),
-    (dict(env_id="ToyChain-v0", toy=cp.ToyChainConfig(autoreset_mode="same_step")), "--toy.autoreset-mode"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(env_id="NoSuchGame-v5"), "--env-id"),
+        (dict(env_id="ToyChain-v0", local_num_envs=9, num_actor_threads=2), "--local-num-envs 9 does not split"),
+        (dict(env_id="ToyChain-v0", local_num_envs=6, num_steps=1, num_minibatches=4), "--num-minibatches 4"),
+        (dict(env_id="ToyChain-v0", total_timesteps=10), "--total-timesteps 10 is less than one batch"),
+        (dict(env_id="ToyChain-v0", evaluate=True), "--evaluate needs --checkpoint"),
+        (dict(env_id="ToyChain-v0", toy=cp.ToyChainConfig(autoreset_mode="same_step")), "--toy.autoreset-mode"),
+    ],
+)
 def test_bad_input_is_rejected_with_the_flag_named(kwargs, message):
     with pytest.raises(cp.ArgsError, match=message.replace("-", r"\-").replace(".", r"\.")):
         cp.resolve_args(cp.Args(**kwargs))
@@ -173,13 +206,24 @@ def check_the_actor_acts_with_the_params_it_receives(script):
     """Shared with test_cleanba_impala.py. Rollout k's stored log-probabilities (and values, where the actor stores
     them) are those of the params put on the params queue before it, neither those of the network the actor was built
     from nor of the previous params."""
-    args = script.resolve_args(script.Args(env_id="ToyChain-v0", local_num_envs=4, num_steps=6, num_actor_threads=1,
-                                           num_minibatches=1, total_timesteps=72, cuda=False, concurrency=False))
+    args = script.resolve_args(
+        script.Args(
+            env_id="ToyChain-v0",
+            local_num_envs=4,
+            num_steps=6,
+            num_actor_threads=1,
+            num_minibatches=1,
+            total_timesteps=72,
+            cuda=False,
+            concurrency=False,
+        )
+    )
     assert args.num_updates == 3
     template = script.Agent(args)
     params = [distinct_params(args, seed, script) for seed in (1, 2, 3)]
-    actor = script.ActorThread(args, 0, torch.device("cpu"), rank=0, start_update=1, template=template,
-                               stop=threading.Event())
+    actor = script.ActorThread(
+        args, 0, torch.device("cpu"), rank=0, start_update=1, template=template, stop=threading.Event()
+    )
     actor.start()
     rollouts = []
     for version, state in enumerate(params, start=1):
@@ -214,10 +258,14 @@ def free_port():
 def minibatch(args, seed=0):
     generator = torch.Generator().manual_seed(seed)
     B = args.local_minibatch_size * args.world_size
-    return dict(obs=torch.randint(0, args.toy.num_blocks, (B,), generator=generator),
-                actions=torch.randint(0, args.toy.num_actions, (B,), generator=generator),
-                old_logprobs=-3.0 - torch.rand(B, generator=generator), advantages=torch.randn(B, generator=generator),
-                returns=torch.randn(B, generator=generator), valid=torch.rand(B, generator=generator) > 0.2)
+    return dict(
+        obs=torch.randint(0, args.toy.num_blocks, (B,), generator=generator),
+        actions=torch.randint(0, args.toy.num_actions, (B,), generator=generator),
+        old_logprobs=-3.0 - torch.rand(B, generator=generator),
+        advantages=torch.randn(B, generator=generator),
+        returns=torch.randn(B, generator=generator),
+        valid=torch.rand(B, generator=generator) > 0.2,
+    )
 
 
 def learner_step(rank, world_size, port, out_dir):
@@ -225,21 +273,37 @@ def learner_step(rank, world_size, port, out_dir):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     if world_size > 1:
         torch.distributed.init_process_group("gloo", rank=rank, world_size=world_size)
-    args = cp.resolve_args(cp.Args(env_id="ToyChain-v0", local_num_envs=16 // world_size, num_steps=4,
-                                   num_minibatches=1, num_actor_threads=1, max_grad_norm=1e9, cuda=False), world_size)
+    args = cp.resolve_args(
+        cp.Args(
+            env_id="ToyChain-v0",
+            local_num_envs=16 // world_size,
+            num_steps=4,
+            num_minibatches=1,
+            num_actor_threads=1,
+            max_grad_norm=1e9,
+            cuda=False,
+        ),
+        world_size,
+    )
     torch.manual_seed(0)
     learner = cp.Learner(args, cp.Agent(args), torch.device("cpu"), rank)
     share = slice(rank * args.local_minibatch_size, (rank + 1) * args.local_minibatch_size)
     data = {key: value[share] for key, value in minibatch(args).items()}
-    stats = learner.minibatch_step(data["obs"], data["actions"], data["old_logprobs"], data["advantages"],
-                                   data["returns"], data["valid"])
+    stats = learner.minibatch_step(
+        data["obs"], data["actions"], data["old_logprobs"], data["advantages"], data["returns"], data["valid"]
+    )
     save_step(learner, stats, out_dir, world_size, rank)
 
 
 def save_step(learner, stats, out_dir, world_size, rank):
-    torch.save({"params": [p.detach() for p in learner.agent.parameters()],
-                "grads": [p.grad for p in learner.agent.parameters()], "stats": stats},
-               os.path.join(out_dir, f"{world_size}_{rank}.pt"))
+    torch.save(
+        {
+            "params": [p.detach() for p in learner.agent.parameters()],
+            "grads": [p.grad for p in learner.agent.parameters()],
+            "stats": stats,
+        },
+        os.path.join(out_dir, f"{world_size}_{rank}.pt"),
+    )
     if world_size > 1:
         torch.distributed.destroy_process_group()
 
@@ -306,8 +370,17 @@ def test_toy_chain_run_trains_on_the_data_version_of_table_1(tmp_path, concurren
     expected = [max(i - 1, 1) for i in range(1, 21)] if concurrency else list(range(1, 21))
     assert [r["cleanba/data_policy_version"] for r in rows] == expected
     assert [v for _, v in scalars(run_dir, "cleanba/policy_lag")] == [i - e for i, e in zip(range(1, 21), expected)]
-    for key in ("charts/episodic_return", "charts/success_rate", "losses/policy_loss", "losses/value_loss",
-                "losses/approx_kl", "losses/explained_variance", "eval/return", "eval/success_at_end", *TIMERS):
+    for key in (
+        "charts/episodic_return",
+        "charts/success_rate",
+        "losses/policy_loss",
+        "losses/value_loss",
+        "losses/approx_kl",
+        "losses/explained_variance",
+        "eval/return",
+        "eval/success_at_end",
+        *TIMERS,
+    ):
         assert key in summary, key
     assert summary["charts/episodic_length"] == 20 and summary["eval/episode_len"] == 20
     config = json.load(open(os.path.join(run_dir, "config.json")))
@@ -319,9 +392,20 @@ def test_a_slower_learner_gives_bit_identical_losses_and_returns(tmp_path, concu
     """Sec. 3-4: the learner sleeping after each update changes the wall clock only, in both architectures."""
     runs = {}
     for delay in ("0", "0.25"):
-        run_script(TOY + ["--total-timesteps", "400", "--no-cuda", "--debug-learner-delay", delay,
-                          "--toy.progression-prob", "0.3", "--concurrency" if concurrency else "--no-concurrency"],
-                   tmp_path / delay)
+        run_script(
+            TOY
+            + [
+                "--total-timesteps",
+                "400",
+                "--no-cuda",
+                "--debug-learner-delay",
+                delay,
+                "--toy.progression-prob",
+                "0.3",
+                "--concurrency" if concurrency else "--no-concurrency",
+            ],
+            tmp_path / delay,
+        )
         runs[delay] = read_run(tmp_path / delay)
     fast, slow = ([{k: v for k, v in row.items() if k not in TIMERS} for row in runs[d][1]] for d in ("0", "0.25"))
     assert fast == slow and any("charts/episodic_return" in row for row in fast)
@@ -334,9 +418,30 @@ def test_logged_returns_are_raw_game_scores(tmp_path):
     """SpaceInvaders pays 5 to 30 points per invader: the learner sees clipped rewards, charts/episodic_return and
     eval/return must be the raw score. Over 250 steps random play scores 10-80 per episode, a mean of 50-78 over 8
     episodes (seeds 1-5), while the clipped sum (the number of invaders hit) is at most 9, a mean of 4.5-5.9."""
-    run_script(["--env-id", "SpaceInvaders-v5", "--local-num-envs", "4", "--num-actor-threads", "1", "--num-steps",
-                "125", "--total-timesteps", "1000", "--max-episode-steps", "250", "--update-epochs", "1",
-                "--num-minibatches", "1", "--num-eval-episodes", "4", "--no-cuda"], tmp_path)
+    run_script(
+        [
+            "--env-id",
+            "SpaceInvaders-v5",
+            "--local-num-envs",
+            "4",
+            "--num-actor-threads",
+            "1",
+            "--num-steps",
+            "125",
+            "--total-timesteps",
+            "1000",
+            "--max-episode-steps",
+            "250",
+            "--update-epochs",
+            "1",
+            "--num-minibatches",
+            "1",
+            "--num-eval-episodes",
+            "4",
+            "--no-cuda",
+        ],
+        tmp_path,
+    )
     summary, rows, _ = read_run(tmp_path)
     assert summary["charts/episodic_length"] == 250 and summary["eval/episode_len"] == 250
     assert summary["charts/episodic_return"] >= 15 and summary["eval/return"] >= 15
@@ -354,21 +459,36 @@ def test_torchrun_two_learners_with_gloo(tmp_path):
 
 
 def test_save_model_then_evaluate_then_resume(tmp_path):
-    run_script(TOY + ["--total-timesteps", "400", "--save-model", "--checkpoint-freq", "5", "--no-cuda"],
-               tmp_path / "first")
+    run_script(
+        TOY + ["--total-timesteps", "400", "--save-model", "--checkpoint-freq", "5", "--no-cuda"], tmp_path / "first"
+    )
     run_dir = only_run_dir(tmp_path / "first")
-    assert sorted(os.path.basename(p) for p in glob.glob(os.path.join(run_dir, "*.pt"))) == \
-        ["ckpt_200.pt", "ckpt_400.pt", "final_ckpt.pt"]
+    assert sorted(os.path.basename(p) for p in glob.glob(os.path.join(run_dir, "*.pt"))) == [
+        "ckpt_200.pt",
+        "ckpt_400.pt",
+        "final_ckpt.pt",
+    ]
     ckpt = torch.load(os.path.join(run_dir, "final_ckpt.pt"), weights_only=True)
     assert ckpt["update"] == 10 and ckpt["global_step"] == 400 and ckpt["optimizer"]["state"]
 
-    run_script(TOY + ["--evaluate", "--checkpoint", os.path.join(run_dir, "final_ckpt.pt"), "--no-cuda"],
-               tmp_path / "second")
+    run_script(
+        TOY + ["--evaluate", "--checkpoint", os.path.join(run_dir, "final_ckpt.pt"), "--no-cuda"], tmp_path / "second"
+    )
     evaluated, _, _ = read_run(tmp_path / "second")
     assert evaluated["eval/episode_len"] == 20 and "eval/return" in evaluated and evaluated["global_step"] == 400
 
-    proc = run_script(TOY + ["--total-timesteps", "800", "--checkpoint", os.path.join(run_dir, "ckpt_200.pt"),
-                             "--no-cuda", "--concurrency"], tmp_path / "third")
+    proc = run_script(
+        TOY
+        + [
+            "--total-timesteps",
+            "800",
+            "--checkpoint",
+            os.path.join(run_dir, "ckpt_200.pt"),
+            "--no-cuda",
+            "--concurrency",
+        ],
+        tmp_path / "third",
+    )
     assert "resuming from" in proc.stdout
     summary, rows, _ = read_run(tmp_path / "third")
     assert summary["global_step"] == 800 and [r["cleanba/learner_policy_version"] for r in rows] == list(range(6, 21))
@@ -393,8 +513,17 @@ def check_a_failing_actor_ends_the_run_with_its_error(tmp_path, monkeypatch, scr
         return real_recv(self)
 
     monkeypatch.setattr(script.ToyChainPool, "recv", failing_recv)
-    args = script.Args(env_id="ToyChain-v0", output_dir=str(tmp_path), local_num_envs=4, num_steps=5,
-                       total_timesteps=10_000, num_actor_threads=1, num_eval_episodes=0, cuda=False, **kwargs)
+    args = script.Args(
+        env_id="ToyChain-v0",
+        output_dir=str(tmp_path),
+        local_num_envs=4,
+        num_steps=5,
+        total_timesteps=10_000,
+        num_actor_threads=1,
+        num_eval_episodes=0,
+        cuda=False,
+        **kwargs,
+    )
     try:
         with pytest.raises(RuntimeError, match="simulated env crash"):
             script.main(args)
@@ -410,11 +539,32 @@ def test_a_failing_actor_ends_the_run_with_its_error(tmp_path, monkeypatch):
 def check_ctrl_c_writes_the_summary_and_a_checkpoint(tmp_path, script_path, toy_args):
     """Shared with test_cleanba_impala.py. A background job ignores SIGINT and its children inherit that, so the child
     restores Python's handler itself."""
-    launcher = ("import runpy, signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
-                "sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')")
-    proc = subprocess.Popen([sys.executable, "-c", launcher, script_path, "--output-dir", str(tmp_path), "--save-model",
-                             "--no-cuda", "--checkpoint-freq", "5", *toy_args, "--total-timesteps", str(10**8)],
-                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    launcher = (
+        "import runpy, signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
+        "sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')"
+    )
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            launcher,
+            script_path,
+            "--output-dir",
+            str(tmp_path),
+            "--save-model",
+            "--no-cuda",
+            "--checkpoint-freq",
+            "5",
+            *toy_args,
+            "--total-timesteps",
+            str(10**8),
+        ],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     try:
         deadline = time.time() + 120
         while time.time() < deadline and not glob.glob(os.path.join(str(tmp_path), "*", "ckpt_*.pt")):

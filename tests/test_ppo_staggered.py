@@ -54,14 +54,16 @@ def test_gae_matches_rlax_on_random_rollouts_with_episode_ends(seed):
     rewards, values, next_values = (rng.normal(size=(K, N)).astype(np.float32) for _ in range(3))
     dones = rng.random((K, N)) < 0.25
     no_bootstrap = dones & (rng.random((K, N)) < 0.5)
-    adv, ret = ppo.compute_gae(*(torch.as_tensor(x) for x in (rewards, values, next_values, no_bootstrap, dones)),
-                               GAMMA, LAM)
+    adv, ret = ppo.compute_gae(
+        *(torch.as_tensor(x) for x in (rewards, values, next_values, no_bootstrap, dones)), GAMMA, LAM
+    )
     for i in range(N):
         discount = GAMMA * (1.0 - dones[:, i])
         v_next = np.append(values[1:, i], 0.0)
         reward = rewards[:, i] + GAMMA * (1.0 - no_bootstrap[:, i]) * next_values[:, i] - discount * v_next
         expected = rlax.truncated_generalized_advantage_estimation(
-            reward.astype(np.float32), discount.astype(np.float32), LAM, np.append(values[:, i], 0.0).astype(np.float32))
+            reward.astype(np.float32), discount.astype(np.float32), LAM, np.append(values[:, i], 0.0).astype(np.float32)
+        )
         np.testing.assert_allclose(adv[:, i].numpy(), np.asarray(expected), rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(ret.numpy(), adv.numpy() + values, rtol=1e-6)
 
@@ -73,8 +75,9 @@ def run_bookkeeping(terms, truncs, finals, next_step_mode, gate_mode):
     step = torch.tensor([0])
     rows = []
     for te, tr, fi in zip(terms, truncs, finals):
-        valid, end, stale, waiting, step_next = ppo.reset_bookkeeping(stale, waiting, b(te), b(tr), b(fi), step,
-                                                                      next_step_mode, gate_mode)
+        valid, end, stale, waiting, step_next = ppo.reset_bookkeeping(
+            stale, waiting, b(te), b(tr), b(fi), step, next_step_mode, gate_mode
+        )
         rows.append((valid.item(), end.item(), step.item()))
         step = step_next
     return rows
@@ -82,24 +85,31 @@ def run_bookkeeping(terms, truncs, finals, next_step_mode, gate_mode):
 
 def test_bookkeeping_gate_mode_masks_a_terminated_env_until_its_truncation_resets_it():
     # same-step, gate: terminates at t=1 (not reset), waits t=2..4; its horizon ends (truncation + reset) at t=4.
-    rows = run_bookkeeping(terms=[0, 1, 0, 1, 0, 0], truncs=[0, 0, 0, 0, 1, 0], finals=[0, 0, 0, 0, 1, 0],
-                           next_step_mode=False, gate_mode=True)
+    rows = run_bookkeeping(
+        terms=[0, 1, 0, 1, 0, 0],
+        truncs=[0, 0, 0, 0, 1, 0],
+        finals=[0, 0, 0, 0, 1, 0],
+        next_step_mode=False,
+        gate_mode=True,
+    )
     assert [r[0] for r in rows] == [True, True, False, False, False, True]  # valid
     assert [r[1] for r in rows] == [False, True, False, False, False, False]  # the episode ended at the termination
     assert [r[2] for r in rows] == [0, 1, 2, 3, 4, 0]  # episode step restarts after the gate
 
 
 def test_bookkeeping_immediate_mode_resets_at_termination():
-    rows = run_bookkeeping(terms=[0, 1, 0, 0], truncs=[0, 0, 0, 0], finals=[0, 1, 0, 0],
-                           next_step_mode=False, gate_mode=False)
+    rows = run_bookkeeping(
+        terms=[0, 1, 0, 0], truncs=[0, 0, 0, 0], finals=[0, 1, 0, 0], next_step_mode=False, gate_mode=False
+    )
     assert [r[0] for r in rows] == [True] * 4
     assert [r[1] for r in rows] == [False, True, False, False]
     assert [r[2] for r in rows] == [0, 1, 0, 1]
 
 
 def test_bookkeeping_next_step_masks_the_stale_step_and_restarts_the_episode_step_after_it():
-    rows = run_bookkeeping(terms=[0, 0, 0, 0], truncs=[0, 1, 0, 0], finals=[0, 0, 0, 0],
-                           next_step_mode=True, gate_mode=True)
+    rows = run_bookkeeping(
+        terms=[0, 0, 0, 0], truncs=[0, 1, 0, 0], finals=[0, 0, 0, 0], next_step_mode=True, gate_mode=True
+    )
     assert [r[0] for r in rows] == [True, True, False, True]
     assert [r[2] for r in rows] == [0, 1, 2, 0]
 
@@ -185,7 +195,14 @@ def test_chain_agent_samples_from_its_policy():
 # ---- Presets and early, clear errors -------------------------------------------------------------------------------
 def test_toy_preset_is_table_2():
     a = ppo.resolve_args(ppo.Args(env_id="ToyChain-v0", cuda=False))
-    assert (a.num_envs, a.num_steps, a.gamma, a.gae_lambda, a.num_minibatches, a.ent_coef) == (512, 5, 0.99, 0.95, 4, 0.01)
+    assert (a.num_envs, a.num_steps, a.gamma, a.gae_lambda, a.num_minibatches, a.ent_coef) == (
+        512,
+        5,
+        0.99,
+        0.95,
+        4,
+        0.01,
+    )
     assert a.num_iterations == 150 and a.minibatch_size == 640 and a.target_kl == 0
     assert a.num_stagger_groups == 40 and a.stagger_step == 5  # ceil(H/K) = ceil(200/5), S = K
     assert a.bootstrap_at_done == "truncated" and a.partial_reset_mode == "gate"
@@ -203,8 +220,17 @@ def test_stackcube_preset_is_table_3_and_without_cuda_a_short_cpu_trial_says_so(
     assert "CUDA GPU" in note and "4096 envs" in note and "2e+08 steps" in note and "override" in note
     # fewer envs than ceil(H/K) = 13 groups: N_B = N and S = ceil(H / N_B), so the groups still span the horizon
     assert (a.num_stagger_groups, a.stagger_step) == (8, 13) and 7 * 13 < 100
-    b = ppo.resolve_args(ppo.Args(env_id="StackCube-v1", cuda=False, num_envs=16, num_steps=10, gamma=0.5,
-                                  bootstrap_at_done="truncated", stagger=False))
+    b = ppo.resolve_args(
+        ppo.Args(
+            env_id="StackCube-v1",
+            cuda=False,
+            num_envs=16,
+            num_steps=10,
+            gamma=0.5,
+            bootstrap_at_done="truncated",
+            stagger=False,
+        )
+    )
     assert (b.num_envs, b.num_steps, b.gamma, b.num_stagger_groups) == (16, 10, 0.5, 1)  # flags override presets
     assert (b.bootstrap_at_done, b.partial_reset_mode) == ("truncated", "immediate")
 
@@ -214,7 +240,10 @@ def test_stackcube_preset_is_table_3_and_without_cuda_a_short_cpu_trial_says_so(
     [
         (dict(num_steps=300), "--num-steps K=300 is longer than the task horizon H=200"),
         (dict(num_envs=10, num_minibatches=4, num_steps=5), "does not split into --num-minibatches 4"),
-        (dict(num_envs=39), "--num-envs 39: with that many stagger groups the last starts at or after H=200"),  # S = ceil(200 / 39) = 6
+        (
+            dict(num_envs=39),
+            "--num-envs 39: with that many stagger groups the last starts at or after H=200",
+        ),  # S = ceil(200 / 39) = 6
         (dict(env_id="NoSuchTask-v9"), "is not ToyChain-v0, a ManiSkill3 task or a Gymnasium id"),
         (dict(toy=ToyChainConfig(horizon=52)), "--toy.horizon"),
         (dict(evaluate=True), "--evaluate needs --checkpoint"),
@@ -263,7 +292,13 @@ class SuccessEnv(gym.Env):
         self.t, self.steps = self.t + 1, self.steps + 1
         after_success = 0 < self.terminate_at < self.t
         reward = self.reward_after_success if after_success else 1.0
-        return np.ones(2, dtype=np.float32), reward, self.t == self.terminate_at, False, {"success": self.t == self.terminate_at}
+        return (
+            np.ones(2, dtype=np.float32),
+            reward,
+            self.t == self.terminate_at,
+            False,
+            {"success": self.t == self.terminate_at},
+        )
 
 
 gym.register("SuccessAt3-v0", entry_point=SuccessEnv, kwargs=dict(terminate_at=3))
@@ -290,8 +325,16 @@ def test_an_early_success_waits_masked_for_its_groups_gate_or_resets_at_once(tmp
     """H = 10, 4 envs in 2 stagger groups 5 steps apart; every episode succeeds (terminates) at its step 3.
     Gate: the env runs on, masked, and resets only with its group at step 10; 3 of every 10 steps are trained on,
     and the 1000-per-step rewards after the success never reach the losses. Immediate: it resets at step 3."""
-    summary = train_in_process(tmp_path, env_id="SuccessAt3-v0", horizon=10, num_envs=4, num_steps=5,
-                               num_minibatches=2, total_timesteps=4 * 5 * 8, partial_reset_mode=mode)
+    summary = train_in_process(
+        tmp_path,
+        env_id="SuccessAt3-v0",
+        horizon=10,
+        num_envs=4,
+        num_steps=5,
+        num_minibatches=2,
+        total_timesteps=4 * 5 * 8,
+        partial_reset_mode=mode,
+    )
     assert summary["global_step"] == 160 and summary["advance_env_steps"] == 5 * 4
     # envs 0-3 train (the next one evaluates); the first 5 steps are the stagger advance
     training_resets = [(t, ended) for index, steps, t, ended in RESETS if index < 4 and steps > 5]
@@ -304,18 +347,34 @@ def test_an_early_success_waits_masked_for_its_groups_gate_or_resets_at_once(tmp
     assert summary["losses/value_loss"] < 20 and abs(summary["losses/policy_loss"]) < 1
 
 
-@pytest.mark.parametrize("env_id, horizon, bootstrap, expected", [
-    ("SuccessAt3-v0", 4, "always", 2.0),  # V = 1 + gamma V: the success bootstraps V(final obs) = V
-    ("SuccessAt3-v0", 4, "truncated", (1.75 + 1.5 + 1) / 3),  # returns 1.75, 1.5, 1 of the 3 steps of an episode
-    ("NeverTerminates-v0", 3, "truncated", 2.0),  # the time limit at step 3 bootstraps V(final obs) = V
-])
+@pytest.mark.parametrize(
+    "env_id, horizon, bootstrap, expected",
+    [
+        ("SuccessAt3-v0", 4, "always", 2.0),  # V = 1 + gamma V: the success bootstraps V(final obs) = V
+        ("SuccessAt3-v0", 4, "truncated", (1.75 + 1.5 + 1) / 3),  # returns 1.75, 1.5, 1 of the 3 steps of an episode
+        ("NeverTerminates-v0", 3, "truncated", 2.0),  # the time limit at step 3 bootstraps V(final obs) = V
+    ],
+)
 def test_value_targets_follow_bootstrap_at_done(tmp_path, env_id, horizon, bootstrap, expected):
     """The learned value of the (constant) observation converges to the fixed point of the value targets, which
     differs between bootstrapping V(final obs) at an episode end and bootstrapping 0 (gamma 0.5, lambda 1).
     Episodes last 3 steps and so do rollouts, so every batch has the same targets."""
-    summary = train_in_process(tmp_path, env_id=env_id, horizon=horizon, num_envs=8, num_steps=3, num_minibatches=2,
-                               total_timesteps=8 * 3 * 60, stagger=False, gamma=0.5, gae_lambda=1.0,
-                               learning_rate=1e-3, ent_coef=0.0, bootstrap_at_done=bootstrap, save_model=True)
+    summary = train_in_process(
+        tmp_path,
+        env_id=env_id,
+        horizon=horizon,
+        num_envs=8,
+        num_steps=3,
+        num_minibatches=2,
+        total_timesteps=8 * 3 * 60,
+        stagger=False,
+        gamma=0.5,
+        gae_lambda=1.0,
+        learning_rate=1e-3,
+        ent_coef=0.0,
+        bootstrap_at_done=bootstrap,
+        save_model=True,
+    )
     ckpt = torch.load(os.path.join(summary["run_dir"], "final_ckpt.pt"), weights_only=True)
     agent = ppo.GaussianAgent(2, 1)
     agent.load_state_dict(ckpt["agent"])
@@ -328,14 +387,33 @@ def test_value_targets_follow_bootstrap_at_done(tmp_path, env_id, horizon, boots
 
 # ---- The script as a user runs it (subprocesses), asserting on what it wrote --------------------------------------
 SCRIPT = os.path.join(ROOT, "ppo_staggered.py")
-TOY_SMALL = ["--env-id", "ToyChain-v0", "--num-envs", "64", "--toy.horizon", "50", "--num-minibatches", "4",
-             "--eval-freq", "2", "--num-eval-envs", "16"]
+TOY_SMALL = [
+    "--env-id",
+    "ToyChain-v0",
+    "--num-envs",
+    "64",
+    "--toy.horizon",
+    "50",
+    "--num-minibatches",
+    "4",
+    "--eval-freq",
+    "2",
+    "--num-eval-envs",
+    "16",
+]
 
 
 def run_script(args, tmp_path, timeout=600, check=True):
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    proc = subprocess.Popen([sys.executable, SCRIPT, "--output-dir", str(tmp_path), *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT, start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, SCRIPT, "--output-dir", str(tmp_path), *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        start_new_session=True,
+    )
     try:
         out, err = proc.communicate(timeout=timeout)
     finally:  # on a timeout (or any error) the run and its env worker processes go too
@@ -356,16 +434,27 @@ def only_run_dir(tmp_path, pattern="*"):
 @pytest.mark.parametrize("stagger, mode", [(True, "next_step"), (False, "same_step")])
 @pytest.mark.parametrize("device", DEVICES)
 def test_toy_chain_smoke(tmp_path, stagger, mode, device):
-    args = TOY_SMALL + ["--total-timesteps", "3200", "--toy.autoreset-mode", mode,
-                        "--stagger" if stagger else "--no-stagger"] + (["--no-cuda"] if device == "cpu" else [])
+    args = (
+        TOY_SMALL
+        + ["--total-timesteps", "3200", "--toy.autoreset-mode", mode, "--stagger" if stagger else "--no-stagger"]
+        + (["--no-cuda"] if device == "cpu" else [])
+    )
     run_script(args, tmp_path)
     run_dir = only_run_dir(tmp_path)
     summary = json.load(open(os.path.join(run_dir, "summary.json")))
     config = json.load(open(os.path.join(run_dir, "config.json")))
     assert summary["global_step"] == 3200 and summary["sps"] > 0
     assert config["num_stagger_groups"] == (10 if stagger else 1) and config["toy"]["autoreset_mode"] == mode
-    for key in ("eval/return", "eval/success_once", "eval/success_at_end", "charts/episodic_return",
-                "toy/accuracy", "toy/forgetting_mean", "stagger/value_mse", "losses/value_loss"):
+    for key in (
+        "eval/return",
+        "eval/success_once",
+        "eval/success_at_end",
+        "charts/episodic_return",
+        "toy/accuracy",
+        "toy/forgetting_mean",
+        "stagger/value_mse",
+        "losses/value_loss",
+    ):
         assert key in summary, key
     s = scalars(run_dir)
     assert [step for step, _ in s["charts/SPS"]] == [320 * i for i in range(1, 11)]
@@ -385,8 +474,19 @@ def test_toy_chain_learns_and_staggering_helps(tmp_path):
     """Fig. 2a at H = 300 (Table 2: N = 512, K = 5, 150 updates, p_prog = 0.5): staggered PPO solves the chain,
     naive PPO does not. Seeds 1-5 on a 2-core CPU: eval success 0.92-0.996 staggered vs 0.01-0.35 naive,
     forgetting 0.004-0.020 vs 0.126-0.144 (the paper: 0.95 vs 0.14 at H = 300)."""
-    common = ["--env-id", "ToyChain-v0", "--toy.horizon", "300", "--eval-freq", "1000", "--num-eval-envs", "256",
-              "--no-cuda", "--seed", "1"]
+    common = [
+        "--env-id",
+        "ToyChain-v0",
+        "--toy.horizon",
+        "300",
+        "--eval-freq",
+        "1000",
+        "--num-eval-envs",
+        "256",
+        "--no-cuda",
+        "--seed",
+        "1",
+    ]
     results = {}
     for name, flag in (("stag", "--stagger"), ("naive", "--no-stagger")):
         run_script(common + [flag, "--exp-name", name], tmp_path)
@@ -406,8 +506,10 @@ def test_save_model_then_resume_continues_the_global_step_then_evaluate(tmp_path
     assert ckpt["global_step"] == 1280 and ckpt["optimizer"]["state"] and set(ckpt) >= {"agent", "obs_rms"}
 
     second = tmp_path / "second"
-    proc = run_script(TOY_SMALL + ["--total-timesteps", "2560", "--no-cuda", "--checkpoint",
-                                   os.path.join(run_dir, "final_ckpt.pt")], second)
+    proc = run_script(
+        TOY_SMALL + ["--total-timesteps", "2560", "--no-cuda", "--checkpoint", os.path.join(run_dir, "final_ckpt.pt")],
+        second,
+    )
     assert "resuming from" in proc.stdout
     resumed = only_run_dir(second)
     assert json.load(open(os.path.join(resumed, "summary.json")))["global_step"] == 2560
@@ -426,8 +528,9 @@ def test_same_seed_gives_the_same_run_and_cudagraphs_runs_the_same_code(tmp_path
     args = TOY_SMALL + ["--total-timesteps", "960", "--no-cuda"]
     for name, extra in (("a", []), ("b", []), ("graphs", ["--cudagraphs"]), ("c", ["--seed", "2"])):
         run_script(args + extra, tmp_path / name)
-    a, b, graphs, c = (json.load(open(os.path.join(only_run_dir(tmp_path / d), "summary.json")))
-                       for d in ("a", "b", "graphs", "c"))
+    a, b, graphs, c = (
+        json.load(open(os.path.join(only_run_dir(tmp_path / d), "summary.json"))) for d in ("a", "b", "graphs", "c")
+    )
     for key in ("losses/value_loss", "losses/policy_loss", "eval/return", "toy/accuracy", "stagger/value_mse"):
         assert a[key] == b[key] == graphs[key], key
     assert c["losses/value_loss"] != a["losses/value_loss"]
@@ -435,9 +538,24 @@ def test_same_seed_gives_the_same_run_and_cudagraphs_runs_the_same_code(tmp_path
 
 def test_track_mirrors_to_wandb_offline(tmp_path):
     env = dict(os.environ, WANDB_MODE="offline", WANDB_DIR=str(tmp_path), WANDB_SILENT="true")
-    proc = subprocess.run([sys.executable, SCRIPT, "--output-dir", str(tmp_path / "runs"), *TOY_SMALL,
-                           "--total-timesteps", "640", "--no-cuda", "--track"], capture_output=True, text=True,
-                          timeout=600, env=env, cwd=ROOT)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            SCRIPT,
+            "--output-dir",
+            str(tmp_path / "runs"),
+            *TOY_SMALL,
+            "--total-timesteps",
+            "640",
+            "--no-cuda",
+            "--track",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+        cwd=ROOT,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert glob.glob(os.path.join(str(tmp_path), "wandb", "offline-run-*", "*.wandb"))
     assert json.load(open(os.path.join(only_run_dir(tmp_path / "runs"), "summary.json")))["global_step"] == 640
@@ -472,9 +590,15 @@ def cmdline(pid):
 def interrupt_when(ready, args, tmp_path):
     """Runs the script as from a terminal, sends it SIGINT once ready(proc) holds, waits for it to end and for its
     process group to empty (no process left behind); returns its return code."""
-    proc = subprocess.Popen([sys.executable, SCRIPT, "--output-dir", str(tmp_path), "--save-model", "--no-cuda", *args],
-                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # as if from a terminal,
+    proc = subprocess.Popen(
+        [sys.executable, SCRIPT, "--output-dir", str(tmp_path), "--save-model", "--no-cuda", *args],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )  # as if from a terminal,
     # even when pytest itself runs in the background (where a shell starts jobs with SIGINT ignored)
     try:
         deadline = time.time() + 300
@@ -497,8 +621,11 @@ def interrupt_when(ready, args, tmp_path):
 
 
 def test_ctrl_c_writes_the_summary_and_a_checkpoint(tmp_path):
-    trained = lambda proc: [p for p in glob.glob(os.path.join(str(tmp_path), "*", "ckpt_*.pt"))  # noqa: E731
-                            if not p.endswith("ckpt_0.pt")]  # a checkpoint written after some training
+    trained = lambda proc: [
+        p
+        for p in glob.glob(os.path.join(str(tmp_path), "*", "ckpt_*.pt"))  # noqa: E731
+        if not p.endswith("ckpt_0.pt")
+    ]  # a checkpoint written after some training
     assert interrupt_when(trained, [*TOY_SMALL, "--total-timesteps", str(10**8)], tmp_path) == 130
     run_dir = only_run_dir(tmp_path)
     summary = json.load(open(os.path.join(run_dir, "summary.json")))
@@ -511,7 +638,18 @@ def test_ctrl_c_writes_the_summary_and_a_checkpoint(tmp_path):
 def test_ctrl_c_while_the_envs_start_writes_the_summary_and_leaves_no_process(tmp_path):
     """SIGINT while ManiSkill's CPU-simulation worker processes start (the run has child processes, training has not
     begun): summary.json says interrupted, no checkpoint, and the workers end with the run."""
-    args = ["--env-id", "StackCube-v1", "--num-envs", "2", "--num-eval-envs", "1", "--horizon", "20", "--num-steps", "4"]
+    args = [
+        "--env-id",
+        "StackCube-v1",
+        "--num-envs",
+        "2",
+        "--num-eval-envs",
+        "1",
+        "--horizon",
+        "20",
+        "--num-steps",
+        "4",
+    ]
     # Ready once a multiprocessing worker runs: not on any child, as the SAPIEN import runs `sh -c nvidia-smi` before
     # the run directory exists.
     workers = lambda proc: any("multiprocessing" in cmdline(pid) for pid in live_group_members(proc.pid))  # noqa: E731
@@ -524,8 +662,24 @@ def test_ctrl_c_while_the_envs_start_writes_the_summary_and_leaves_no_process(tm
 
 def test_stackcube_cpu_simulation_smoke(tmp_path):
     """StackCube-v1 on CPU simulation (physx_cpu, 2 worker processes), staggered, with an evaluation video."""
-    args = ["--env-id", "StackCube-v1", "--num-envs", "2", "--num-eval-envs", "1", "--horizon", "20",
-            "--num-steps", "4", "--total-timesteps", "80", "--eval-freq", "5", "--capture-video", "--no-cuda"]
+    args = [
+        "--env-id",
+        "StackCube-v1",
+        "--num-envs",
+        "2",
+        "--num-eval-envs",
+        "1",
+        "--horizon",
+        "20",
+        "--num-steps",
+        "4",
+        "--total-timesteps",
+        "80",
+        "--eval-freq",
+        "5",
+        "--capture-video",
+        "--no-cuda",
+    ]
     run_script(args, tmp_path, timeout=900)
     run_dir = only_run_dir(tmp_path)
     summary = json.load(open(os.path.join(run_dir, "summary.json")))
@@ -537,14 +691,32 @@ def test_stackcube_cpu_simulation_smoke(tmp_path):
     assert glob.glob(os.path.join(run_dir, "videos", "**", "*.mp4"), recursive=True)
 
 
-@pytest.mark.parametrize("env_id", ["PushT-v1", "MS-HumanoidWalk-v1", "TwoRobotPickCube-v1",
-                                    "UnitreeG1TransportBox-v1"])
+@pytest.mark.parametrize(
+    "env_id", ["PushT-v1", "MS-HumanoidWalk-v1", "TwoRobotPickCube-v1", "UnitreeG1TransportBox-v1"]
+)
 def test_every_table_3_preset_whose_assets_ship_builds_and_trains(tmp_path, env_id):
     """One iteration of each Table 3 preset on CPU simulation (StackCube-v1 above; AnymalC-Reach-v1 downloads its
     robot on first use), with H = 2K to keep the evaluations short."""
     K = ppo.PRESETS[env_id]["num_steps"]
-    run_script(["--env-id", env_id, "--num-envs", "2", "--num-eval-envs", "1", "--horizon", str(2 * K),
-                "--num-minibatches", "2", "--total-timesteps", str(2 * K), "--no-cuda"], tmp_path, timeout=900)
+    run_script(
+        [
+            "--env-id",
+            env_id,
+            "--num-envs",
+            "2",
+            "--num-eval-envs",
+            "1",
+            "--horizon",
+            str(2 * K),
+            "--num-minibatches",
+            "2",
+            "--total-timesteps",
+            str(2 * K),
+            "--no-cuda",
+        ],
+        tmp_path,
+        timeout=900,
+    )
     summary = json.load(open(os.path.join(only_run_dir(tmp_path), "summary.json")))
     assert summary["global_step"] == 2 * K and math.isfinite(summary["losses/value_loss"])
     assert "eval/return" in summary

@@ -71,8 +71,16 @@ def make_agent(obs_dim=3, act_dim=4, recurrent=True, continuous=False):
     torch.manual_seed(0)
     obs_space = gym.spaces.Box(-1, 1, (obs_dim,))
     act_space = gym.spaces.Box(-1, 1, (act_dim,)) if continuous else gym.spaces.Discrete(act_dim)
-    return ver.Agent(obs_space, act_space, recurrent, ent_coef=0.01, learned_ent_coef=False, hidden_sizes=(16,),
-                     lstm_hidden_size=8, lstm_layers=2)
+    return ver.Agent(
+        obs_space,
+        act_space,
+        recurrent,
+        ent_coef=0.01,
+        learned_ent_coef=False,
+        hidden_sizes=(16,),
+        lstm_hidden_size=8,
+        lstm_layers=2,
+    )
 
 
 @pytest.mark.parametrize("continuous", [False, True])
@@ -121,8 +129,9 @@ def test_packed_forward_equals_step_by_step_with_resets_at_episode_starts(device
     first = [piece[0] for piece in pieces]
     state0 = tuple(s[[t for t, _ in first], [e for _, e in first]].transpose(0, 1) for s in (stored_h, stored_c))
     with torch.no_grad():
-        logprob, entropy, value = agent.evaluate(obs[t_idx, e_idx], actions[t_idx, e_idx], state0,
-                                                 np.array([len(p) for p in pieces]))
+        logprob, entropy, value = agent.evaluate(
+            obs[t_idx, e_idx], actions[t_idx, e_idx], state0, np.array([len(p) for p in pieces])
+        )
     for got, expected in zip((logprob, entropy, value), ref):
         torch.testing.assert_close(got, expected[t_idx, e_idx], rtol=1e-9, atol=1e-9)
 
@@ -166,8 +175,9 @@ def test_gae_on_variable_length_sequences_equals_a_per_env_reference(seed):
     expected = np.zeros(n)
     for e in range(n_envs):
         rows = np.flatnonzero(env_ids == e)
-        expected[rows] = reference_gae_per_env(rewards[rows], values[rows], next_values[rows] * ~terminated[rows],
-                                               done[rows], GAMMA, LAM)
+        expected[rows] = reference_gae_per_env(
+            rewards[rows], values[rows], next_values[rows] * ~terminated[rows], done[rows], GAMMA, LAM
+        )
 
     order, lengths = ver.build_sequences(env_ids, episode_ids)
     select, batch_sizes, _ = ver.pack_layout(lengths)
@@ -243,18 +253,41 @@ def ppo_update_inputs(learned_ent_coef):
     import gymnasium as gym
 
     torch.manual_seed(0)
-    agent = ver.Agent(gym.spaces.Box(-1, 1, (3,)), gym.spaces.Discrete(4), False, ent_coef=0.5,
-                      learned_ent_coef=learned_ent_coef, hidden_sizes=(16,))
+    agent = ver.Agent(
+        gym.spaces.Box(-1, 1, (3,)),
+        gym.spaces.Discrete(4),
+        False,
+        ent_coef=0.5,
+        learned_ent_coef=learned_ent_coef,
+        hidden_sizes=(16,),
+    )
     n = 10
     obs, actions = torch.randn(n, 3), torch.randint(0, 4, (n,))
     with torch.no_grad():
         logprob, _, value = agent.evaluate(obs, actions)
     x = torch.linspace(-1, 1, n)
-    batch = dict(obs=obs, actions=actions, logprobs=logprob + 0.3 * x, values=value + 0.1 * x,
-                 advantages=torch.randn(n), returns=value + torch.randn(n), weights=torch.linspace(0.2, 1.0, n),
-                 hidden=None, lengths=np.array([4, 6]), env_ids=torch.zeros(n, dtype=torch.int64))
-    args = replace(ver.Args(), update_epochs=1, num_minibatches=1, max_grad_norm=1e9,
-                   learned_ent_coef=learned_ent_coef, target_entropy=0.7, clip_coef=0.2, vf_coef=0.5)
+    batch = dict(
+        obs=obs,
+        actions=actions,
+        logprobs=logprob + 0.3 * x,
+        values=value + 0.1 * x,
+        advantages=torch.randn(n),
+        returns=value + torch.randn(n),
+        weights=torch.linspace(0.2, 1.0, n),
+        hidden=None,
+        lengths=np.array([4, 6]),
+        env_ids=torch.zeros(n, dtype=torch.int64),
+    )
+    args = replace(
+        ver.Args(),
+        update_epochs=1,
+        num_minibatches=1,
+        max_grad_norm=1e9,
+        learned_ent_coef=learned_ent_coef,
+        target_entropy=0.7,
+        clip_coef=0.2,
+        vf_coef=0.5,
+    )
     return agent, batch, args
 
 
@@ -271,7 +304,11 @@ def test_ppo_update_gradient_equals_the_weighted_losses_of_sec_4(learned_ent_coe
     surrogate = torch.minimum(adv * ratio, adv * ratio.clamp(0.8, 1.2))
     v_loss = 0.5 * (value - batch["returns"]) ** 2
     alpha = reference.log_ent_coef.exp()
-    loss = -(w * surrogate).sum() / len(w) + 0.5 * (w * v_loss).sum() / len(w) - alpha.detach() * (w * entropy).sum() / len(w)
+    loss = (
+        -(w * surrogate).sum() / len(w)
+        + 0.5 * (w * v_loss).sum() / len(w)
+        - alpha.detach() * (w * entropy).sum() / len(w)
+    )
     h = entropy.sum() / len(w)  # unweighted: the importance weights (< 1 here) would bias it low
     if learned_ent_coef:
         loss = loss + alpha * (h.detach() - 0.7)
@@ -295,7 +332,9 @@ def test_learned_entropy_coefficient_moves_towards_the_target_and_stays_in_its_b
         before = float(agent.log_ent_coef.detach())
         optimizer = torch.optim.Adam(agent.parameters(), lr=0.01)
         ver.ppo_update(args, agent, optimizer, batch, np.random.default_rng(0))
-        assert direction * (float(agent.log_ent_coef.detach()) - before) == pytest.approx(0.01, rel=1e-3)  # Adam's first step
+        assert direction * (float(agent.log_ent_coef.detach()) - before) == pytest.approx(
+            0.01, rel=1e-3
+        )  # Adam's first step
         optimizer = torch.optim.SGD(agent.parameters(), lr=100.0)
         for _ in range(3):
             ver.ppo_update(args, agent, optimizer, batch, np.random.default_rng(0))
@@ -324,8 +363,18 @@ def test_fill_from_previous_tops_up_with_whole_old_sequences_cut_to_size():
     def batch(lengths, tag):
         n = int(np.sum(lengths))
         x = torch.arange(n, dtype=torch.float32) + tag
-        return dict(obs=x, actions=x, logprobs=x, values=x, advantages=x, returns=x, weights=x, hidden=None,
-                    lengths=np.array(lengths), env_ids=torch.full((n,), tag))
+        return dict(
+            obs=x,
+            actions=x,
+            logprobs=x,
+            values=x,
+            advantages=x,
+            returns=x,
+            weights=x,
+            hidden=None,
+            lengths=np.array(lengths),
+            env_ids=torch.full((n,), tag),
+        )
 
     fresh, old = batch([3, 2], 100), batch([4, 4, 4], 0)
     filled = ver.fill_from_previous(fresh, old, 12, np.random.default_rng(0))
@@ -348,7 +397,12 @@ class FakeWorkers:
 
     def __init__(self, args, slots, arrive_prob, test_state, seed=0):
         self.envs = [ver.make_env(args) for _ in range(args.num_envs)]
-        self.slots, self.p, self.rng, self.test_state = slots, np.asarray(arrive_prob), np.random.default_rng(seed), test_state
+        self.slots, self.p, self.rng, self.test_state = (
+            slots,
+            np.asarray(arrive_prob),
+            np.random.default_rng(seed),
+            test_state,
+        )
         self.log = {e: [] for e in range(args.num_envs)}
         self.current, self.acted = {}, {}
         self.initial = list(range(args.num_envs))
@@ -372,8 +426,9 @@ class FakeWorkers:
             self.stepping.remove(e)
             action, version = self.acted[e]
             obs, reward, terminated, truncated, final, success = self.envs[e].step(action)
-            self.log[e].append((self.current[e], action, version, reward, terminated, truncated,
-                                obs if final is None else final))
+            self.log[e].append(
+                (self.current[e], action, version, reward, terminated, truncated, obs if final is None else final)
+            )
             s = self.slots
             s.obs[e], s.reward[e], s.terminated[e], s.truncated[e] = torch.as_tensor(obs), reward, terminated, truncated
             s.success[e], s.busy_time[e] = success, 0.001
@@ -383,10 +438,19 @@ class FakeWorkers:
         return chosen
 
 
-@pytest.mark.parametrize("mode, terminal, bootstrap", [("ver", False, "truncated"), ("ver", True, "truncated"),
-                                                        ("ver", True, "always"), ("nover", False, "truncated"),
-                                                        ("sync", True, "always")])
-def test_recurrent_collector_matches_a_step_by_step_recomputation_over_the_logged_trajectories(mode, terminal, bootstrap):
+@pytest.mark.parametrize(
+    "mode, terminal, bootstrap",
+    [
+        ("ver", False, "truncated"),
+        ("ver", True, "truncated"),
+        ("ver", True, "always"),
+        ("nover", False, "truncated"),
+        ("sync", True, "always"),
+    ],
+)
+def test_recurrent_collector_matches_a_step_by_step_recomputation_over_the_logged_trajectories(
+    mode, terminal, bootstrap
+):
     """The LSTM agent's weights change after every rollout. Recomputed step by step over each env's logged
     transitions, with the weights of the version that acted and a zero state at episode starts: the stored
     recurrent state (the one the step acted from), log-probability, value and version of every step, and its
@@ -396,14 +460,33 @@ def test_recurrent_collector_matches_a_step_by_step_recomputation_over_the_logge
     steps in VER, and the steps in flight are carried into the next rollout, none lost or repeated."""
     T, N, K = 6, 4, 10
     toy = ToyChainConfig(horizon=8, block_length=2, num_actions=3, progression_prob=0.5, terminal_horizon=terminal)
-    args = ver.resolve_args(ver.Args(env_id="ToyChain-v0", num_envs=N, num_steps=T, toy=toy, num_minibatches=1,
-                                     variable_experience=mode == "ver", sync=mode == "sync", cuda=False, recurrent=True,
-                                     bootstrap_at_done=bootstrap,
-                                     inference_min_batch=None if mode == "sync" else 1), world_size=1)
+    args = ver.resolve_args(
+        ver.Args(
+            env_id="ToyChain-v0",
+            num_envs=N,
+            num_steps=T,
+            toy=toy,
+            num_minibatches=1,
+            variable_experience=mode == "ver",
+            sync=mode == "sync",
+            cuda=False,
+            recurrent=True,
+            bootstrap_at_done=bootstrap,
+            inference_min_batch=None if mode == "sync" else 1,
+        ),
+        world_size=1,
+    )
     env = ver.make_env(args)
     torch.manual_seed(0)
-    agent = ver.Agent(env.observation_space, env.action_space, args.recurrent, args.ent_coef, args.learned_ent_coef,
-                      hidden_sizes=(16,), lstm_hidden_size=8)
+    agent = ver.Agent(
+        env.observation_space,
+        env.action_space,
+        args.recurrent,
+        args.ent_coef,
+        args.learned_ent_coef,
+        hidden_sizes=(16,),
+        lstm_hidden_size=8,
+    )
     slots = ver.SharedSlots.allocate(N, env)
     test_state = {"version": 0}
     workers = FakeWorkers(args, slots, [0.9, 0.6, 0.3, 0.15], test_state)
@@ -454,7 +537,9 @@ def test_recurrent_collector_matches_a_step_by_step_recomputation_over_the_logge
             batch = batches[k]
             assert int(batch["obs"][i]) == int(obs)
             torch.testing.assert_close(batch["hidden"][i], torch.stack(state)[:, :, 0], atol=1e-6, rtol=1e-5)
-            assert float(batch["logprobs"][i]) == pytest.approx(float(dist.log_prob(torch.tensor(int(action)))), abs=1e-5)
+            assert float(batch["logprobs"][i]) == pytest.approx(
+                float(dist.log_prob(torch.tensor(int(action)))), abs=1e-5
+            )
             assert float(batch["values"][i]) == pytest.approx(float(value), abs=1e-5)
             expected.setdefault(k, []).append((i, reward, float(value), next_value, terminated or truncated))
             state = None if terminated or truncated else next_state
@@ -496,17 +581,40 @@ def test_bad_flag_combinations_are_rejected_with_the_flag_named(kwargs, message)
 # The script as a user runs it, asserting on what it wrote
 # ----------------------------------------------------------------------------------------------------------------------
 SCRIPT = os.path.join(ROOT, "ppo_ver.py")
-HETEROGENEOUS_TOY = ["--env-id", "ToyChain-v0", "--num-envs", "4", "--num-steps", "16", "--toy.horizon", "20",
-                     "--toy.step-time-mean", "0.002", "--toy.step-time-spread", "1.0", "--toy.step-time-jitter", "0.3",
-                     "--num-eval-episodes", "4", "--no-cuda"]
+HETEROGENEOUS_TOY = [
+    "--env-id",
+    "ToyChain-v0",
+    "--num-envs",
+    "4",
+    "--num-steps",
+    "16",
+    "--toy.horizon",
+    "20",
+    "--toy.step-time-mean",
+    "0.002",
+    "--toy.step-time-spread",
+    "1.0",
+    "--toy.step-time-jitter",
+    "0.3",
+    "--num-eval-episodes",
+    "4",
+    "--no-cuda",
+]
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
 
 
 def run_script(args, tmp_path, timeout=300, check=True, launcher=None):
     """Runs the script in its own process group, killed whole if it runs past `timeout` (no orphans)."""
     command = (launcher or [sys.executable]) + [SCRIPT, "--output-dir", str(tmp_path), *args]
-    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
-                            env=dict(os.environ, PYTHONUNBUFFERED="1"), start_new_session=True)
+    proc = subprocess.Popen(
+        command,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+        env=dict(os.environ, PYTHONUNBUFFERED="1"),
+        start_new_session=True,
+    )
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -545,8 +653,16 @@ def test_toy_chain_with_heterogeneous_step_times(tmp_path, mode):
     assert config["variable_experience"] == (mode == "ver") and config["sync"] == (mode == "sync")
     assert config["bootstrap_at_done"] == "truncated" and config["toy"]["autoreset_mode"] == "same_step"
     assert summary["global_step"] == 640 and summary["iteration"] == 10 and summary["env_busy_time_s"] > 0
-    for key in ("eval/return", "eval/success_at_end", "charts/episodic_return", "losses/value_loss", "toy/accuracy",
-                "time/collect", "time/learn", "ver/env_utilization"):
+    for key in (
+        "eval/return",
+        "eval/success_at_end",
+        "charts/episodic_return",
+        "losses/value_loss",
+        "toy/accuracy",
+        "time/collect",
+        "time/learn",
+        "ver/env_utilization",
+    ):
         assert key in summary, key
     s = scalars(run_dir)
     steps_min, steps_max = s["ver/steps_per_env_min"], s["ver/steps_per_env_max"]
@@ -564,19 +680,28 @@ def test_toy_chain_with_heterogeneous_step_times(tmp_path, mode):
 def test_recurrent_save_resume_and_evaluate(tmp_path, device):
     """--recurrent (LSTM over packed sequences; cuDNN on a GPU), checkpoints that resume and evaluate."""
     first = tmp_path / "first"
-    common = HETEROGENEOUS_TOY[:-1] + ["--recurrent", "--eval-freq", "2", "--toy.step-time-mean", "0.001",
-                                       "--cuda" if device == "cuda" else "--no-cuda"]
+    common = HETEROGENEOUS_TOY[:-1] + [
+        "--recurrent",
+        "--eval-freq",
+        "2",
+        "--toy.step-time-mean",
+        "0.001",
+        "--cuda" if device == "cuda" else "--no-cuda",
+    ]
     run_script(common + ["--total-timesteps", "256", "--save-model"], first)
     run_dir = only_run_dir(first)
-    assert sorted(os.path.basename(p) for p in glob.glob(os.path.join(run_dir, "*.pt"))) == \
-        ["ckpt_128.pt", "final_ckpt.pt"]
+    assert sorted(os.path.basename(p) for p in glob.glob(os.path.join(run_dir, "*.pt"))) == [
+        "ckpt_128.pt",
+        "final_ckpt.pt",
+    ]
     ckpt = torch.load(os.path.join(run_dir, "final_ckpt.pt"), weights_only=False)
     assert ckpt["global_step"] == 256 and ckpt["iteration"] == 4
     assert any(k.startswith("lstm.") for k in ckpt["agent"]) and ckpt["optimizer"]["state"]
 
     second = tmp_path / "second"
-    proc = run_script(common + ["--total-timesteps", "512", "--checkpoint", os.path.join(run_dir, "final_ckpt.pt")],
-                      second)
+    proc = run_script(
+        common + ["--total-timesteps", "512", "--checkpoint", os.path.join(run_dir, "final_ckpt.pt")], second
+    )
     assert "resuming from" in proc.stdout
     resumed = load_summary(only_run_dir(second))
     assert resumed["global_step"] == 512 and resumed["iteration"] == 8
@@ -594,9 +719,30 @@ def test_ver_learns_the_toy_chain_with_heterogeneous_step_times(tmp_path):
     Seeds 1-5 on this 2-core CPU (second pass): eval success_at_end 1.0 for all five, final toy/accuracy 0.984-0.996;
     one run on a busy machine ended at 0.89 (the last batch's mix depends on the workers' timing, and toy/accuracy
     is one batch of a stochastic policy), so asserted: eval success >= 0.9 and training accuracy > 0.7 (0.05 at first)."""
-    run_script(["--env-id", "ToyChain-v0", "--num-envs", "8", "--num-steps", "32", "--total-timesteps", "20480",
-                "--toy.horizon", "50", "--toy.step-time-mean", "0.001", "--toy.step-time-spread", "1.0",
-                "--eval-freq", "0", "--num-eval-episodes", "32", "--no-cuda"], tmp_path)
+    run_script(
+        [
+            "--env-id",
+            "ToyChain-v0",
+            "--num-envs",
+            "8",
+            "--num-steps",
+            "32",
+            "--total-timesteps",
+            "20480",
+            "--toy.horizon",
+            "50",
+            "--toy.step-time-mean",
+            "0.001",
+            "--toy.step-time-spread",
+            "1.0",
+            "--eval-freq",
+            "0",
+            "--num-eval-episodes",
+            "32",
+            "--no-cuda",
+        ],
+        tmp_path,
+    )
     run_dir = only_run_dir(tmp_path)
     summary, s = load_summary(run_dir), scalars(run_dir)
     assert min(s["ver/importance_weight_min"]) < 1.0 and s["toy/accuracy"][0] < 0.2  # 20 actions: ~0.05 at first
@@ -606,9 +752,33 @@ def test_ver_learns_the_toy_chain_with_heterogeneous_step_times(tmp_path):
 def test_maniskill_cpu_task_with_two_workers(tmp_path):
     """A ManiSkill3 task on CPU simulation, one physx_cpu env per worker process (continuous actions, a recurrent
     policy with a learned entropy coefficient); ManiSkill tasks bootstrap at every episode end by default."""
-    run_script(["--env-id", "PickCube-v1", "--num-envs", "2", "--num-steps", "20", "--num-minibatches", "2",
-                "--horizon", "20", "--total-timesteps", "120", "--eval-freq", "0", "--num-eval-episodes", "1",
-                "--recurrent", "--learned-ent-coef", "--ent-coef", "0.01", "--no-cuda"], tmp_path, timeout=600)
+    run_script(
+        [
+            "--env-id",
+            "PickCube-v1",
+            "--num-envs",
+            "2",
+            "--num-steps",
+            "20",
+            "--num-minibatches",
+            "2",
+            "--horizon",
+            "20",
+            "--total-timesteps",
+            "120",
+            "--eval-freq",
+            "0",
+            "--num-eval-episodes",
+            "1",
+            "--recurrent",
+            "--learned-ent-coef",
+            "--ent-coef",
+            "0.01",
+            "--no-cuda",
+        ],
+        tmp_path,
+        timeout=600,
+    )
     run_dir = only_run_dir(tmp_path)
     summary = load_summary(run_dir)
     assert summary["global_step"] == 120 and summary["eval/episode_len"] == 20
@@ -625,8 +795,13 @@ def test_torchrun_preempts_the_straggling_rank_and_fills_its_batch(tmp_path, mod
     rule, a rank stops once --sync-frac 0.5 of the ranks (the fast one) finished. Either way rank 0 is preempted and
     its batch is filled from its previous rollout; the weights stay identical on both ranks."""
     flags = ["--sync", "--sync-frac", "0.5"] if mode == "sync" else []
-    run_script(HETEROGENEOUS_TOY + ["--total-timesteps", "1280", "--eval-freq", "0", "--toy.step-time-spread", "0.5",
-                                    "--slow-rank-factor", "4"] + flags, tmp_path, launcher=TORCHRUN)
+    run_script(
+        HETEROGENEOUS_TOY
+        + ["--total-timesteps", "1280", "--eval-freq", "0", "--toy.step-time-spread", "0.5", "--slow-rank-factor", "4"]
+        + flags,
+        tmp_path,
+        launcher=TORCHRUN,
+    )
     run_dir = only_run_dir(tmp_path)  # one run directory (rank 0's)
     summary = load_summary(run_dir)
     assert summary["global_step"] >= 1280 and summary["ddp/max_weight_difference"] == 0.0
@@ -650,7 +825,7 @@ def process_tree(pid):
             content = open(path).read()
         except OSError:
             continue
-        fields = content[content.rindex(")") + 2:].split()
+        fields = content[content.rindex(")") + 2 :].split()
         children.setdefault(int(fields[1]), []).append(int(content.split()[0]))
     out, stack = [], [(pid, 0)]
     while stack:
@@ -673,10 +848,16 @@ class Watched:
     """The script in a subprocess (its own process group), with every descendant process it ever had recorded."""
 
     def __init__(self, args, tmp_path):
-        self.proc = subprocess.Popen([sys.executable, SCRIPT, "--output-dir", str(tmp_path), *args], cwd=ROOT,
-                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                     env=dict(os.environ, PYTHONUNBUFFERED="1"), start_new_session=True,
-                                     preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+        self.proc = subprocess.Popen(
+            [sys.executable, SCRIPT, "--output-dir", str(tmp_path), *args],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=dict(os.environ, PYTHONUNBUFFERED="1"),
+            start_new_session=True,
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+        )
         # SIGINT as from a terminal, even when pytest runs in the background (a shell starts jobs with it ignored)
         self.seen = {}
         self.start = time.time()

@@ -63,8 +63,14 @@ def push_all(assembler, steps):
     """Pushes (obs, reward, terminated, truncated, true_next_obs) of one env; returns the emitted transitions."""
     out = []
     for obs, reward, te, tr, nxt in steps:
-        t = assembler.push(torch.tensor([[float(obs)]]), torch.tensor([[0.0]]), torch.tensor([float(reward)]),
-                           torch.tensor([bool(te)]), torch.tensor([bool(tr)]), torch.tensor([[float(nxt)]]))
+        t = assembler.push(
+            torch.tensor([[float(obs)]]),
+            torch.tensor([[0.0]]),
+            torch.tensor([float(reward)]),
+            torch.tensor([bool(te)]),
+            torch.tensor([bool(tr)]),
+            torch.tensor([[float(nxt)]]),
+        )
         if t is not None:
             out.append((t["obs"].item(), t["reward"].item(), t["discount"].item(), t["next_obs"].item()))
     return out
@@ -73,7 +79,14 @@ def push_all(assembler, steps):
 # One env, n = 3, gamma = 0.5. Episode 1: obs 0, 1, 2; truncated at its third step: the true final obs is 3 (the env
 # already returned the reset obs 10, and the Actor passes info["final_obs"] = 3). Episode 2: obs 10, 11; terminated at
 # its second step (true next obs 12, reset obs 20). Then obs 20.
-TRAJECTORY = [(0, 1, 0, 0, 1), (1, 2, 0, 0, 2), (2, 4, 0, 1, 3), (10, 8, 0, 0, 11), (11, 16, 1, 0, 12), (20, 32, 0, 0, 21)]
+TRAJECTORY = [
+    (0, 1, 0, 0, 1),
+    (1, 2, 0, 0, 2),
+    (2, 4, 0, 1, 3),
+    (10, 8, 0, 0, 11),
+    (11, 16, 1, 0, 12),
+    (20, 32, 0, 0, 21),
+]
 
 
 def test_nstep_assembler_hand_worked_truncated():
@@ -97,9 +110,9 @@ def reference_nstep(rewards, terms, truncs, true_next, n, gamma, bootstrap_at_do
     for t in range(T - n + 1):
         row = []
         for i in range(N):
-            ret, disc, nxt = 0.0, gamma ** n, true_next[t + n - 1, i]
+            ret, disc, nxt = 0.0, gamma**n, true_next[t + n - 1, i]
             for k in range(n):
-                ret += gamma ** k * rewards[t + k, i]
+                ret += gamma**k * rewards[t + k, i]
                 if terms[t + k, i] or truncs[t + k, i]:
                     cut = terms[t + k, i] and bootstrap_at_done == "truncated"
                     disc = 0.0 if cut else gamma ** (k + 1)
@@ -123,8 +136,14 @@ def test_nstep_assembler_matches_a_reference_on_random_trajectories(n, bootstrap
     got = []
     for t in range(T):
         f = lambda x, dtype=torch.float64: torch.as_tensor(x[t], dtype=dtype)  # noqa: E731
-        out = assembler.push(f(rewards)[:, None], torch.zeros(N, 1), f(rewards), f(terms, torch.bool),
-                             f(truncs, torch.bool), f(true_next)[:, None])
+        out = assembler.push(
+            f(rewards)[:, None],
+            torch.zeros(N, 1),
+            f(rewards),
+            f(terms, torch.bool),
+            f(truncs, torch.bool),
+            f(true_next)[:, None],
+        )
         if out is not None:
             got.append(list(zip(out["reward"].tolist(), out["discount"].tolist(), out["next_obs"][:, 0].tolist())))
     expected = reference_nstep(rewards, terms, truncs, true_next, n, gamma, bootstrap_at_done)
@@ -168,15 +187,16 @@ def test_categorical_projection_matches_a_reference_and_keeps_the_mean():
     B, K = 64, 51
     support = np.linspace(-10, 10, K)
     probs = rng.dirichlet(np.ones(K), size=B)
-    returns, discounts = rng.uniform(-3, 3, B), rng.choice([0.0, 0.99 ** 3, 0.5], B)
+    returns, discounts = rng.uniform(-3, 3, B), rng.choice([0.0, 0.99**3, 0.5], B)
     t = lambda x: torch.as_tensor(x, dtype=torch.float64)  # noqa: E731
     projected = pql.categorical_projection(t(probs), t(returns), t(discounts), t(support)).numpy()
     np.testing.assert_allclose(projected, reference_projection(probs, returns, discounts, support), atol=1e-12)
     np.testing.assert_allclose(projected.sum(1), 1.0, atol=1e-12)
     # where no atom is clamped, the projection keeps the mean: E = R + discount * E[Z]
     inside = np.all(np.abs(returns[:, None] + discounts[:, None] * support[None]) <= 10, axis=1)
-    np.testing.assert_allclose((projected * support).sum(1)[inside],
-                               (returns + discounts * (probs * support).sum(1))[inside], atol=1e-9)
+    np.testing.assert_allclose(
+        (projected * support).sum(1)[inside], (returns + discounts * (probs * support).sum(1))[inside], atol=1e-9
+    )
 
 
 def test_distributional_critic_target_takes_the_lower_mean_head_and_sums_to_one():
@@ -192,9 +212,17 @@ def test_distributional_critic_target_takes_the_lower_mean_head_and_sums_to_one(
         p1, p2 = logits1.softmax(-1), logits2.softmax(-1)
         s = v.critic.support
         chosen = torch.where(((p1 * s).sum(-1) <= (p2 * s).sum(-1))[:, None], p1, p2)
-    torch.testing.assert_close(target, torch.as_tensor(reference_projection(
-        chosen.double().numpy(), returns.double().numpy(), discounts.double().numpy(), s.double().numpy()),
-        dtype=torch.float32), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        target,
+        torch.as_tensor(
+            reference_projection(
+                chosen.double().numpy(), returns.double().numpy(), discounts.double().numpy(), s.double().numpy()
+            ),
+            dtype=torch.float32,
+        ),
+        atol=1e-5,
+        rtol=1e-5,
+    )
 
 
 def test_scalar_critic_target_is_the_min_of_the_target_heads():
@@ -236,7 +264,9 @@ def test_explore_adds_noise_of_each_envs_sigma_and_clips():
 # ----------------------------------------------------------------------------------------------------------------------
 # Speed-ratio control (Sec. 3.2)
 # ----------------------------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("beta_a_v, beta_p_v", [(1 / 8, 1 / 2), (1 / 4, 1.0), (1 / 12, 1 / 3), (2.0, 1 / 2), (1.0, 2.0)])
+@pytest.mark.parametrize(
+    "beta_a_v, beta_p_v", [(1 / 8, 1 / 2), (1 / 4, 1.0), (1 / 12, 1 / 3), (2.0, 1 / 2), (1.0, 2.0)]
+)
 def test_ratio_control_never_deadlocks_and_keeps_the_ratios(beta_a_v, beta_p_v):
     """Three processes of random, changing speeds act whenever their rule allows: none ever waits for a state that
     cannot change (no deadlock), and the counts stay within a few updates of the target ratios."""
@@ -246,8 +276,11 @@ def test_ratio_control_never_deadlocks_and_keeps_the_ratios(beta_a_v, beta_p_v):
     for tick in range(60_000):
         if tick % 1000 == 0:
             speeds = [rng.uniform(0.1, 10.0) for _ in range(3)]
-        allowed = [pql.actor_may_step(A, V, beta_a_v), pql.v_may_update(V, A, P, beta_a_v, beta_p_v),
-                   pql.p_may_update(P, V, beta_p_v)]
+        allowed = [
+            pql.actor_may_step(A, V, beta_a_v),
+            pql.v_may_update(V, A, P, beta_a_v, beta_p_v),
+            pql.p_may_update(P, V, beta_p_v),
+        ]
         assert any(allowed), (A, V, P)
         who = rng.choices(range(3), weights=speeds)[0]
         if allowed[who]:
@@ -300,8 +333,15 @@ def test_running_mean_std_matches_numpy():
 # ----------------------------------------------------------------------------------------------------------------------
 def test_defaults_are_table_b1(capsys):
     a = pql.Args()
-    assert (a.batch_size, a.buffer_size, a.learning_rate, a.max_grad_norm, a.nstep, a.tau, a.gamma) == \
-        (None, 5_000_000, 5e-4, 0.5, 3, 0.05, 0.99)
+    assert (a.batch_size, a.buffer_size, a.learning_rate, a.max_grad_norm, a.nstep, a.tau, a.gamma) == (
+        None,
+        5_000_000,
+        5e-4,
+        0.5,
+        3,
+        0.05,
+        0.99,
+    )
     assert (a.warm_up_steps, a.sigma_min, a.sigma_max, a.beta_a_v, a.beta_p_v) == (32, 0.05, 0.8, 1 / 8, 1 / 2)
     assert (pql.NUM_ATOMS, pql.V_MIN, pql.V_MAX) == (51, -10.0, 10.0)
     assert pql.MANISKILL_GPU["num_envs"] == 4096 and pql.MANISKILL_GPU["batch_size"] == 8192
@@ -332,15 +372,36 @@ def test_bad_input_is_rejected_with_the_flag_named(kwargs, message):
 # Runs of the script, as a user runs it, asserting on what it wrote
 # ----------------------------------------------------------------------------------------------------------------------
 SCRIPT = os.path.join(ROOT, "pql.py")
-TOY_SMALL = ["--env-id", "ToyChainContinuous-v0", "--toy.horizon", "50", "--num-envs", "32", "--num-eval-envs", "16",
-             "--batch-size", "256", "--warm-up-steps", "8", "--eval-freq", "20", "--no-cuda"]
+TOY_SMALL = [
+    "--env-id",
+    "ToyChainContinuous-v0",
+    "--toy.horizon",
+    "50",
+    "--num-envs",
+    "32",
+    "--num-eval-envs",
+    "16",
+    "--batch-size",
+    "256",
+    "--warm-up-steps",
+    "8",
+    "--eval-freq",
+    "20",
+    "--no-cuda",
+]
 
 
 def start_script(args, tmp_path):
     """python pql.py ... in its own process group (so that a test that fails can kill all it started)."""
-    return subprocess.Popen([sys.executable, SCRIPT, "--output-dir", str(tmp_path), *args], cwd=ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
-                            env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    return subprocess.Popen(
+        [sys.executable, SCRIPT, "--output-dir", str(tmp_path), *args],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+        env=dict(os.environ, PYTHONUNBUFFERED="1"),
+    )
 
 
 def kill_group(proc):
@@ -421,8 +482,16 @@ def test_toy_chain_smoke(tmp_path, mode, device):
     # serial ablation) 1 P-update per 2 V-updates, DDPG(n) an actor update with every critic update
     p_updates = 416 if mode == "ddpg_n" else 208
     assert (summary["pql/learning_steps"], summary["pql/v_updates"], summary["pql/p_updates"]) == (52, 416, p_updates)
-    for key in ("eval/return", "eval/success_once", "eval/success_at_end", "eval/episode_len", "losses/qf_loss",
-                "losses/actor_loss", "charts/episodic_return", "charts/SPS"):
+    for key in (
+        "eval/return",
+        "eval/success_once",
+        "eval/success_at_end",
+        "eval/episode_len",
+        "losses/qf_loss",
+        "losses/actor_loss",
+        "charts/episodic_return",
+        "charts/SPS",
+    ):
         assert key in summary, key
     assert summary["eval/episode_len"] == 50 and math.isfinite(summary["losses/qf_loss"])
     assert [step for step, _ in scalars(run_dir)["eval/return"]] == [0, 640, 1280, 1920]
@@ -455,10 +524,32 @@ def test_ratio_control_holds_on_a_short_run(tmp_path):
 # --bootstrap-at-done always, the same as for a truncation.
 # ----------------------------------------------------------------------------------------------------------------------
 CHAIN_GAMMA = 0.9
-CHAIN = ["--env-id", "ToyChainContinuous-v0", "--toy.block-length", "1", "--toy.progression-prob", "1.0",
-         "--num-envs", "16", "--num-eval-envs", "2", "--batch-size", "256", "--warm-up-steps", "8",
-         "--gamma", str(CHAIN_GAMMA), "--reward-scale", "1", "--target-noise-std", "0", "--norm-obs", "True",
-         "--save-model", "--no-cuda"]
+CHAIN = [
+    "--env-id",
+    "ToyChainContinuous-v0",
+    "--toy.block-length",
+    "1",
+    "--toy.progression-prob",
+    "1.0",
+    "--num-envs",
+    "16",
+    "--num-eval-envs",
+    "2",
+    "--batch-size",
+    "256",
+    "--warm-up-steps",
+    "8",
+    "--gamma",
+    str(CHAIN_GAMMA),
+    "--reward-scale",
+    "1",
+    "--target-noise-std",
+    "0",
+    "--norm-obs",
+    "True",
+    "--save-model",
+    "--no-cuda",
+]
 
 
 def closed_form_q(rewards, gamma, bootstrap_last):
@@ -493,9 +584,14 @@ def learned_and_true_q(run_dir, gamma, bootstrap_last):
     return np.array(learned), closed_form_q(np.array(rewards), gamma, bootstrap_last)
 
 
-@pytest.mark.parametrize("episode_end, bootstrap_last", [([], True), (["--toy.terminal-horizon"], False),
-                                                          (["--toy.terminal-horizon", "--bootstrap-at-done", "always"],
-                                                           True)])
+@pytest.mark.parametrize(
+    "episode_end, bootstrap_last",
+    [
+        ([], True),
+        (["--toy.terminal-horizon"], False),
+        (["--toy.terminal-horizon", "--bootstrap-at-done", "always"], True),
+    ],
+)
 def test_v_learner_finds_the_closed_form_q_of_a_fixed_policy(tmp_path, episode_end, bootstrap_last):
     """The V-learner alone (three processes; beta_p:v ~ 0: the P-learner never updates, so the policy stays the
     initial one; no exploration or target noise) on the 5-block deterministic chain: after 150 Actor steps of 16 envs
@@ -503,8 +599,23 @@ def test_v_learner_finds_the_closed_form_q_of_a_fixed_policy(tmp_path, episode_e
     Breaking the normalizer hand-over (learners on raw observations) puts it 30% off (seed 1), bootstrapping a
     truncation from the reset observation 24% (seed 1; the closed forms of the two differ by 20-42% for seeds 1-5),
     a wrong --bootstrap-at-done rule several times."""
-    args = CHAIN + ["--toy.horizon", "5", "--toy.task-seed", "2", "--total-timesteps", str(16 * 150),
-                    "--beta-p-v", "1e-9", "--sigma-min", "0", "--sigma-max", "0", "--eval-freq", "1000", *episode_end]
+    args = CHAIN + [
+        "--toy.horizon",
+        "5",
+        "--toy.task-seed",
+        "2",
+        "--total-timesteps",
+        str(16 * 150),
+        "--beta-p-v",
+        "1e-9",
+        "--sigma-min",
+        "0",
+        "--sigma-max",
+        "0",
+        "--eval-freq",
+        "1000",
+        *episode_end,
+    ]
     run_script(args, tmp_path)
     run_dir = only_run_dir(tmp_path)
     assert read_summary(run_dir)["pql/p_updates"] == 0
@@ -522,8 +633,18 @@ def test_learning_on_the_deterministic_chain_with_the_q_of_the_learned_policy(tm
     gets the P-learner's policy explores around the initial one, and Q ends 54% below; a P-learner that never gets the
     critics climbs a random Q (returns below 0); a V-learner whose target policy stays the initial one learns the Q
     of that policy (49% below)."""
-    args = CHAIN + ["--toy.horizon", "10", "--total-timesteps", str(16 * 200), "--eval-freq", "25", "--nstep", "1",
-                    "--gamma", "0.8"]
+    args = CHAIN + [
+        "--toy.horizon",
+        "10",
+        "--total-timesteps",
+        str(16 * 200),
+        "--eval-freq",
+        "25",
+        "--nstep",
+        "1",
+        "--gamma",
+        "0.8",
+    ]
     run_script(args + (["--ddpg-n"] if mode == "ddpg_n" else []), tmp_path)
     run_dir = only_run_dir(tmp_path)
     returns = [v for _, v in scalars(run_dir)["eval/return"]]
@@ -534,8 +655,25 @@ def test_learning_on_the_deterministic_chain_with_the_q_of_the_learned_policy(tm
 
 def test_maniskill_cpu_simulation_smoke(tmp_path):
     """PickCube-v1 on CPU simulation (physx_cpu, 2 env worker processes) with the three processes."""
-    args = ["--env-id", "PickCube-v1", "--num-envs", "2", "--num-eval-envs", "1", "--horizon", "20",
-            "--total-timesteps", "120", "--warm-up-steps", "10", "--batch-size", "32", "--eval-freq", "25", "--no-cuda"]
+    args = [
+        "--env-id",
+        "PickCube-v1",
+        "--num-envs",
+        "2",
+        "--num-eval-envs",
+        "1",
+        "--horizon",
+        "20",
+        "--total-timesteps",
+        "120",
+        "--warm-up-steps",
+        "10",
+        "--batch-size",
+        "32",
+        "--eval-freq",
+        "25",
+        "--no-cuda",
+    ]
     run_script(args, tmp_path, timeout=900)
     run_dir = only_run_dir(tmp_path)
     summary = read_summary(run_dir)
@@ -555,15 +693,25 @@ def test_save_model_then_evaluate_then_resume(tmp_path):
     ckpts = sorted(os.path.basename(p) for p in glob.glob(os.path.join(run_dir, "*.pt")))
     assert ckpts == ["ckpt_640.pt", "final_ckpt.pt"]
     ckpt = torch.load(os.path.join(run_dir, "final_ckpt.pt"), weights_only=True)
-    assert set(ckpt) >= {"policy", "policy_optimizer", "critic", "critic_target", "critic_optimizer", "obs_rms",
-                         "args", "global_step", "actor_step"}
+    assert set(ckpt) >= {
+        "policy",
+        "policy_optimizer",
+        "critic",
+        "critic_target",
+        "critic_optimizer",
+        "obs_rms",
+        "args",
+        "global_step",
+        "actor_step",
+    }
     assert ckpt["global_step"] == 1280 and ckpt["policy_optimizer"]["state"] and ckpt["critic_optimizer"]["state"]
     assert ckpt["critic"]["q1.0.weight"].shape == (256, 10 + 4) and ckpt["critic"]["q1.4.weight"].shape[0] == 51
     assert "eval/return" in read_summary(run_dir)
 
     second = tmp_path / "second"
-    proc = run_script(TOY_SMALL + ["--evaluate", "--distributional", "--checkpoint",
-                                   os.path.join(run_dir, "final_ckpt.pt")], second)
+    proc = run_script(
+        TOY_SMALL + ["--evaluate", "--distributional", "--checkpoint", os.path.join(run_dir, "final_ckpt.pt")], second
+    )
     assert "eval/return=" in proc.stdout and "started: pid" not in proc.stdout  # no learner processes
     evaluated = read_summary(only_run_dir(second))
     assert evaluated["global_step"] == 1280 and "charts/SPS" not in evaluated
@@ -571,22 +719,35 @@ def test_save_model_then_evaluate_then_resume(tmp_path):
     assert abs(evaluated["eval/return"]) <= 25.0
 
     third = tmp_path / "third"
-    run_script(TOY_SMALL + ["--total-timesteps", str(32 * 60), "--distributional",
-                            "--checkpoint", os.path.join(run_dir, "final_ckpt.pt")], third)
+    run_script(
+        TOY_SMALL
+        + [
+            "--total-timesteps",
+            str(32 * 60),
+            "--distributional",
+            "--checkpoint",
+            os.path.join(run_dir, "final_ckpt.pt"),
+        ],
+        third,
+    )
     resumed = read_summary(only_run_dir(third))
     assert resumed["global_step"] == 32 * 60 and resumed["actor_steps"] == 60
     # the replay buffers are not saved: 8 warm-up steps (with the saved policy) refill them, then 12 learning steps
     assert resumed["pql/learning_steps"] == 12
 
-    proc = run_script(TOY_SMALL + ["--evaluate", "--checkpoint", os.path.join(run_dir, "final_ckpt.pt")],
-                      tmp_path / "fourth", check=False)
+    proc = run_script(
+        TOY_SMALL + ["--evaluate", "--checkpoint", os.path.join(run_dir, "final_ckpt.pt")],
+        tmp_path / "fourth",
+        check=False,
+    )
     assert proc.returncode == 2 and "does not fit these networks" in proc.stderr and "--distributional" in proc.stderr
 
 
 @pytest.mark.parametrize("role", ["v_learner", "p_learner"])
 def test_a_crashing_learner_ends_the_run_with_its_traceback(tmp_path, role):
-    proc = run_script(TOY_SMALL + ["--total-timesteps", str(32 * 10**4), "--debug-crash", role],
-                      tmp_path, check=False, timeout=300)  # it fails after 20 updates; a hang runs into the timeout
+    proc = run_script(
+        TOY_SMALL + ["--total-timesteps", str(32 * 10**4), "--debug-crash", role], tmp_path, check=False, timeout=300
+    )  # it fails after 20 updates; a hang runs into the timeout
     assert proc.returncode == 1, proc.stderr[-2000:]
     name = {"v_learner": "V-learner", "p_learner": "P-learner"}[role]
     assert f"error: the {name} process failed" in proc.stderr
@@ -643,8 +804,11 @@ def test_killing_the_actor_leaves_no_orphans(tmp_path):
 # Moments of a run to interrupt: (extra flags, what to wait for before SIGINT, seconds to wait after it)
 CTRL_C_MOMENTS = {
     # the Actor's first steps, before learning starts (slow env steps: the warm-up lasts seconds)
-    "warm_up": (["--toy.step-time-mean", "0.003", "--eval-freq", "1000", "--num-eval-envs", "1",
-                 "--warm-up-steps", "100"], None, 1.0),
+    "warm_up": (
+        ["--toy.step-time-mean", "0.003", "--eval-freq", "1000", "--num-eval-envs", "1", "--warm-up-steps", "100"],
+        None,
+        1.0,
+    ),
     # learning, between the checkpoints of evaluations every 20 steps
     "updates": ([], "ckpt_*.pt", 1.0),
     # inside the first evaluation, which lasts about 58 s (64 eval envs of slow steps, H = 300): it must not finish
@@ -686,7 +850,8 @@ def test_bad_flag_exits_early_with_a_message_and_writes_nothing(tmp_path):
 
 
 def test_a_replay_buffer_larger_than_memory_is_an_error_naming_the_flag(tmp_path):
-    proc = run_script(TOY_SMALL + ["--total-timesteps", str(10**13), "--buffer-size", str(10**12)], tmp_path,
-                      check=False)
+    proc = run_script(
+        TOY_SMALL + ["--total-timesteps", str(10**13), "--buffer-size", str(10**12)], tmp_path, check=False
+    )
     assert proc.returncode == 2 and "--buffer-size" in proc.stderr and "use a smaller --buffer-size" in proc.stderr
     assert "started: pid" not in proc.stdout

@@ -6,8 +6,7 @@ import pytest
 import torch
 from conftest import DEVICES
 
-from toy_chain_env import (ToyChainConfig, ToyChainContinuousConfig, ToyChainContinuousVectorEnv,
-                           draw_target_vectors)
+from toy_chain_env import ToyChainConfig, ToyChainContinuousConfig, ToyChainContinuousVectorEnv, draw_target_vectors
 
 
 def make(num_envs=4, device="cpu", **overrides):
@@ -139,8 +138,10 @@ def test_partial_reset_only_touches_masked_envs():
 def test_cpu_and_cuda_give_the_same_trajectories(mode):
     # Deterministic dynamics (p_prog in {0, 1}): both devices agree (rewards up to float rounding).
     for p_prog in (0.0, 1.0):
-        envs = [make(num_envs=8, device=d, horizon=20, progression_prob=p_prog, autoreset_mode=mode)
-                for d in ("cpu", "cuda")]
+        envs = [
+            make(num_envs=8, device=d, horizon=20, progression_prob=p_prog, autoreset_mode=mode)
+            for d in ("cpu", "cuda")
+        ]
         generator = torch.Generator().manual_seed(0)
         for step in range(45):
             # on target for even steps, uniform random otherwise: both correct and wrong actions occur
@@ -151,10 +152,15 @@ def test_cpu_and_cuda_give_the_same_trajectories(mode):
             torch.testing.assert_close(r1, r2.cpu())
 
 
-@pytest.mark.parametrize("overrides, flag", [({"action_dim": 0}, "--toy.action-dim"),
-                                             ({"target_radius": 0.0}, "--toy.target-radius"),
-                                             ({"target_radius": 2.5}, "--toy.target-radius"),
-                                             ({"horizon": 7, "block_length": 5}, "--toy.block-length")])
+@pytest.mark.parametrize(
+    "overrides, flag",
+    [
+        ({"action_dim": 0}, "--toy.action-dim"),
+        ({"target_radius": 0.0}, "--toy.target-radius"),
+        ({"target_radius": 2.5}, "--toy.target-radius"),
+        ({"horizon": 7, "block_length": 5}, "--toy.block-length"),
+    ],
+)
 def test_bad_settings_name_the_flag(overrides, flag):
     with pytest.raises(ValueError, match=flag):
         ToyChainContinuousConfig(**overrides).validate()

@@ -150,7 +150,7 @@ def test_next_step_autoreset_sequence():
     for _ in range(12):
         obs, reward, terminated, truncated, info = env.step(correct_actions(env))
         seen.append((obs.item(), reward.item(), truncated.item(), info["correct"].item()))
-    assert seen[:10] == [(0, .5, False, True)] * 4 + [(1, .5, False, True)] * 5 + [(1, .5, True, True)]
+    assert seen[:10] == [(0, 0.5, False, True)] * 4 + [(1, 0.5, False, True)] * 5 + [(1, 0.5, True, True)]
     assert seen[10] == (0, 0.0, False, False)  # the action of the reset step is ignored
     assert seen[11] == (0, 0.5, False, True)
     assert "final_obs" not in info
@@ -211,15 +211,17 @@ def test_cpu_and_cuda_give_the_same_trajectories(mode):
     for p_prog in (0.0, 1.0):
         outs = []
         for device in ("cpu", "cuda"):
-            env = make(num_envs=16, device=device, horizon=20, block_length=4, progression_prob=p_prog,
-                       autoreset_mode=mode)
+            env = make(
+                num_envs=16, device=device, horizon=20, block_length=4, progression_prob=p_prog, autoreset_mode=mode
+            )
             gen = torch.Generator().manual_seed(0)
             trace = []
             for _ in range(45):
                 actions = torch.randint(0, 20, (16,), generator=gen)
                 obs, reward, _, truncated, info = env.step(actions.to(device))
-                trace.append(torch.stack([obs.cpu(), reward.cpu().long(), truncated.cpu().long(),
-                                          info["correct"].cpu().long()]))
+                trace.append(
+                    torch.stack([obs.cpu(), reward.cpu().long(), truncated.cpu().long(), info["correct"].cpu().long()])
+                )
             outs.append(torch.stack(trace))
         assert torch.equal(outs[0], outs[1])
 
@@ -269,8 +271,15 @@ def test_step_time_without_spread_or_jitter_is_the_mean_per_chain(monkeypatch):
 def test_episode_speed_factor_is_fixed_within_an_episode_and_lognormal_across_episodes(monkeypatch):
     slept = record_sleeps(monkeypatch)
     sigma, horizon = 0.8, 4
-    env = make(num_envs=1, horizon=horizon, block_length=2, autoreset_mode="same_step", step_time_mean=1.0,
-               step_time_spread=sigma, step_time_jitter=0.0)
+    env = make(
+        num_envs=1,
+        horizon=horizon,
+        block_length=2,
+        autoreset_mode="same_step",
+        step_time_mean=1.0,
+        step_time_spread=sigma,
+        step_time_jitter=0.0,
+    )
     env.reset(seed=5)
     episodes = 3000
     for _ in range(episodes * horizon):
@@ -298,8 +307,9 @@ def test_delays_leave_the_dynamics_unchanged(monkeypatch, mode):
     record_sleeps(monkeypatch)
 
     def rollout(**timing):
-        env = ToyChainVectorEnv(32, ToyChainConfig(horizon=20, progression_prob=0.5, reset_lambda=1.0,
-                                                   autoreset_mode=mode, **timing))
+        env = ToyChainVectorEnv(
+            32, ToyChainConfig(horizon=20, progression_prob=0.5, reset_lambda=1.0, autoreset_mode=mode, **timing)
+        )
         obs, _ = env.reset(seed=3)
         gen = torch.Generator().manual_seed(0)
         out = [obs]
