@@ -222,8 +222,11 @@ def resolve_args(args: Args) -> Args:
     args.actor_device = args.actor_device or default_device
     args.v_learner_device = args.v_learner_device or args.actor_device
     args.p_learner_device = args.v_learner_device if args.ddpg_n else (args.p_learner_device or args.actor_device)
-    args.sim_backend = "torch" if is_toy else ("physx_cuda" if args.actor_device.startswith("cuda") else "physx_cpu")
-    preset = TOY_PRESET if is_toy else (MANISKILL_GPU if args.sim_backend == "physx_cuda" else MANISKILL_CPU)
+    actor_device = torch.device(args.actor_device)
+    # ManiSkill reads the GPU's index only from "physx_cuda:N" (parse_sim_and_render_backend); "physx_cuda" is GPU 0
+    gpu_backend = "physx_cuda" if actor_device.index is None else f"physx_cuda:{actor_device.index}"
+    args.sim_backend = "torch" if is_toy else (gpu_backend if actor_device.type == "cuda" else "physx_cpu")
+    preset = TOY_PRESET if is_toy else (MANISKILL_GPU if actor_device.type == "cuda" else MANISKILL_CPU)
     if preset is MANISKILL_CPU:
         print(
             f"note: without CUDA, {args.env_id} runs a short trial on CPU simulation "
@@ -291,7 +294,7 @@ class ManiSkillVecEnv(gym.vector.VectorEnv):
 
     def __init__(self, args: Args, num_envs: int, device: torch.device, evaluation: bool):
         self.num_envs, self.device, self.reset_on_termination = num_envs, device, not evaluation
-        self.gpu = args.sim_backend == "physx_cuda"
+        self.gpu = args.sim_backend.startswith("physx_cuda")
         make = partial(make_maniskill_env, args.env_id, backend=args.sim_backend, horizon=args.resolved_horizon)
         if self.gpu:
             self.env = make(num_envs=num_envs)
@@ -302,7 +305,10 @@ class ManiSkillVecEnv(gym.vector.VectorEnv):
                 autoreset_mode=gym.vector.AutoresetMode.DISABLED,
             )
         self.single_observation_space = self.env.unwrapped.single_observation_space  # (a vector env's is itself)
-        self.single_action_space = self.env.unwrapped.single_action_space
+        # the flattened Box of FlattenActionSpaceWrapper (multi-robot tasks), not the task's Dict
+        self.single_action_space = (
+            getattr(self.env, "single_action_space", None) or self.env.unwrapped.single_action_space
+        )
 
     def as_tensor(self, x, dtype) -> torch.Tensor:
         return torch.as_tensor(x if torch.is_tensor(x) else np.asarray(x), device=self.device, dtype=dtype)

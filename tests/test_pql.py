@@ -352,6 +352,42 @@ def test_defaults_are_table_b1(capsys):
 
 
 @pytest.mark.parametrize(
+    "actor_device, sim_backend",
+    [("cpu", "physx_cpu"), ("cuda", "physx_cuda"), ("cuda:0", "physx_cuda:0"), ("cuda:2", "physx_cuda:2")],
+)
+def test_the_simulation_runs_on_the_actors_gpu(actor_device, sim_backend):
+    """ManiSkill reads a GPU index only from "physx_cuda:N" (parse_sim_and_render_backend): with --actor-device cuda:2
+    the simulation must run on GPU 2, where the Actor's tensors are, not on GPU 0. (resolve_args only names devices,
+    so this needs no GPU.)"""
+    resolved = pql.resolve_args(pql.Args(env_id="PickCube-v1", actor_device=actor_device))
+    assert resolved.sim_backend == sim_backend
+    assert resolved.v_learner_device == resolved.p_learner_device == actor_device
+    assert resolved.num_envs == (8 if actor_device == "cpu" else 4096)  # the GPU preset for every GPU
+
+
+def test_a_multi_robot_task_gets_the_flattened_action_space(monkeypatch):
+    """TwoRobotPickCube-v1 has a Dict action space (one Box of 8 per robot) that FlattenActionSpaceWrapper flattens.
+    ManiSkillVecEnv's GPU path (one batched env in this process, physx_cuda) must expose the flat Box (16,) that the
+    networks are built on. Here the same path runs ManiSkill's CPU simulation (gym.make gets physx_cpu instead of
+    physx_cuda): it steps with (1, 16) actions and resets partially at the horizon."""
+    args = pql.resolve_args(pql.Args(env_id="TwoRobotPickCube-v1", actor_device="cuda", horizon=3, num_envs=1))
+    assert args.sim_backend == "physx_cuda"
+    make = gym.make
+    monkeypatch.setattr(gym, "make", lambda *a, **kwargs: make(*a, **{**kwargs, "sim_backend": "physx_cpu"}))
+    envs = pql.ManiSkillVecEnv(args, 1, torch.device("cpu"), evaluation=False)
+    try:
+        assert envs.gpu and isinstance(envs.single_action_space, gym.spaces.Box)
+        assert envs.single_action_space.shape == (16,)
+        envs.reset(seed=0)
+        for _ in range(3):
+            obs, reward, terminated, truncated, info = envs.step(torch.zeros(1, 16))
+        assert obs.shape == info["final_obs"].shape == (1, np.prod(envs.single_observation_space.shape))
+        assert truncated.tolist() == [True] and info["_final_obs"].tolist() == [True]  # the partial reset ran
+    finally:
+        envs.close()
+
+
+@pytest.mark.parametrize(
     "kwargs, message",
     [
         (dict(env_id="ToyChain-v0"), "is not ToyChainContinuous-v0 or a registered ManiSkill3 task"),
