@@ -700,7 +700,18 @@ class SlotRing:
     (CPU) or CUDA memory shared by CUDA IPC, plus two counters. The writer fills slot `written % num_slots` and counts
     it written; the reader copies what it needs out of the new slots and counts them read. A slot is written only
     when the reader is done with it (has_room), so there is no lock, nothing is pickled and a process that stops at
-    any moment leaves no transfer half done for the other."""
+    any moment leaves no transfer half done for the other.
+
+    On CUDA the host never waits for the GPU: each slot has two interprocess CUDA events (torch.cuda.Event with
+    interprocess=True; the other process opens them from their IPC handles when the ring is passed to it). The
+    writer's stream waits for the slot's `read` event before it overwrites the slot and records `written` after its
+    copies; the reader's stream waits for `written` before it reads and records `read` after. Each event is recorded
+    before the counter that announces it moves (host order), and is not recorded again until the other side has
+    enqueued its wait (the slot is not reused before), so every wait refers to the right copies; a wait on an event
+    not recorded since an earlier round (a slot skipped by newest_only) waits for nothing new. Copies between two
+    devices are ordered with the current streams of both by PyTorch (Copy.cu). Checked against the CUDA runtime's
+    documentation (cudaStreamWaitEvent, cudaIpcGetEventHandle) and PyTorch's source (torch.multiprocessing's event
+    reduction, Copy.cu); not run: no GPU was available to this work. The CPU path has no events."""
 
     def __init__(self, shapes: dict, device, num_slots: int):
         self.device, self.num_slots = torch.device(device), num_slots
@@ -710,6 +721,13 @@ class SlotRing:
             for _ in range(num_slots)
         ]
         self.counters = torch.zeros(2, dtype=torch.int64).share_memory_()  # written, read
+        self.written_events = self.read_events = None
+        if self.device.type == "cuda":  # recorded once here, so that they exist on the slots' device
+            self.written_events, self.read_events = (
+                [torch.cuda.Event(interprocess=True) for _ in range(num_slots)] for _ in range(2)
+            )
+            for event in self.written_events + self.read_events:
+                event.record(torch.cuda.current_stream(self.device))
 
     def has_room(self) -> bool:
         written, read = self.counters.tolist()
@@ -717,20 +735,25 @@ class SlotRing:
 
     def put(self, message: dict) -> None:
         """Writer side (call only when has_room())."""
-        slot = self.slots[int(self.counters[0]) % self.num_slots]
-        for k, tensor in slot.items():
+        index = int(self.counters[0]) % self.num_slots
+        if self.written_events:  # the reader's copies out of this slot are done before it is overwritten
+            torch.cuda.current_stream(self.device).wait_event(self.read_events[index])
+        for k, tensor in self.slots[index].items():
             tensor.copy_(message[k])
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)  # the data is in place before the reader can see the slot
+        if self.written_events:  # the reader's stream will wait for these copies
+            self.written_events[index].record(torch.cuda.current_stream(self.device))
         self.counters[0] += 1
 
     def take(self, consume, newest_only: bool = False) -> int:
         """Reader side: passes each new slot (or only the newest) to `consume`, which copies what it keeps."""
         written, read = self.counters.tolist()
         for i in range(max(read, written - 1) if newest_only else read, written):
-            consume(self.slots[i % self.num_slots])
-        if written > read and self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)  # done reading before the writer may reuse the slots
+            index = i % self.num_slots
+            if self.written_events:
+                torch.cuda.current_stream(self.device).wait_event(self.written_events[index])
+            consume(self.slots[index])
+            if self.written_events:
+                self.read_events[index].record(torch.cuda.current_stream(self.device))
         self.counters[1] = written
         return written - read
 

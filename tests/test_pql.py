@@ -551,6 +551,115 @@ def test_ratio_control_holds_on_a_short_run(tmp_path):
 
 
 # ----------------------------------------------------------------------------------------------------------------------
+# The Actor loop as users run it (three processes), in this process: what it hands the envs, and its host syncs
+# ----------------------------------------------------------------------------------------------------------------------
+SYNC_METHODS = ("item", "tolist", "cpu", "numpy", "__bool__", "__float__", "__int__")
+
+
+class RecordingEnvs:
+    """The training envs of the run, recording before each step the observation, the action and the number of host
+    syncs counted so far."""
+
+    def __init__(self, envs, syncs):
+        self.envs, self.syncs, self.steps = envs, syncs, []
+
+    def __getattr__(self, name):
+        return getattr(self.envs, name)
+
+    def reset(self, **kwargs):
+        self.obs, info = self.envs.reset(**kwargs)
+        return self.obs, info
+
+    def step(self, action):
+        self.steps.append((self.obs.clone(), action.clone(), self.syncs[0]))
+        self.obs, *rest = self.envs.step(action)
+        return (self.obs, *rest)
+
+
+@pytest.fixture(scope="module")
+def actor_run(tmp_path_factory):
+    """main() of a toy chain run (16 envs, 200 Actor steps, learning rate 0: the policy stays the initial one) with
+    the training envs recorded and the host syncs counted: calls that make the host wait for a device's result
+    (Tensor.item, .tolist, .cpu, .numpy, bool(), float(), int(); torch.cuda.synchronize) made by pql.py's own lines
+    on tensors outside shared memory (the shared counters and CPU slots are host memory on every device)."""
+    args = pql.Args(
+        env_id=pql.TOY_ENV_ID,
+        toy=ToyChainContinuousConfig(horizon=50, autoreset_mode="same_step"),
+        num_envs=16,
+        num_eval_envs=2,
+        total_timesteps=16 * 200,
+        warm_up_steps=8,
+        batch_size=64,
+        eval_freq=100,
+        learning_rate=0.0,
+        sigma_min=0.02,
+        sigma_max=0.2,
+        cuda=False,
+        output_dir=str(tmp_path_factory.mktemp("actor_run")),
+    )
+    syncs, recorded = [0], []
+
+    def counted(original):
+        def wrapper(*args, **kwargs):
+            caller = sys._getframe(1).f_code.co_filename
+            if caller == pql.__file__ and not (args and torch.is_tensor(args[0]) and args[0].is_shared()):
+                syncs[0] += 1
+            return original(*args, **kwargs)
+
+        return wrapper
+
+    def make_env(args, num_envs, device, evaluation):
+        envs = make_env.original(args, num_envs, device, evaluation)
+        if not evaluation:
+            recorded.append(RecordingEnvs(envs, syncs))
+        return recorded[-1] if not evaluation else envs
+
+    make_env.original = pql.make_env
+    handlers = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)}
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(pql, "make_env", make_env)
+        for method in SYNC_METHODS:
+            patch.setattr(torch.Tensor, method, counted(getattr(torch.Tensor, method)))
+        patch.setattr(torch.cuda, "synchronize", counted(torch.cuda.synchronize))
+        try:
+            summary = pql.main(args)
+        finally:
+            for signum, handler in handlers.items():
+                signal.signal(signum, handler)
+    return pql.resolve_args(args), summary, recorded[0].steps
+
+
+def test_the_actor_loop_makes_no_host_sync_per_env_step(actor_run):
+    """Issue 25: the Actor must not wait for the GPU at every env step (a sync also waits for PhysX's streams). Between
+    two env steps pql.py's lines make no host sync, except where the loop logs (every LOG_EVERY steps: it reads the
+    episode statistics) or evaluates; measured: 0 syncs between all other steps, 160 of the 199 gaps."""
+    args, summary, steps = actor_run
+    assert summary["actor_steps"] == len(steps) == 200
+    gaps = [(t, after[2] - before[2]) for t, (before, after) in enumerate(zip(steps, steps[1:]))]
+    quiet = [count for t, count in gaps if (t + 1) % pql.LOG_EVERY != 0 and (t + 1) % args.eval_freq != 0]
+    assert len(quiet) == 160 and sum(quiet) == 0, [(t, count) for t, count in gaps if count]
+    assert sum(count for _, count in gaps) > 0  # the counting works: logging reads the episode statistics
+
+
+def test_the_actor_explores_each_env_with_its_own_sigma(actor_run):
+    """Sec. 3.3 mixed exploration in the Actor loop as it runs: env i's noise (the action it gets minus pi(s), the
+    initial policy, which learning rate 0 keeps) has the std sigma_i of linspace(0.02, 0.2) over the 16 envs: 768
+    samples per env (192 learning steps x 4 action dims), measured within 8% of sigma_i (the run is deterministic: the Actor alone draws its noise). One sigma for every env
+    fails (the first and last envs' stds differ 10-fold)."""
+    args, _, steps = actor_run
+    explored = steps[args.warm_up_steps :]
+    obs, actions = torch.stack([s[0] for s in explored]), torch.stack([s[1] for s in explored])
+    obs_dim = obs.shape[-1]
+    policy, _, _ = pql.initial_networks(args, obs_dim, args.toy.action_dim, "cpu")
+    with torch.no_grad():
+        noise = actions - policy(pql.normalize_obs(obs, (torch.zeros(obs_dim), torch.ones(obs_dim))))
+    measured = noise.transpose(0, 1).reshape(args.num_envs, -1).std(1)
+    assert (actions.abs() < 1.0).all()  # nothing clipped: the std is the noise's
+    print("measured / sigma:", (measured / pql.mixed_exploration_sigmas(16, 0.02, 0.2)).tolist())
+    np.testing.assert_allclose(measured.numpy(), pql.mixed_exploration_sigmas(16, 0.02, 0.2).numpy(), rtol=0.12)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
 # Q-learning checked against closed-form values. The chain below is deterministic and fully observed: block length 1
 # and p_prog = 1 move the agent one block per step, so step t of an episode is block t (observation one-hot(t)), and a
 # deterministic policy pi collects a fixed reward r_t in block t. At the horizon H the episode is truncated and the true
