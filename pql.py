@@ -694,6 +694,14 @@ class PLearner:
         return {"policy": self.policy.state_dict(), "policy_optimizer": self.optimizer.state_dict()}
 
 
+def network_for_the_others(role: str, learner) -> dict:
+    """What a learner sends back after new data (Sec. 3.1, Fig. 1): the V-learner its online Q functions, the newest,
+    which the P-learner maximizes (not the target networks, a slow Polyak copy); the P-learner its policy, which the
+    Actor acts with and hands on to the V-learner as its (lagged) target policy."""
+    network = learner.critic if role == "v_learner" else learner.policy
+    return {"critic" if role == "v_learner" else "policy": parameters_to_vector(network.parameters()).detach()}
+
+
 # ---- Moving data and networks between the processes (Sec. 3.1: "Data Transfer", "Network Transfer") ------------------
 class SlotRing:
     """A one-way channel between two processes: `num_slots` preallocated slots (dicts of tensors) in shared memory
@@ -791,11 +799,10 @@ def learner_process(
             torch.cuda.set_device(device)
         learner = (VLearner if is_v else PLearner)(args, obs_dim, act_dim, capacity, device)
         mine, served = (V, CKPT_SERVED_V) if is_v else (P, CKPT_SERVED_P)
-        name, network = ("critic", learner.critic) if is_v else ("policy", learner.policy)
         parent = mp.parent_process()
         while not stop.is_set():
             if inbox.take(learner.receive) and outbox.has_room():  # new data: send back my network
-                outbox.put({name: parameters_to_vector(network.parameters())})
+                outbox.put(network_for_the_others(role, learner))
             if counters[CKPT_REQUEST] > counters[served]:
                 request = int(counters[CKPT_REQUEST])
                 torch.save(learner.state_dict(), Path(run_dir, f"{role}_state.pt"))
@@ -1076,8 +1083,8 @@ def main(args: Args) -> dict:
                 from_learner["p_learner"].take(lambda slot: load_vector(policy, slot["policy"]), newest_only=True)
                 from_learner["v_learner"].take(lambda slot: critic_vector.copy_(slot["critic"]), newest_only=True)
             else:
-                load_vector(policy, parameters_to_vector(p_learner.policy.parameters()))
-                critic_vector = parameters_to_vector(v_learner.critic.parameters()).detach()
+                load_vector(policy, network_for_the_others("p_learner", p_learner)["policy"])
+                critic_vector = network_for_the_others("v_learner", v_learner)["critic"]
 
             with torch.no_grad():
                 if actor_step < warm_up_end and ckpt is None:  # Table B.1 warm-up: uniform random actions
@@ -1167,7 +1174,7 @@ def main(args: Args) -> dict:
             )
             from_learner["p_learner"].take(lambda slot: load_vector(policy, slot["policy"]), newest_only=True)
         else:
-            load_vector(policy, parameters_to_vector(p_learner.policy.parameters()))
+            load_vector(policy, network_for_the_others("p_learner", p_learner)["policy"])
         run_eval(final=True)
     except KeyboardInterrupt:
         summary["interrupted"] = True

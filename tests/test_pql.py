@@ -239,6 +239,87 @@ def test_scalar_critic_target_is_the_min_of_the_target_heads():
     torch.testing.assert_close(v.target(returns, discounts, next_obs), expected)
 
 
+def test_each_network_sync_carries_the_networks_of_sec_3_1():
+    """Sec. 3.1: the P-learner maximizes the V-learner's newest Q functions (its online critic, not the target
+    networks, a slow Polyak copy), and the V-learner's target policy is the policy the P-learner trains (relayed by the
+    Actor). After three V-updates (online and target critics differ), what each learner sends back is its online
+    network, and what each receives is loaded into the network it uses."""
+    args = pql.resolve_args(pql.Args(env_id=pql.TOY_ENV_ID, cuda=False, batch_size=8))
+    v_learner = pql.VLearner(args, 10, 4, 64, torch.device("cpu"))
+    p_learner = pql.PLearner(args, 10, 4, 64, torch.device("cpu"))
+    vector = lambda module: torch.nn.utils.parameters_to_vector(module.parameters()).detach()  # noqa: E731
+    stats = {"obs_mean": torch.zeros(10), "obs_var": torch.ones(10)}
+    transitions = {"obs": torch.randn(16, 10), "action": torch.rand(16, 4), "reward": torch.randn(16)}
+    transitions.update(next_obs=torch.randn(16, 10), discount=torch.full((16,), 0.9), **stats)
+    new_policy = torch.randn_like(vector(p_learner.policy))
+    v_learner.receive({**transitions, "policy": new_policy})
+    assert torch.equal(vector(v_learner.policy), new_policy)  # the target policy: what the Actor relayed
+    for _ in range(3):
+        v_learner.update()
+    sent = pql.network_for_the_others("v_learner", v_learner)
+    assert set(sent) == {"critic"} and torch.equal(sent["critic"], vector(v_learner.critic))
+    assert not torch.allclose(sent["critic"], vector(v_learner.critic_target))
+    p_learner.receive({"obs": transitions["obs"], "critic": sent["critic"], **stats})
+    assert torch.equal(vector(p_learner.critic), sent["critic"])  # the P-learner maximizes the newest Q functions
+    p_learner.update()
+    sent = pql.network_for_the_others("p_learner", p_learner)
+    assert set(sent) == {"policy"} and torch.equal(sent["policy"], vector(p_learner.policy))
+
+
+def wait_until(condition, what, timeout=120):
+    deadline = time.time() + timeout
+    while not condition():
+        assert time.time() < deadline, f"{what} did not happen within {timeout} s"
+        time.sleep(0.01)
+
+
+def test_the_v_learner_process_sends_back_its_online_critic(tmp_path):
+    """The V-learner process as the Actor runs it, one step at a time, in an order fixed by its counters (no race):
+    data of one Actor step allows it 8 updates; then new data, to which it answers with its critic; then a checkpoint
+    request. The critic it sent is the online critic of its checkpoint, not the target networks (which differ from it
+    after 8 soft updates)."""
+    args = pql.resolve_args(pql.Args(env_id=pql.TOY_ENV_ID, cuda=False, batch_size=8))
+    policy, critic, _ = pql.initial_networks(args, 10, 4, "cpu")
+    policy_numel = sum(p.numel() for p in policy.parameters())
+    critic_numel = sum(p.numel() for p in critic.parameters())
+    shapes = {"obs": (16, 10), "action": (16, 4), "reward": (16,), "next_obs": (16, 10), "discount": (16,)}
+    inbox = pql.SlotRing({**shapes, "policy": (policy_numel,), "obs_mean": (10,), "obs_var": (10,)}, "cpu", 4)
+    outbox = pql.SlotRing({"critic": (critic_numel,)}, "cpu", 2)
+    message = {k: torch.rand_like(slot) for k, slot in inbox.slots[0].items() if k != "obs_var"}
+    message["obs_var"] = torch.ones(10)
+    counters = torch.zeros(6, dtype=torch.int64).share_memory_()
+    losses = torch.zeros(3, dtype=torch.float64).share_memory_()
+    counters[pql.P] = 100  # the P-learner never holds the V-learner back here
+    ctx = torch.multiprocessing.get_context("spawn")
+    stop = ctx.Event()
+    process = ctx.Process(
+        target=pql.learner_process,
+        args=("v_learner", args, 10, 4, 64, inbox, outbox, counters, losses, stop, str(tmp_path), 1),
+        daemon=True,
+    )
+    process.start()
+    try:
+        inbox.put(message)
+        counters[pql.A] = 1  # one Actor step: 8 V-updates (beta_a:v = 1:8)
+        wait_until(lambda: int(counters[pql.V]) == 8, "8 V-updates")
+        inbox.put(message)
+        wait_until(lambda: int(outbox.counters[0]) == 2, "the answer to the second message")
+        counters[pql.CKPT_REQUEST] = 1
+        wait_until(lambda: int(counters[pql.CKPT_SERVED_V]) == 1, "the checkpoint")
+        assert int(counters[pql.V]) == 8  # no update since the answer
+        state = torch.load(tmp_path / "v_learner_state.pt", weights_only=True)
+        critic.load_state_dict(state["critic"])
+        sent = outbox.slots[1]["critic"]
+        assert torch.equal(sent, torch.nn.utils.parameters_to_vector(critic.parameters()))
+        critic.load_state_dict(state["critic_target"])
+        assert not torch.allclose(sent, torch.nn.utils.parameters_to_vector(critic.parameters()))
+    finally:
+        stop.set()
+        process.join(timeout=30)
+        process.kill()
+    assert not list(tmp_path.glob("*_error.txt"))
+
+
 # ----------------------------------------------------------------------------------------------------------------------
 # Mixed exploration (Sec. 3.3)
 # ----------------------------------------------------------------------------------------------------------------------
@@ -536,7 +617,9 @@ def test_toy_chain_smoke(tmp_path, mode, device):
 
 def test_ratio_control_holds_on_a_short_run(tmp_path):
     """Non-default ratios beta_a:v = 1:4, beta_p:v = 1:1, three processes: every ratio logged from 25 learning steps
-    on (Actor step 33 = 8 warm-up + 25) is within 10% of its target, and the run ends exactly on it."""
+    on (Actor step 33 = 8 warm-up + 25) is within 10% of its target, and the run ends exactly on it. This holds by
+    construction, whatever the scheduling: the rules bound V within [k_v (A - 2), k_v A] and P within
+    [V - 2 k_p, V / k_p] (test_ratio_control_never_deadlocks_and_keeps_the_ratios): at most 8% off from A = 27 on."""
     args = TOY_SMALL + ["--total-timesteps", str(32 * 100), "--beta-a-v", "0.25", "--beta-p-v", "1.0"]
     run_script(args, tmp_path)
     run_dir = only_run_dir(tmp_path)
@@ -927,7 +1010,7 @@ def test_a_killed_learner_ends_the_run_within_seconds(tmp_path):
     proc, pids = start_long_run(tmp_path, ["--save-model"])
     wait_for_file(tmp_path, "ckpt_*.pt")
     os.kill(pids["P-learner"], signal.SIGKILL)
-    _, stderr = finish(proc, timeout=60)
+    _, stderr = finish(proc, timeout=120)  # a guard against a hang (it takes seconds)
     assert proc.returncode == 1
     assert "the P-learner process" in stderr and "killed by signal 9" in stderr
     assert not pid_alive(pids["V-learner"])
@@ -938,7 +1021,7 @@ def test_killing_the_actor_leaves_no_orphans(tmp_path):
     wait_for_file(tmp_path, "ckpt_*.pt")
     proc.kill()  # SIGKILL: the Actor cannot clean up; the learners notice that their parent is gone
     proc.wait(timeout=30)
-    deadline = time.time() + 30
+    deadline = time.time() + 120  # a bound for a loaded machine: they notice within a few polls
     while time.time() < deadline and any(pid_alive(pid) for pid in pids.values()):
         time.sleep(0.2)
     alive = [pid for pid in pids.values() if pid_alive(pid)]
@@ -966,21 +1049,23 @@ CTRL_C_MOMENTS = {
 @pytest.mark.parametrize("moment", list(CTRL_C_MOMENTS))
 def test_ctrl_c_at_any_moment_ends_the_run_with_summary_checkpoint_and_no_process_left(tmp_path, moment):
     """SIGINT to the process group (learners included) at four moments: exit code 130, summary.json marked
-    interrupted, final_ckpt.pt of the same global step, no temporary files, no process left, within 30 s (measured
-    1-3 s; an evaluation that is not interruptible would take its 58 s)."""
+    interrupted, final_ckpt.pt of the same global step, no temporary files, no process left (a clean stop takes 1-3 s;
+    the 120 s only guard against a hang). An evaluation is interrupted, not finished: it sleeps 58 s in its env steps,
+    on any machine, and SIGINT comes 2 s after it began, so no eval/return can have been written (holds under load:
+    no wall-clock bound is asserted)."""
     extra, wait_for, delay = CTRL_C_MOMENTS[moment]
     proc, pids = start_long_run(tmp_path, ["--save-model", *extra])
     if wait_for:
         wait_for_file(tmp_path, wait_for)
     time.sleep(delay)
     os.killpg(proc.pid, signal.SIGINT)  # as a terminal does: the whole process group gets it
-    sent = time.time()
     stdout, stderr = finish(proc, timeout=120)
-    assert time.time() - sent < 30, "not within seconds (generous for a loaded machine: a clean stop takes 1-3 s)"
     assert proc.returncode == 130, stdout[-2000:] + stderr[-3000:]
     run_dir = only_run_dir(tmp_path)
     summary = read_summary(run_dir)
     assert summary["interrupted"] is True
+    if moment == "evaluation":
+        assert "eval/return" not in summary  # the evaluation did not run to its end
     ckpt = torch.load(os.path.join(run_dir, "final_ckpt.pt"), weights_only=True)
     assert ckpt["global_step"] == summary["global_step"] and {"policy", "critic_optimizer"} <= set(ckpt)
     assert not glob.glob(os.path.join(run_dir, "*.tmp")) and not glob.glob(os.path.join(run_dir, "*_state.pt"))
