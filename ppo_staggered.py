@@ -306,7 +306,9 @@ class PartialResetVecEnv(gym.vector.VectorEnv):
     """A batched env without autoreset (ManiSkill on the GPU, or a Gymnasium vector env) as a same-step autoreset
     vector env of torch tensors that decides who resets: every truncated env, and every terminated one if
     `reset_on_termination` (immediate partial resets). Otherwise a terminated env runs on to its time limit: so it
-    waits for its group's reset gate (Sec. 3.3), and evaluation runs without partial resets (Table 3)."""
+    waits for its group's reset gate (Sec. 3.3), and evaluation runs without partial resets (Table 3).
+    As Gymnasium's same-step vector envs, info holds "final_obs" and "_final_obs" only when some env reset in the
+    step: the training loop reads that key, a Python fact, instead of syncing on the mask again."""
 
     metadata = {"autoreset_mode": gym.vector.AutoresetMode.SAME_STEP}
 
@@ -345,10 +347,11 @@ class PartialResetVecEnv(gym.vector.VectorEnv):
         terminated = self.tensor(terminated if self.batched_maniskill else info["terminated"], torch.bool)
         success = self.tensor(info.get("success", np.zeros(self.num_envs)), torch.bool)
         reset_now = truncated | (terminated & self.reset_on_termination)
-        final_obs = obs.clone()  # (a reset may write into the simulator's observation buffers)
-        if bool(reset_now.any()):
+        info = {"success": success}
+        if bool(reset_now.any()):  # the one host sync of a step: whether to call the simulator's reset at all
+            info.update(final_obs=obs.clone(), _final_obs=reset_now)  # (a reset may write into the obs buffers)
             obs, _ = self.reset(options={"reset_mask": reset_now})
-        return obs, reward, terminated, truncated, {"success": success, "final_obs": final_obs, "_final_obs": reset_now}
+        return obs, reward, terminated, truncated, info
 
     def close_extras(self, **kwargs):
         self.env.close()
@@ -546,6 +549,14 @@ def make_agent(envs) -> nn.Module:
     return GaussianAgent(int(np.prod(obs_space.shape)), int(np.prod(act_space.shape)))
 
 
+def clock(device: torch.device) -> float:
+    """Wall-clock time once the queued GPU work is done (CUDA runs asynchronously). On CUDA it is a device-wide host
+    sync, so the loop reads it once per phase (time/rollout, time/update, time/eval), never per env step."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.time()
+
+
 # ---- Checkpoints -----------------------------------------------------------------------------------------------------
 def save_checkpoint(path: Path, agent, optimizer, obs_rms: RunningMeanStd, global_step: int) -> None:
     """Model, optimizer, observation normalizer and global step: enough to resume or to evaluate. Written to a
@@ -597,12 +608,6 @@ def main(args: Args) -> dict:
     N, K, H = args.num_envs, args.num_steps, args.horizon
     is_toy = args.env_id == TOY_ENV_ID
 
-    def clock() -> float:
-        """Wall-clock time once the queued GPU work is done (CUDA runs asynchronously)."""
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        return time.time()
-
     summary: dict = {"run_dir": str(run_dir), "interrupted": False}
     envs = eval_envs = None  # made inside the try, so that a Ctrl-C while they start still writes summary.json
     global_step, start_step, start_time = 0, 0, time.time()
@@ -631,7 +636,7 @@ def main(args: Args) -> dict:
         def run_evaluation(checkpoint_name: Optional[str]) -> None:
             """One H-step episode of every eval env with the deterministic policy and no partial resets (Table 3 and
             ManiSkill's protocol: a success does not end an evaluation episode); logs means over the eval envs."""
-            eval_start = clock()
+            eval_start = clock(device)
             obs, _ = eval_envs.reset(seed=args.seed + global_step)
             ret, success_once = 0.0, False  # (the next-step ToyChain's first reset step comes only after H steps)
             for _ in range(H):
@@ -644,7 +649,7 @@ def main(args: Args) -> dict:
                 ("episode_len", H),
             ):
                 log(f"eval/{key}", value, global_step)
-            log("time/eval", clock() - eval_start, global_step)
+            log("time/eval", clock(device) - eval_start, global_step)
             print(f"global_step={global_step} " + " ".join(f"{k}={v:.3f}" for k, v in last.items() if "eval/" in k))
             if args.save_model and checkpoint_name:
                 save_checkpoint(run_dir / checkpoint_name, agent, optimizer, observe, global_step)
@@ -725,8 +730,8 @@ def main(args: Args) -> dict:
                 next_step_mode,
                 gate_mode,
             )
-            starting = env_starts == t + 1
-            if bool(starting.any()):
+            if t + 1 in starts:  # (the schedule is known on the host: no device sync)
+                starting = env_starts == t + 1
                 raw_obs, _ = envs.reset(options={"reset_mask": starting})  # (the observations of all envs)
                 stale, waiting = stale & ~starting, waiting & ~starting
                 episode_step = torch.where(starting, 0, episode_step)
@@ -741,20 +746,19 @@ def main(args: Args) -> dict:
                 run_evaluation(f"ckpt_{global_step}.pt")
 
             # ---- rollout: K steps of every env -----------------------------------------------------------------------
-            rollout_start, env_time = clock(), 0.0
+            rollout_start = clock(device)  # the rollout is timed as a whole: a timer per env step would sync twice
             ended = dict.fromkeys(("episodic_return", "episodic_length", "success_rate", "n"), 0.0)  # sums over ends
             for step in range(K):
                 obs_buf[step], episode_step_buf[step] = obs, episode_step
                 actions_buf[step], logprobs_buf[step], values_buf[step] = policy_step(obs)
-                env_start = clock()
                 raw_obs, reward, terminated, truncated, info = envs.step(actions_buf[step])
-                env_time += clock() - env_start
                 rewards_buf[step], dones_buf[step] = reward, terminated | truncated
                 no_bootstrap_buf[step] = terminated & (args.bootstrap_at_done == "truncated")
                 final_mask_buf[step] = final_mask = info.get("_final_obs", terminated & False)
                 # Same-step autoreset: where an env reset inside this step, its next observation is the new episode's
-                # first one, so the bootstrap value is V(info["final_obs"]), the true last observation.
-                if bool(final_mask.any()):
+                # first one, so the bootstrap value is V(info["final_obs"]), the true last observation. (The env says
+                # whether any reset by the key's presence; ToyChain always sends it: no host sync either way.)
+                if "final_obs" in info:
                     with torch.no_grad():
                         final_values_buf[step] = agent.get_value(observe(info["final_obs"]))
                 # STAGGER: reset gates. An env that terminated waits (masked) until its group's gate resets it.
@@ -789,15 +793,15 @@ def main(args: Args) -> dict:
                 advantages, returns = compute_gae(
                     rewards_buf, values_buf, next_values, no_bootstrap_buf, dones_buf, args.gamma, args.gae_lambda
                 )
-            rollout_time = clock() - rollout_start
+            update_start = clock(device)
+            rollout_time = update_start - rollout_start
 
             # ---- PPO update ------------------------------------------------------------------------------------------
-            update_start = clock()
             b_obs = obs_buf.flatten(0, 1)
             b_actions = actions_buf.flatten(0, 1)
             b_logprobs, b_advantages, b_returns = logprobs_buf.flatten(), advantages.flatten(), returns.flatten()
             b_values, b_valid = values_buf.flatten(), valid_buf.flatten()
-            stats, num_steps_taken, stop = torch.zeros(6, device=device), 0, False
+            stats, num_steps_taken = torch.zeros(6, device=device), 0
             for epoch in range(args.update_epochs):
                 permutation = torch.randperm(args.batch_size, device=device)
                 for start in range(0, args.batch_size, args.minibatch_size):
@@ -805,13 +809,13 @@ def main(args: Args) -> dict:
                     mb_stats = minibatch_grads(
                         b_obs[mb], b_actions[mb], b_logprobs[mb], b_advantages[mb], b_returns[mb], b_valid[mb]
                     )
-                    stop = args.target_kl > 0 and bool(mb_stats[4] > args.target_kl)
-                    if stop:  # Table 3's target-KL early stop: skip this step and the rest of the update
-                        break
                     optimizer.step()
                     stats += mb_stats
                     num_steps_taken += 1
-                if stop:
+                # Table 3's target-KL early stop, on the epoch's last minibatch: once per epoch, as CleanRL's ppo.py.
+                # Departure: ManiSkill's ppo.py also checks before every minibatch step, a host sync each (128 per
+                # update with Table 3's preset); here the epoch that crosses the threshold still completes.
+                if args.target_kl > 0 and bool(mb_stats[4] > args.target_kl):
                     break
             with torch.no_grad():
                 # App. E.0.1: value error and policy oscillation 0.5 E[(log pi_new - log pi_old)^2] over the batch.
@@ -846,7 +850,7 @@ def main(args: Args) -> dict:
                 **batch_temporal_stats(episode_step_buf, valid_buf, H, K),
             ).items():
                 log(f"stagger/{name}", value, global_step)
-            for name, value in (("rollout", rollout_time), ("env_step", env_time), ("update", clock() - update_start)):
+            for name, value in (("rollout", rollout_time), ("update", clock(device) - update_start)):
                 log(f"time/{name}", value, global_step)
             if is_toy:  # App. C / E: batch accuracy, block occupancy, per-block accuracy and forgetting
                 log("toy/accuracy", masked_mean(correct_buf.float(), valid_buf), global_step)

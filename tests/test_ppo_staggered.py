@@ -385,6 +385,88 @@ def test_value_targets_follow_bootstrap_at_done(tmp_path, env_id, horizon, boots
     assert json.load(open(os.path.join(summary["run_dir"], "config.json")))["bootstrap_at_done"] == bootstrap
 
 
+# ---- Host syncs: none per env step in the rollout, none per minibatch in the update ----------------------------------
+SYNC_METHODS = ("item", "__bool__", "__float__", "__int__", "tolist", "cpu", "numpy")
+
+
+def count_host_syncs(monkeypatch, env_steps: list):
+    """Counts, while the training loop runs in this process, every call that makes the host wait for a CUDA device:
+    Tensor.item/__bool__/__float__/__int__/tolist/cpu/numpy called from ppo_staggered.py or toy_chain_env.py (torch's
+    own uses on CPU tensors, e.g. Adam's step counter, are not device syncs on a GPU either), torch.cuda.synchronize
+    and the script's clock() (on a CPU clock() does not reach torch.cuda.synchronize, so it is counted itself). On the
+    CPU these calls cost nothing, but they are the same calls a CUDA run makes. Every step() of the training env
+    (the one with 8 envs) appends (syncs so far, syncs so far outside PartialResetVecEnv) to `env_steps`."""
+    counts = {"all": 0, "loop": 0}
+    ours = (os.path.join(ROOT, "ppo_staggered.py"), os.path.join(ROOT, "toy_chain_env.py"))
+
+    def counted(original, always=False):
+        def wrapper(*args, **kwargs):
+            frame = sys._getframe(1)
+            if always or frame.f_code.co_filename in ours:
+                counts["all"] += 1
+                counts["loop"] += not frame.f_code.co_qualname.startswith("PartialResetVecEnv")
+            return original(*args, **kwargs)
+
+        return wrapper
+
+    for name in SYNC_METHODS:
+        monkeypatch.setattr(torch.Tensor, name, counted(getattr(torch.Tensor, name)))
+    monkeypatch.setattr(torch.cuda, "synchronize", counted(lambda *args: None, always=True))
+    monkeypatch.setattr(ppo, "clock", counted(ppo.clock, always=True))
+    make_env = ppo.make_env
+
+    def recording_make_env(args, num_envs, *rest, **kwargs):
+        envs = make_env(args, num_envs, *rest, **kwargs)
+        if num_envs == 8:
+            step = envs.step
+
+            def recorded_step(actions):
+                env_steps.append((counts["all"], counts["loop"]))
+                return step(actions)
+
+            envs.step = recorded_step
+        return envs
+
+    monkeypatch.setattr(ppo, "make_env", recording_make_env)
+
+
+@pytest.mark.parametrize("env_id", ["ToyChain-v0/same_step", "ToyChain-v0/next_step", "SuccessAt3-v0"])
+def test_the_training_loop_makes_no_host_sync_per_env_step_and_none_per_minibatch(tmp_path, monkeypatch, env_id):
+    """Per env step of a rollout (and of the stagger advance) the loop makes no host sync: no timer around the env
+    step, and the same-step bootstrap reads whether any env reset from the env (info holds final_obs only then), not
+    from the mask. ToyChain (a torch env, as ManiSkill on the GPU) makes none either; PartialResetVecEnv makes its one
+    reset decision (and, for CPU envs, its action copy), which ManiSkill's own vector wrapper makes too. The update's
+    syncs do not grow with the number of minibatches: the target-KL check is once per epoch."""
+    per_update = {}
+    for num_minibatches in (2, 8):
+        env_steps = []
+        with monkeypatch.context() as patch:
+            count_host_syncs(patch, env_steps)
+            name, _, mode = env_id.partition("/")
+            toy = ToyChainConfig(horizon=20, autoreset_mode=mode) if mode else ToyChainConfig()
+            summary = train_in_process(
+                tmp_path / str(num_minibatches),
+                env_id=name,
+                toy=toy,
+                horizon=None if mode else 20,
+                num_envs=8,
+                num_steps=10,
+                num_minibatches=num_minibatches,
+                update_epochs=2,
+                target_kl=1e9,  # checked, never reached
+                total_timesteps=8 * 10 * 3,
+            )
+        advance = summary["advance_env_steps"] // 8
+        assert advance == 10 and len(env_steps) == advance + 3 * 10
+        rollout_starts = {advance + 10 * i for i in range(3)}
+        loop_syncs = [
+            env_steps[i][1] - env_steps[i - 1][1] for i in range(1, len(env_steps)) if i not in rollout_starts
+        ]
+        assert len(loop_syncs) == 9 + 3 * 9 and max(loop_syncs) == 0, loop_syncs  # between the steps of a rollout
+        per_update[num_minibatches] = [env_steps[i][0] - env_steps[i - 1][0] for i in sorted(rollout_starts)[1:]]
+    assert per_update[2] == per_update[8], per_update
+
+
 # ---- The script as a user runs it (subprocesses), asserting on what it wrote --------------------------------------
 SCRIPT = os.path.join(ROOT, "ppo_staggered.py")
 TOY_SMALL = [
