@@ -385,6 +385,59 @@ def test_value_targets_follow_bootstrap_at_done(tmp_path, env_id, horizon, boots
     assert json.load(open(os.path.join(summary["run_dir"], "config.json")))["bootstrap_at_done"] == bootstrap
 
 
+def record_gae(monkeypatch) -> list:
+    """Makes the training loop's calls of compute_gae append their inputs and outputs (dicts of (K, N) tensors),
+    with the values the rollout's agent gives every ToyChain block at that moment (before the update)."""
+    calls, agents = [], []
+    make_agent, compute_gae = ppo.make_agent, ppo.compute_gae
+
+    def recording_make_agent(envs):
+        agents.append(make_agent(envs))
+        return agents[-1]
+
+    def recording_compute_gae(rewards, values, next_values, no_bootstrap, dones, gamma, gae_lambda):
+        advantages, returns = compute_gae(rewards, values, next_values, no_bootstrap, dones, gamma, gae_lambda)
+        with torch.no_grad():
+            block_values = agents[-1].get_value(agents[-1].blocks)
+        tensors = dict(rewards=rewards, values=values, next_values=next_values, dones=dones, returns=returns)
+        tensors.update(no_bootstrap=no_bootstrap, block_values=block_values)
+        calls.append({name: tensor.clone() for name, tensor in tensors.items()} | {"gamma": gamma})  # (buffers reused)
+        return advantages, returns
+
+    monkeypatch.setattr(ppo, "make_agent", recording_make_agent)
+    monkeypatch.setattr(ppo, "compute_gae", recording_compute_gae)
+    return calls
+
+
+def test_a_same_step_truncation_bootstraps_the_value_of_the_final_observation_not_the_reset_one(tmp_path, monkeypatch):
+    """Same-step autoreset (ManiSkill's mode): the step that truncates returns the new episode's first observation;
+    its value target must bootstrap V(info["final_obs"]). A chain of 2 blocks with p_prog = 1 ends every 10-step
+    episode in block 1 and restarts in block 0, so V(final obs) = V(block 1) != V(reset obs) = V(block 0). K = 4:
+    the truncations fall inside a rollout (step 10 = rollout 3, t = 1) and at a rollout's end (step 20 = rollout 5,
+    t = 3). The expected target r + gamma V(block 1) uses the values the test computes from the rollout's agent."""
+    calls = record_gae(monkeypatch)
+    train_in_process(
+        tmp_path,
+        env_id="ToyChain-v0",
+        toy=ToyChainConfig(horizon=10, progression_prob=1.0, autoreset_mode="same_step"),
+        stagger=False,
+        num_envs=4,
+        num_steps=4,
+        num_minibatches=2,
+        total_timesteps=4 * 4 * 5,
+    )
+    checked = 0
+    for iteration, t in ((3, 1), (5, 3)):
+        call = calls[iteration - 1]
+        assert call["dones"][t].all() and not call["no_bootstrap"][t].any()  # every env truncates here
+        final_value, reset_value = call["block_values"][1], call["block_values"][0]
+        assert abs(final_value - reset_value) > 1e-3  # the two bootstraps differ, so the test can tell them apart
+        torch.testing.assert_close(call["next_values"][t], final_value.expand(4))
+        torch.testing.assert_close(call["returns"][t], call["rewards"][t] + call["gamma"] * final_value)
+        checked += 1
+    assert checked == 2
+
+
 # ---- Host syncs: none per env step in the rollout, none per minibatch in the update ----------------------------------
 SYNC_METHODS = ("item", "__bool__", "__float__", "__int__", "tolist", "cpu", "numpy")
 
@@ -669,9 +722,11 @@ def cmdline(pid):
         return ""
 
 
-def interrupt_when(ready, args, tmp_path):
+def interrupt_when(ready, args, tmp_path, frozen=False):
     """Runs the script as from a terminal, sends it SIGINT once ready(proc) holds, waits for it to end and for its
-    process group to empty (no process left behind); returns its return code."""
+    process group to empty (no process left behind); returns its return code. frozen: every check of ready(proc)
+    is made with the run's process group stopped (SIGSTOP), and SIGINT is queued before it continues, so that the
+    run cannot move past the state that was checked, however the machine schedules the test and the run."""
     proc = subprocess.Popen(
         [sys.executable, SCRIPT, "--output-dir", str(tmp_path), "--save-model", "--no-cuda", *args],
         cwd=ROOT,
@@ -683,11 +738,17 @@ def interrupt_when(ready, args, tmp_path):
     )  # as if from a terminal,
     # even when pytest itself runs in the background (where a shell starts jobs with SIGINT ignored)
     try:
-        deadline = time.time() + 300
-        while time.time() < deadline and not ready(proc):
+        deadline, is_ready = time.time() + 300, False
+        while time.time() < deadline and not is_ready:
             time.sleep(0.05)
-        assert ready(proc), "the run never reached the point where it is to be interrupted"
-        proc.send_signal(signal.SIGINT)
+            if frozen:
+                os.killpg(proc.pid, signal.SIGSTOP)
+            is_ready = ready(proc)
+            if is_ready:
+                proc.send_signal(signal.SIGINT)  # (pending until the group continues)
+            if frozen:
+                os.killpg(proc.pid, signal.SIGCONT)
+        assert is_ready, "the run never reached the point where it is to be interrupted"
         proc.communicate(timeout=60)
         deadline = time.time() + 30
         while time.time() < deadline and live_group_members(proc.pid):
@@ -719,7 +780,9 @@ def test_ctrl_c_writes_the_summary_and_a_checkpoint(tmp_path):
 
 def test_ctrl_c_while_the_envs_start_writes_the_summary_and_leaves_no_process(tmp_path):
     """SIGINT while ManiSkill's CPU-simulation worker processes start (the run has child processes, training has not
-    begun): summary.json says interrupted, no checkpoint, and the workers end with the run."""
+    begun): summary.json says interrupted, no checkpoint, and the workers end with the run. The state is checked
+    with the run stopped (a worker runs and no checkpoint, not even the first evaluation's, has begun), so a loaded
+    machine cannot let the run reach training between the check and the signal."""
     args = [
         "--env-id",
         "StackCube-v1",
@@ -732,10 +795,14 @@ def test_ctrl_c_while_the_envs_start_writes_the_summary_and_leaves_no_process(tm
         "--num-steps",
         "4",
     ]
+
     # Ready once a multiprocessing worker runs: not on any child, as the SAPIEN import runs `sh -c nvidia-smi` before
     # the run directory exists.
-    workers = lambda proc: any("multiprocessing" in cmdline(pid) for pid in live_group_members(proc.pid))  # noqa: E731
-    assert interrupt_when(workers, args, tmp_path) == 130
+    def starting(proc):
+        no_checkpoint = not glob.glob(os.path.join(str(tmp_path), "*", "*.pt*"))
+        return no_checkpoint and any("multiprocessing" in cmdline(pid) for pid in live_group_members(proc.pid))
+
+    assert interrupt_when(starting, args, tmp_path, frozen=True) == 130
     run_dir = only_run_dir(tmp_path)
     summary = json.load(open(os.path.join(run_dir, "summary.json")))
     assert summary["interrupted"] is True and summary["global_step"] == 0
