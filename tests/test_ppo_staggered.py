@@ -141,7 +141,7 @@ def test_running_mean_std_matches_numpy():
     rms = ppo.RunningMeanStd((4,), "cpu")
     rms.count = torch.tensor(1e-12, dtype=torch.float64)
     for batch in batches:
-        rms(torch.as_tensor(batch, dtype=torch.float64), update=True)
+        rms.update(torch.as_tensor(batch, dtype=torch.float64))
     data = np.concatenate(batches)
     np.testing.assert_allclose(rms.mean.numpy(), data.mean(0), rtol=1e-9)
     np.testing.assert_allclose(rms.var.numpy(), data.var(0), rtol=1e-9)
@@ -377,10 +377,10 @@ def test_value_targets_follow_bootstrap_at_done(tmp_path, env_id, horizon, boots
     )
     ckpt = torch.load(os.path.join(summary["run_dir"], "final_ckpt.pt"), weights_only=True)
     agent = ppo.GaussianAgent(2, 1)
-    agent.load_state_dict(ckpt["agent"])
+    agent.load_state_dict(ckpt["model"])
     rms = ppo.RunningMeanStd((2,), "cpu")
-    rms.mean, rms.var, rms.count = ckpt["obs_rms"]
-    value = agent.get_value(rms(torch.ones(1, 2))).item()
+    rms.mean, rms.var, rms.count = (ckpt["obs_rms"][key] for key in ("mean", "var", "count"))
+    value = agent.get_value(rms.normalize(torch.ones(1, 2))).item()
     assert value == pytest.approx(expected, abs=0.1)
     assert json.load(open(os.path.join(summary["run_dir"], "config.json")))["bootstrap_at_done"] == bootstrap
 
@@ -638,7 +638,9 @@ def test_save_model_then_resume_continues_the_global_step_then_evaluate(tmp_path
     ckpts = sorted(os.path.basename(p) for p in glob.glob(os.path.join(run_dir, "*.pt")))
     assert ckpts == ["ckpt_0.pt", "ckpt_640.pt", "final_ckpt.pt"]
     ckpt = torch.load(os.path.join(run_dir, "final_ckpt.pt"), weights_only=True)
-    assert ckpt["global_step"] == 1280 and ckpt["optimizer"]["state"] and set(ckpt) >= {"agent", "obs_rms"}
+    assert ckpt["global_step"] == 1280 and ckpt["iteration"] == 4 and ckpt["optimizer"]["state"]
+    assert set(ckpt) == {"model", "optimizer", "global_step", "iteration", "obs_rms"}  # CONVENTIONS.md's layout
+    assert set(ckpt["obs_rms"]) == {"mean", "var", "count"}
 
     second = tmp_path / "second"
     proc = run_script(
