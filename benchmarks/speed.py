@@ -84,19 +84,21 @@ def env_vs_forward(device: str, repeats: int) -> dict:
     }
 
 
-def training_sps(args: ppo.Args) -> dict:
-    """Median per-iteration training steps/s (rollout + update) of one ppo_staggered run, and its time split."""
+def training_sps(args: ppo.Args, raw_env_sps: float) -> dict:
+    """Median per-iteration training steps/s (rollout + update) of one ppo_staggered run, and its time split. The
+    script times the rollout as a whole (a timer per env step would sync CUDA twice a step), so the env's share of
+    the rollout is estimated from the raw env speed measured beside it: N*K / raw_env_sps over time/rollout."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     summary = ppo.main(args)
     acc = EventAccumulator(summary["run_dir"], size_guidance={"scalars": 0})
     acc.Reload()
     get = lambda tag: np.array([e.value for e in acc.Scalars(tag)])[1:]  # noqa: E731  (skip the warm-up iteration)
-    rollout, update, env_step = get("time/rollout"), get("time/update"), get("time/env_step")
+    rollout, update = get("time/rollout"), get("time/update")
     batch = ppo.resolve_args(args).batch_size
     return {
         "train_sps": float(np.median(batch / (rollout + update))),
-        "env_share_of_rollout": float(np.median(env_step / rollout)),
+        "env_share_of_rollout": float(np.median(batch / raw_env_sps / rollout)),
         "update_share": float(np.median(update / (rollout + update))),
     }
 
@@ -158,7 +160,8 @@ def main(options: Options):
                         total_timesteps=512 * 5 * 30,
                         eval_freq=10**6,
                         output_dir=tmp,
-                    )
+                    ),
+                    raw,
                 )
                 for seed in range(1, options.repeats + 1)
             ]
@@ -184,7 +187,8 @@ def main(options: Options):
                     eval_freq=10**6,
                     output_dir=tmp,
                     num_minibatches=2,
-                )
+                ),
+                raw,
             )
             row = {"num_envs": n, "raw_env_sps": raw, **run, "overhead_x": raw / run["train_sps"]}
             results["maniskill"].append(row)
@@ -199,7 +203,8 @@ def write_report(results: dict, path: Path) -> None:
         "# Speed of ppo_staggered.py against its environments",
         "",
         f"`python benchmarks/speed.py`; machine: {results['machine']}. Medians of repeats, measured side by "
-        "side in one run. Training steps/s = N*K / (rollout + update time) per iteration (evaluation excluded).",
+        "side in one run. Training steps/s = N*K / (rollout + update time) per iteration (evaluation excluded). "
+        "Env share of rollout: N*K at the raw env speed over the rollout time.",
         "",
         "## ToyChain env step vs policy forward pass (512 envs)",
         "",

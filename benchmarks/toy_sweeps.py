@@ -7,15 +7,19 @@
   App. E   Figs. 12/13          H = 200, p_prog = 0.1: value-error spikes, policy KL, forgetting; run twice: with
                                 the horizon as a time-limit truncation (our env's default) and as a termination
                                 (App. B.2.1's wording, --toy.terminal-horizon), which is what makes the value spikes
+  schemes  Fig. 2a's horizons   staggered vs naive vs random-start (legged_gym's init_at_random_ep_len: each env's
+                                first episode cut after U[1, H] steps), which the paper cites but does not compare
 All with Table 2's PPO (N = 512, K = 5, L = 5, A_c = 20, k_mastery = 3, 150 updates) and several seeds; each point
 is one call of ppo_staggered.main, on the CPU, one thread per worker process. Identical settings are run once.
 
 Outputs (benchmarks/results/): toy_sweeps.md (tables, with the paper's findings beside ours), toy_sweeps.json
 (every run's numbers), toy_fig2.png, toy_fig6.png, toy_appE.png, toy_appE_terminal.png. The quick comparison
-(--experiment compare) writes toy_compare.md and its figures to runs/toy_compare/ instead.
+(--experiment compare) writes toy_compare.md and its figures to runs/toy_compare/ instead; --experiment schemes
+writes toy_schemes.md, toy_schemes.json and toy_schemes.png to benchmarks/results/.
 
   python benchmarks/toy_sweeps.py                        # everything, 3 seeds (about 35 minutes on 2 cores)
   python benchmarks/toy_sweeps.py --experiment compare   # App. C/E setting only, 1 seed (about a minute)
+  python benchmarks/toy_sweeps.py --experiment schemes   # the three reset schemes at Fig. 2a's horizons, 3 seeds
 """
 
 from __future__ import annotations
@@ -41,7 +45,7 @@ RESULTS = ROOT / "benchmarks" / "results"
 @dataclass
 class Options:
     experiment: str = "all"
-    """all | compare (App. C/E setting only) | fig2a | fig2b | fig2c"""
+    """all | compare (App. C/E setting only) | fig2a | fig2b | fig2c | schemes (the three reset schemes, Fig. 2a)"""
     seeds: int = 3
     """seeds per setting and method (default 3; compare: 1 unless given)"""
     workers: int = 2
@@ -61,8 +65,11 @@ APPE = (200, 0.1, 0.0, False)
 APPE_TERMINAL = (200, 0.1, 0.0, True)
 
 
+SCHEMES = ("staggered", "naive", "random-start")  # ppo_staggered.py --reset-scheme
+
+
 def settings_for(experiment: str) -> list[tuple]:
-    chosen = {"fig2a": FIG2A, "fig2b": FIG2B, "fig2c": FIG2C, "compare": [APPC, APPE, APPE_TERMINAL]}
+    chosen = {"fig2a": FIG2A, "fig2b": FIG2B, "fig2c": FIG2C, "compare": [APPC, APPE, APPE_TERMINAL], "schemes": FIG2A}
     if experiment == "all":
         return list(dict.fromkeys(FIG2A + FIG2B + FIG2C + [APPC, APPE, APPE_TERMINAL]))
     return chosen[experiment]
@@ -87,7 +94,7 @@ def run_one(job: dict) -> dict:
         output_dir=job["tmp"],
         eval_freq=50,
         num_eval_envs=256,
-        exp_name=f"H{horizon}_p{p_prog}_l{lam}{'_term' if terminal else ''}_{'stag' if job['stagger'] else 'naive'}",
+        exp_name=f"H{horizon}_p{p_prog}_l{lam}{'_term' if terminal else ''}_{job['scheme']}",
         toy=ToyChainConfig(horizon=horizon, progression_prob=p_prog, reset_lambda=lam, terminal_horizon=terminal),
     )
     start = time.time()
@@ -117,11 +124,21 @@ def run_one(job: dict) -> dict:
 
 
 def mean_std(values) -> str:
+    """Mean ± std over seeds; a single run says "1 seed" (a ± 0.00 would read as a measured spread)."""
+    if len(values) == 1:
+        return f"{values[0]:.2f} (1 seed)"
     return f"{np.mean(values):.2f} ± {np.std(values):.2f}"
 
 
-def group(results, setting, stagger):
-    return [r for r in results if tuple(r["setting"]) == tuple(setting) and r["stagger"] == stagger]
+def scheme_of(run: dict) -> str:
+    """The reset scheme of a run (runs saved before --reset-scheme existed say stagger: true/false)."""
+    return run.get("scheme") or ("staggered" if run["stagger"] else "naive")
+
+
+def group(results, setting, stagger, scheme=None):
+    """The runs of one setting: staggered (stagger=True) or naive (False), or those of `scheme` if given."""
+    scheme = scheme or ("staggered" if stagger else "naive")
+    return [r for r in results if tuple(r["setting"]) == tuple(setting) and scheme_of(r) == scheme]
 
 
 def sweep_table(results, settings, label, index) -> list[str]:
@@ -197,6 +214,7 @@ def plot_runs(results, setting, path, kind):
             axes[row, 0].set_ylim(0, 1.02)
             im = axes[row, 1].imshow(np.array(r["occupancy"]).T, aspect="auto", origin="lower", cmap="viridis")
             axes[row, 1].set_title(f"{name}: mean envs per block")
+            axes[row, 1].set_ylabel("block b")
             fig.colorbar(im, ax=axes[row, 1])
             axes[row, 2].plot(r["series"]["toy/forgetting_mean"])
             axes[row, 2].set_title(f"{name}: forgetting (mean over blocks)")
@@ -214,6 +232,7 @@ def plot_runs(results, setting, path, kind):
                 vmax=1,
             )
             axes[row, 2].set_title(f"{name}: forgetting matrix (mean {r['forgetting']:.3f})")
+            axes[row, 2].set_ylabel("block b")
             fig.colorbar(im, ax=axes[row, 2])
         for ax in axes[row]:
             ax.set_xlabel("PPO update")
@@ -227,7 +246,7 @@ def plot_runs(results, setting, path, kind):
     plt.close(fig)
 
 
-def write_report(results, options, wall, out: Path):
+def write_report(results, options, wall, out: Path, figures: list[str]):
     lines = [
         "# ToyChain: staggered vs naive resets (paper Sec. 4, App. C, App. E)",
         "",
@@ -294,8 +313,7 @@ def write_report(results, options, wall, out: Path):
             )
         lines.append("")
     lines += [
-        "Figures: `toy_fig2.png` (Fig. 2), `toy_fig6.png` (App. C Fig. 6), `toy_appE.png` and "
-        "`toy_appE_terminal.png` (App. E Figs. 12/13).",
+        "Figures: " + ", ".join(f"`{name}` ({FIGURE_CAPTIONS[name]})" for name in figures) + ".",
         "",
         "Value MSE is App. E.0.1's (critic predictions vs. GAE returns on the batch, before the update). The "
         "paper's spikes above 80 at the mass resets appear when the end of the horizon is a termination: the "
@@ -308,13 +326,68 @@ def write_report(results, options, wall, out: Path):
     (out / "toy_sweeps.md").write_text("\n".join(lines))
 
 
+FIGURE_CAPTIONS = {
+    "toy_fig2.png": "Fig. 2",
+    "toy_fig6.png": "App. C Fig. 6",
+    "toy_appE.png": "App. E Figs. 12/13",
+    "toy_appE_terminal.png": "App. E Figs. 12/13, terminal horizon",
+}
+
+
 def replot(options: Options, out: Path) -> None:
     saved = json.loads((out / "toy_sweeps.json").read_text())
     results = saved["runs"]
     options.seeds = max(r["seed"] for r in results)
     plot_fig2(results, out / "toy_fig2.png")
-    write_report(results, options, saved["wall_s"], out)
+    write_report(results, options, saved["wall_s"], out, [name for name in FIGURE_CAPTIONS if (out / name).exists()])
     print((out / "toy_sweeps.md").read_text())
+
+
+def write_schemes_report(results, options, wall, out: Path) -> None:
+    """toy_schemes.md and toy_schemes.png: eval success and training accuracy of the three reset schemes over H."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    metrics = (("eval_success", "eval success"), ("train_accuracy", "train acc."), ("forgetting", "forgetting"))
+    lines = [
+        "# ToyChain: staggered vs naive vs random-start resets at Fig. 2a's horizons",
+        "",
+        f"Produced by `python benchmarks/toy_sweeps.py --experiment schemes` ({options.seeds} seed(s) per point, "
+        f"{len(results)} runs, {wall / 60:.1f} min on {options.workers} CPU worker(s)). Table 2 PPO: N=512, K=5, "
+        "150 updates; p_prog=0.5, lambda_R=0. random-start is legged_gym / rsl_rl / Isaac Lab's "
+        "`init_at_random_ep_len`: each env's first episode is cut (a bootstrapped truncation) after U[1, H] steps, "
+        "no advance phase, immediate partial resets. Mean ± std over seeds.",
+        "",
+        "| H | " + " | ".join(f"{scheme}: {label}" for label in (m[1] for m in metrics) for scheme in SCHEMES) + " |",
+        "|---|" + "---|" * (len(SCHEMES) * len(metrics)),
+    ]
+    for setting in FIG2A:
+        cells = [
+            mean_std([r[key] for r in group(results, setting, None, scheme)])
+            for key, _ in metrics
+            for scheme in SCHEMES
+        ]
+        lines.append(f"| {setting[0]} | " + " | ".join(cells) + " |")
+    lines += ["", "Figure: `toy_schemes.png` (eval success and training accuracy against H, mean ± std).", ""]
+    (out / "toy_schemes.md").write_text("\n".join(lines))
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for ax, (key, label) in zip(axes, metrics[:2]):
+        for scheme, color in zip(SCHEMES, ("tab:red", "tab:blue", "tab:green")):
+            values = [[r[key] for r in group(results, setting, None, scheme)] for setting in FIG2A]
+            means, stds = np.array([np.mean(v) for v in values]), np.array([np.std(v) for v in values])
+            horizons = [setting[0] for setting in FIG2A]
+            ax.plot(horizons, means, "o-", color=color, label=scheme)
+            ax.fill_between(horizons, means - stds, means + stds, color=color, alpha=0.2)
+        ax.set_xlabel("horizon H")
+        ax.set_ylabel(label)
+        ax.set_ylim(-0.05, 1.05)
+        ax.legend()
+    fig.suptitle("ToyChain, PPO with three reset schemes (mean ± 1 std over seeds), cf. paper Fig. 2a")
+    fig.tight_layout()
+    fig.savefig(out / "toy_schemes.png", dpi=100)
+    plt.close(fig)
 
 
 def main(options: Options):
@@ -326,11 +399,12 @@ def main(options: Options):
     seeds = options.seeds if options.experiment != "compare" or "--seeds" in sys.argv else 1
     options.seeds = seeds
     tmp = tempfile.mkdtemp(prefix="toy_sweeps_")
+    schemes = SCHEMES if options.experiment == "schemes" else SCHEMES[:2]
     jobs = [
-        {"setting": s, "seed": seed, "stagger": stagger, "tmp": tmp}
+        {"setting": s, "seed": seed, "scheme": scheme, "stagger": scheme == "staggered", "tmp": tmp}
         for s in settings_for(options.experiment)
         for seed in range(1, seeds + 1)
-        for stagger in (True, False)
+        for scheme in schemes
     ]
     start = time.time()
     print(f"{len(jobs)} runs on {options.workers} worker(s)", flush=True)
@@ -340,24 +414,33 @@ def main(options: Options):
             results.append(r)
             print(
                 f"[{i}/{len(jobs)} {time.time() - start:.0f}s] H={r['setting'][0]} p={r['setting'][1]} "
-                f"lambda={r['setting'][2]}{' terminal' if r['setting'][3] else ''} seed={r['seed']} {'staggered' if r['stagger'] else 'naive    '} "
+                f"lambda={r['setting'][2]}{' terminal' if r['setting'][3] else ''} seed={r['seed']} {r['scheme']:12} "
                 f"eval_success={r['eval_success']:.2f} forgetting={r['forgetting']:.3f}",
                 flush=True,
             )
     wall = time.time() - start
     shutil.rmtree(tmp, ignore_errors=True)
-    stem = "toy_compare" if options.experiment == "compare" else "toy_sweeps"
+    stem = {"compare": "toy_compare", "schemes": "toy_schemes"}.get(options.experiment, "toy_sweeps")
     slim = [{k: v for k, v in r.items() if k not in ("occupancy", "accuracy_matrix", "tmp")} for r in results]
     (out / f"{stem}.json").write_text(json.dumps({"wall_s": wall, "runs": slim}, indent=1))
+    if options.experiment == "schemes":
+        write_schemes_report(results, options, wall, out)
+        print((out / "toy_schemes.md").read_text())
+        print(f"done in {wall / 60:.1f} min; results in {out}")
+        return
+    figures = []
     if options.experiment in ("all", "fig2a", "fig2b", "fig2c"):
         plot_fig2(results, out / "toy_fig2.png")
-    if group(results, APPC, True):
-        plot_runs(results, APPC, out / "toy_fig6.png", "fig6")
-    if group(results, APPE, True):
-        plot_runs(results, APPE, out / "toy_appE.png", "appE")
-    if group(results, APPE_TERMINAL, True):
-        plot_runs(results, APPE_TERMINAL, out / "toy_appE_terminal.png", "appE")
-    write_report(results, options, wall, out)
+        figures.append("toy_fig2.png")
+    for setting, name, kind in (
+        (APPC, "toy_fig6.png", "fig6"),
+        (APPE, "toy_appE.png", "appE"),
+        (APPE_TERMINAL, "toy_appE_terminal.png", "appE"),
+    ):
+        if group(results, setting, True):
+            plot_runs(results, setting, out / name, kind)
+            figures.append(name)
+    write_report(results, options, wall, out, figures)
     if stem != "toy_sweeps":
         os.replace(out / "toy_sweeps.md", out / f"{stem}.md")
     print((out / f"{stem}.md").read_text())

@@ -141,7 +141,7 @@ def test_running_mean_std_matches_numpy():
     rms = ppo.RunningMeanStd((4,), "cpu")
     rms.count = torch.tensor(1e-12, dtype=torch.float64)
     for batch in batches:
-        rms(torch.as_tensor(batch, dtype=torch.float64), update=True)
+        rms.update(torch.as_tensor(batch, dtype=torch.float64))
     data = np.concatenate(batches)
     np.testing.assert_allclose(rms.mean.numpy(), data.mean(0), rtol=1e-9)
     np.testing.assert_allclose(rms.var.numpy(), data.var(0), rtol=1e-9)
@@ -377,12 +377,147 @@ def test_value_targets_follow_bootstrap_at_done(tmp_path, env_id, horizon, boots
     )
     ckpt = torch.load(os.path.join(summary["run_dir"], "final_ckpt.pt"), weights_only=True)
     agent = ppo.GaussianAgent(2, 1)
-    agent.load_state_dict(ckpt["agent"])
+    agent.load_state_dict(ckpt["model"])
     rms = ppo.RunningMeanStd((2,), "cpu")
-    rms.mean, rms.var, rms.count = ckpt["obs_rms"]
-    value = agent.get_value(rms(torch.ones(1, 2))).item()
+    rms.mean, rms.var, rms.count = (ckpt["obs_rms"][key] for key in ("mean", "var", "count"))
+    value = agent.get_value(rms.normalize(torch.ones(1, 2))).item()
     assert value == pytest.approx(expected, abs=0.1)
     assert json.load(open(os.path.join(summary["run_dir"], "config.json")))["bootstrap_at_done"] == bootstrap
+
+
+def record_gae(monkeypatch) -> list:
+    """Makes the training loop's calls of compute_gae append their inputs and outputs (dicts of (K, N) tensors),
+    with the values the rollout's agent gives every ToyChain block at that moment (before the update)."""
+    calls, agents = [], []
+    make_agent, compute_gae = ppo.make_agent, ppo.compute_gae
+
+    def recording_make_agent(envs):
+        agents.append(make_agent(envs))
+        return agents[-1]
+
+    def recording_compute_gae(rewards, values, next_values, no_bootstrap, dones, gamma, gae_lambda):
+        advantages, returns = compute_gae(rewards, values, next_values, no_bootstrap, dones, gamma, gae_lambda)
+        with torch.no_grad():
+            block_values = agents[-1].get_value(agents[-1].blocks)
+        tensors = dict(rewards=rewards, values=values, next_values=next_values, dones=dones, returns=returns)
+        tensors.update(no_bootstrap=no_bootstrap, block_values=block_values)
+        calls.append({name: tensor.clone() for name, tensor in tensors.items()} | {"gamma": gamma})  # (buffers reused)
+        return advantages, returns
+
+    monkeypatch.setattr(ppo, "make_agent", recording_make_agent)
+    monkeypatch.setattr(ppo, "compute_gae", recording_compute_gae)
+    return calls
+
+
+def test_a_same_step_truncation_bootstraps_the_value_of_the_final_observation_not_the_reset_one(tmp_path, monkeypatch):
+    """Same-step autoreset (ManiSkill's mode): the step that truncates returns the new episode's first observation;
+    its value target must bootstrap V(info["final_obs"]). A chain of 2 blocks with p_prog = 1 ends every 10-step
+    episode in block 1 and restarts in block 0, so V(final obs) = V(block 1) != V(reset obs) = V(block 0). K = 4:
+    the truncations fall inside a rollout (step 10 = rollout 3, t = 1) and at a rollout's end (step 20 = rollout 5,
+    t = 3). The expected target r + gamma V(block 1) uses the values the test computes from the rollout's agent."""
+    calls = record_gae(monkeypatch)
+    train_in_process(
+        tmp_path,
+        env_id="ToyChain-v0",
+        toy=ToyChainConfig(horizon=10, progression_prob=1.0, autoreset_mode="same_step"),
+        stagger=False,
+        num_envs=4,
+        num_steps=4,
+        num_minibatches=2,
+        total_timesteps=4 * 4 * 5,
+    )
+    checked = 0
+    for iteration, t in ((3, 1), (5, 3)):
+        call = calls[iteration - 1]
+        assert call["dones"][t].all() and not call["no_bootstrap"][t].any()  # every env truncates here
+        final_value, reset_value = call["block_values"][1], call["block_values"][0]
+        assert abs(final_value - reset_value) > 1e-3  # the two bootstraps differ, so the test can tell them apart
+        torch.testing.assert_close(call["next_values"][t], final_value.expand(4))
+        torch.testing.assert_close(call["returns"][t], call["rewards"][t] + call["gamma"] * final_value)
+        checked += 1
+    assert checked == 2
+
+
+# ---- Host syncs: none per env step in the rollout, none per minibatch in the update ----------------------------------
+SYNC_METHODS = ("item", "__bool__", "__float__", "__int__", "tolist", "cpu", "numpy")
+
+
+def count_host_syncs(monkeypatch, env_steps: list):
+    """Counts, while the training loop runs in this process, every call that makes the host wait for a CUDA device:
+    Tensor.item/__bool__/__float__/__int__/tolist/cpu/numpy called from ppo_staggered.py or toy_chain_env.py (torch's
+    own uses on CPU tensors, e.g. Adam's step counter, are not device syncs on a GPU either), torch.cuda.synchronize
+    and the script's clock() (on a CPU clock() does not reach torch.cuda.synchronize, so it is counted itself). On the
+    CPU these calls cost nothing, but they are the same calls a CUDA run makes. Every step() of the training env
+    (the one with 8 envs) appends (syncs so far, syncs so far outside PartialResetVecEnv) to `env_steps`."""
+    counts = {"all": 0, "loop": 0}
+    ours = (os.path.join(ROOT, "ppo_staggered.py"), os.path.join(ROOT, "toy_chain_env.py"))
+
+    def counted(original, always=False):
+        def wrapper(*args, **kwargs):
+            frame = sys._getframe(1)
+            if always or frame.f_code.co_filename in ours:
+                counts["all"] += 1
+                counts["loop"] += not frame.f_code.co_qualname.startswith("PartialResetVecEnv")
+            return original(*args, **kwargs)
+
+        return wrapper
+
+    for name in SYNC_METHODS:
+        monkeypatch.setattr(torch.Tensor, name, counted(getattr(torch.Tensor, name)))
+    monkeypatch.setattr(torch.cuda, "synchronize", counted(lambda *args: None, always=True))
+    monkeypatch.setattr(ppo, "clock", counted(ppo.clock, always=True))
+    make_env = ppo.make_env
+
+    def recording_make_env(args, num_envs, *rest, **kwargs):
+        envs = make_env(args, num_envs, *rest, **kwargs)
+        if num_envs == 8:
+            step = envs.step
+
+            def recorded_step(actions):
+                env_steps.append((counts["all"], counts["loop"]))
+                return step(actions)
+
+            envs.step = recorded_step
+        return envs
+
+    monkeypatch.setattr(ppo, "make_env", recording_make_env)
+
+
+@pytest.mark.parametrize("env_id", ["ToyChain-v0/same_step", "ToyChain-v0/next_step", "SuccessAt3-v0"])
+def test_the_training_loop_makes_no_host_sync_per_env_step_and_none_per_minibatch(tmp_path, monkeypatch, env_id):
+    """Per env step of a rollout (and of the stagger advance) the loop makes no host sync: no timer around the env
+    step, and the same-step bootstrap reads whether any env reset from the env (info holds final_obs only then), not
+    from the mask. ToyChain (a torch env, as ManiSkill on the GPU) makes none either; PartialResetVecEnv makes its one
+    reset decision (and, for CPU envs, its action copy), which ManiSkill's own vector wrapper makes too. The update's
+    syncs do not grow with the number of minibatches: the target-KL check is once per epoch."""
+    per_update = {}
+    for num_minibatches in (2, 8):
+        env_steps = []
+        with monkeypatch.context() as patch:
+            count_host_syncs(patch, env_steps)
+            name, _, mode = env_id.partition("/")
+            toy = ToyChainConfig(horizon=20, autoreset_mode=mode) if mode else ToyChainConfig()
+            summary = train_in_process(
+                tmp_path / str(num_minibatches),
+                env_id=name,
+                toy=toy,
+                horizon=None if mode else 20,
+                num_envs=8,
+                num_steps=10,
+                num_minibatches=num_minibatches,
+                update_epochs=2,
+                target_kl=1e9,  # checked, never reached
+                total_timesteps=8 * 10 * 3,
+            )
+        advance = summary["advance_env_steps"] // 8
+        assert advance == 10 and len(env_steps) == advance + 3 * 10
+        rollout_starts = {advance + 10 * i for i in range(3)}
+        loop_syncs = [
+            env_steps[i][1] - env_steps[i - 1][1] for i in range(1, len(env_steps)) if i not in rollout_starts
+        ]
+        assert len(loop_syncs) == 9 + 3 * 9 and max(loop_syncs) == 0, loop_syncs  # between the steps of a rollout
+        per_update[num_minibatches] = [env_steps[i][0] - env_steps[i - 1][0] for i in sorted(rollout_starts)[1:]]
+    assert per_update[2] == per_update[8], per_update
 
 
 # ---- The script as a user runs it (subprocesses), asserting on what it wrote --------------------------------------
@@ -503,7 +638,9 @@ def test_save_model_then_resume_continues_the_global_step_then_evaluate(tmp_path
     ckpts = sorted(os.path.basename(p) for p in glob.glob(os.path.join(run_dir, "*.pt")))
     assert ckpts == ["ckpt_0.pt", "ckpt_640.pt", "final_ckpt.pt"]
     ckpt = torch.load(os.path.join(run_dir, "final_ckpt.pt"), weights_only=True)
-    assert ckpt["global_step"] == 1280 and ckpt["optimizer"]["state"] and set(ckpt) >= {"agent", "obs_rms"}
+    assert ckpt["global_step"] == 1280 and ckpt["iteration"] == 4 and ckpt["optimizer"]["state"]
+    assert set(ckpt) == {"model", "optimizer", "global_step", "iteration", "obs_rms"}  # CONVENTIONS.md's layout
+    assert set(ckpt["obs_rms"]) == {"mean", "var", "count"}
 
     second = tmp_path / "second"
     proc = run_script(
@@ -587,9 +724,11 @@ def cmdline(pid):
         return ""
 
 
-def interrupt_when(ready, args, tmp_path):
+def interrupt_when(ready, args, tmp_path, frozen=False):
     """Runs the script as from a terminal, sends it SIGINT once ready(proc) holds, waits for it to end and for its
-    process group to empty (no process left behind); returns its return code."""
+    process group to empty (no process left behind); returns its return code. frozen: every check of ready(proc)
+    is made with the run's process group stopped (SIGSTOP), and SIGINT is queued before it continues, so that the
+    run cannot move past the state that was checked, however the machine schedules the test and the run."""
     proc = subprocess.Popen(
         [sys.executable, SCRIPT, "--output-dir", str(tmp_path), "--save-model", "--no-cuda", *args],
         cwd=ROOT,
@@ -601,11 +740,17 @@ def interrupt_when(ready, args, tmp_path):
     )  # as if from a terminal,
     # even when pytest itself runs in the background (where a shell starts jobs with SIGINT ignored)
     try:
-        deadline = time.time() + 300
-        while time.time() < deadline and not ready(proc):
+        deadline, is_ready = time.time() + 300, False
+        while time.time() < deadline and not is_ready:
             time.sleep(0.05)
-        assert ready(proc), "the run never reached the point where it is to be interrupted"
-        proc.send_signal(signal.SIGINT)
+            if frozen:
+                os.killpg(proc.pid, signal.SIGSTOP)
+            is_ready = ready(proc)
+            if is_ready:
+                proc.send_signal(signal.SIGINT)  # (pending until the group continues)
+            if frozen:
+                os.killpg(proc.pid, signal.SIGCONT)
+        assert is_ready, "the run never reached the point where it is to be interrupted"
         proc.communicate(timeout=60)
         deadline = time.time() + 30
         while time.time() < deadline and live_group_members(proc.pid):
@@ -637,7 +782,9 @@ def test_ctrl_c_writes_the_summary_and_a_checkpoint(tmp_path):
 
 def test_ctrl_c_while_the_envs_start_writes_the_summary_and_leaves_no_process(tmp_path):
     """SIGINT while ManiSkill's CPU-simulation worker processes start (the run has child processes, training has not
-    begun): summary.json says interrupted, no checkpoint, and the workers end with the run."""
+    begun): summary.json says interrupted, no checkpoint, and the workers end with the run. The state is checked
+    with the run stopped (a worker runs and no checkpoint, not even the first evaluation's, has begun), so a loaded
+    machine cannot let the run reach training between the check and the signal."""
     args = [
         "--env-id",
         "StackCube-v1",
@@ -650,10 +797,14 @@ def test_ctrl_c_while_the_envs_start_writes_the_summary_and_leaves_no_process(tm
         "--num-steps",
         "4",
     ]
+
     # Ready once a multiprocessing worker runs: not on any child, as the SAPIEN import runs `sh -c nvidia-smi` before
     # the run directory exists.
-    workers = lambda proc: any("multiprocessing" in cmdline(pid) for pid in live_group_members(proc.pid))  # noqa: E731
-    assert interrupt_when(workers, args, tmp_path) == 130
+    def starting(proc):
+        no_checkpoint = not glob.glob(os.path.join(str(tmp_path), "*", "*.pt*"))
+        return no_checkpoint and any("multiprocessing" in cmdline(pid) for pid in live_group_members(proc.pid))
+
+    assert interrupt_when(starting, args, tmp_path, frozen=True) == 130
     run_dir = only_run_dir(tmp_path)
     summary = json.load(open(os.path.join(run_dir, "summary.json")))
     assert summary["interrupted"] is True and summary["global_step"] == 0
