@@ -534,16 +534,19 @@ class ActorThread(threading.Thread):
         seeds = env_seeds(args.seed, rank, self.first_env, args.envs_per_thread, start_update)
         self.envs = make_env(args, args.envs_per_thread, seeds)
         self.agent = copy.deepcopy(template).to(device)
+        self.generator = torch.Generator(device=device)  # re-seeded at every step (noise_seed)
 
     @torch.no_grad()
     def policy(self, obs: torch.Tensor, update: int, step: int):
-        """Actions and their log-probabilities under the actor's policy mu; the noise rows are those of its envs."""
+        """Actions and their log-probabilities under the actor's policy mu; the noise rows are those of its envs.
+        One blocking device-to-host copy per env step, and the thread's one generator re-seeded (issue 25)."""
         logits, _ = self.agent(obs.to(self.device))
-        generator = torch.Generator(device=self.device).manual_seed(noise_seed(self.args.seed, self.rank, update, step))
-        uniform = torch.rand((self.args.local_num_envs, logits.shape[-1]), generator=generator, device=self.device)
+        self.generator.manual_seed(noise_seed(self.args.seed, self.rank, update, step))
+        uniform = torch.rand((self.args.local_num_envs, logits.shape[-1]), generator=self.generator, device=self.device)
         action = sample_actions(logits, uniform[self.first_env : self.first_env + logits.shape[0]])
         logprob, _ = logprob_entropy(logits, action)
-        return action.cpu(), logprob.cpu()
+        action, logprob = torch.stack([action.float(), logprob]).cpu()  # one device-to-host copy
+        return action.long(), logprob
 
     def run(self) -> None:
         try:

@@ -20,6 +20,7 @@ from test_cleanba_ppo import (
     check_ctrl_c_writes_the_summary_and_a_checkpoint,
     check_one_and_two_learners_make_the_same_step,
     check_the_actor_acts_with_the_params_it_receives,
+    check_the_actor_syncs_the_host_once_per_env_step,
     only_run_dir,
     read_run,
     save_step,
@@ -265,6 +266,10 @@ def test_minibatches_of_whole_sequences_are_checked():
 # ----------------------------------------------------------------------------------------------------------------------
 def test_the_actor_acts_with_the_params_it_receives():
     check_the_actor_acts_with_the_params_it_receives(ci)
+
+
+def test_the_actor_syncs_the_host_once_per_env_step(monkeypatch):
+    check_the_actor_syncs_the_host_once_per_env_step(ci, monkeypatch)
 
 
 def learner_step(rank, world_size, port, out_dir):

@@ -249,6 +249,52 @@ def test_the_actor_acts_with_the_params_it_receives():
     check_the_actor_acts_with_the_params_it_receives(cp)
 
 
+def check_the_actor_syncs_the_host_once_per_env_step(script, monkeypatch):
+    """Shared with test_cleanba_impala.py (issue 25, 2.4). On a GPU every copy to the host, .item(), bool(tensor) and
+    torch.cuda.synchronize blocks the actor until the device is done. With the actor thread stepping on the CPU, count
+    those calls (and torch.Generator constructions) over one rollout of T steps: at most one per step plus one for
+    the last observation, and no generator built per step. Three copies per step (the old actor) make 3T + 3."""
+    args = script.resolve_args(
+        script.Args(
+            env_id="ToyChain-v0",
+            local_num_envs=4,
+            num_steps=6,
+            num_actor_threads=1,
+            num_minibatches=1,
+            total_timesteps=24,
+            cuda=False,
+        )
+    )
+    actor = script.ActorThread(
+        args, 0, torch.device("cpu"), rank=0, start_update=1, template=script.Agent(args), stop=threading.Event()
+    )
+    counts = {"host": 0, "generator": 0}
+
+    def counted(function, kind):
+        def wrapper(*call_args, **call_kwargs):
+            if threading.current_thread() is actor:
+                counts[kind] += 1
+            return function(*call_args, **call_kwargs)
+
+        return wrapper
+
+    for method in ("cpu", "item", "tolist", "__bool__"):
+        monkeypatch.setattr(torch.Tensor, method, counted(getattr(torch.Tensor, method), "host"))
+    monkeypatch.setattr(torch.cuda, "synchronize", counted(torch.cuda.synchronize, "host"))
+    monkeypatch.setattr(torch, "Generator", counted(torch.Generator, "generator"))
+    actor.params_queue.put((1, actor.agent.state_dict()))
+    actor.start()
+    rollout = actor.rollout_queue.get(timeout=120)
+    actor.join(timeout=60)
+    assert actor.error is None and rollout["obs"].shape[0] == args.num_steps
+    assert counts["generator"] == 0
+    assert counts["host"] <= args.num_steps + 1, counts
+
+
+def test_the_actor_syncs_the_host_once_per_env_step(monkeypatch):
+    check_the_actor_syncs_the_host_once_per_env_step(cp, monkeypatch)
+
+
 def free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
