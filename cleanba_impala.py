@@ -353,7 +353,7 @@ def impala_loss(agent: nn.Module, batch: dict, args: Args):
     """The IMPALA loss of whole env sequences (Espeholt et al. 2018, Sec. 4.2), summed over the valid rows as Cleanba
     and torchbeast do: -log pi(a_t|x_t) pg_adv_t + vf_coef 0.5 (v_t - V(x_t))^2 - ent_coef H(pi(.|x_t)).
     The learner evaluates its network on o_0 .. o_{T-1} and o_T (batch["next_obs"]); the ratios are pi/mu, its own
-    log-probabilities over the actor's. Returns (loss, sums of the logged terms, number of valid rows)."""
+    log-probabilities over the actor's. Returns (loss, the sums of the logged terms and the number of valid rows)."""
     obs = batch["obs"]
     T, n = obs.shape[:2]
     logits, values = agent(torch.cat([obs, batch["next_obs"].unsqueeze(0)]).flatten(0, 1))
@@ -381,17 +381,16 @@ def impala_loss(agent: nn.Module, batch: dict, args: Args):
     loss = policy_loss + args.vf_coef * value_loss - args.ent_coef * entropy
     with torch.no_grad():
         rhos = log_rhos.exp()
-        logged = torch.stack(
-            [
-                policy_loss,
-                value_loss,
-                entropy,
-                (((rhos - 1) - log_rhos) * valid).sum(),
-                (rhos * valid).sum(),
-                ((rhos > args.clip_rho_threshold).float() * valid).sum(),
-            ]
-        )
-    return loss, logged.double(), valid.sum().double()
+        sums = {
+            "policy_loss": policy_loss,
+            "value_loss": value_loss,
+            "entropy": entropy,
+            "approx_kl": (((rhos - 1) - log_rhos) * valid).sum(),
+            "rho_mean": (rhos * valid).sum(),
+            "rho_clipfrac": ((rhos > args.clip_rho_threshold).float() * valid).sum(),
+            "count": valid.sum(),
+        }
+    return loss, {name: value.detach().double() for name, value in sums.items()}
 
 
 # ---- Networks ----
@@ -534,16 +533,19 @@ class ActorThread(threading.Thread):
         seeds = env_seeds(args.seed, rank, self.first_env, args.envs_per_thread, start_update)
         self.envs = make_env(args, args.envs_per_thread, seeds)
         self.agent = copy.deepcopy(template).to(device)
+        self.generator = torch.Generator(device=device)  # re-seeded at every step (noise_seed)
 
     @torch.no_grad()
     def policy(self, obs: torch.Tensor, update: int, step: int):
-        """Actions and their log-probabilities under the actor's policy mu; the noise rows are those of its envs."""
+        """Actions and their log-probabilities under the actor's policy mu; the noise rows are those of its envs.
+        One blocking device-to-host copy per env step, and the thread's one generator re-seeded (issue 25)."""
         logits, _ = self.agent(obs.to(self.device))
-        generator = torch.Generator(device=self.device).manual_seed(noise_seed(self.args.seed, self.rank, update, step))
-        uniform = torch.rand((self.args.local_num_envs, logits.shape[-1]), generator=generator, device=self.device)
+        self.generator.manual_seed(noise_seed(self.args.seed, self.rank, update, step))
+        uniform = torch.rand((self.args.local_num_envs, logits.shape[-1]), generator=self.generator, device=self.device)
         action = sample_actions(logits, uniform[self.first_env : self.first_env + logits.shape[0]])
         logprob, _ = logprob_entropy(logits, action)
-        return action.cpu(), logprob.cpu()
+        action, logprob = torch.stack([action.float(), logprob]).cpu()  # one device-to-host copy
+        return action.long(), logprob
 
     def run(self) -> None:
         try:
@@ -622,31 +624,33 @@ class Learner:
         lr = args.learning_rate * (1.0 - (update - 1.0) / args.num_updates if args.anneal_lr else 1.0)
         self.optimizer.param_groups[0]["lr"] = lr
         envs_per_minibatch = args.local_num_envs // args.num_minibatches
-        sums = torch.zeros(len(self.STATS) + 2, dtype=torch.float64, device=self.device)
+        totals = {name: 0.0 for name in (*self.STATS, "count", "grad_norm")}
         for start in range(0, args.local_num_envs, envs_per_minibatch):
             columns = slice(start, start + envs_per_minibatch)
             minibatch = {key: value[:, columns] for key, value in batch.items() if key != "next_obs"}
             minibatch["next_obs"] = batch["next_obs"][columns]
-            sums += self.minibatch_step(minibatch)
-        out = {name: (sums[i] / sums[-1].clamp(min=1)).item() for i, name in enumerate(self.STATS)}
-        out["grad_norm"] = (sums[-2] / args.num_minibatches).item()
+            for name, value in self.minibatch_step(minibatch).items():
+                totals[name] += value
+        out = {name: float(totals[name] / totals["count"].clamp(min=1)) for name in self.STATS}
+        out["grad_norm"] = float(totals["grad_norm"] / args.num_minibatches)
         out["learning_rate"] = lr
         return out
 
-    def minibatch_step(self, minibatch: dict) -> torch.Tensor:
+    def minibatch_step(self, minibatch: dict) -> dict:
         """One RMSprop step. The loss is a sum over the minibatch's rows (Cleanba, torchbeast) and the all-reduce SUMS
         the learners' gradients, so the step is that of one learner holding the whole global minibatch (App. A).
         Returns the global sums of the logged terms, the gradient norm and the global count of valid rows."""
         args = self.args
-        loss, logged, count = impala_loss(self.agent, minibatch, args)
+        loss, sums = impala_loss(self.agent, minibatch, args)
         self.optimizer.zero_grad()
         loss.backward()
         for param in self.agent.parameters():  # the sum of all learners' gradients (not their mean)
             all_reduce_sum(param.grad, args.world_size)
         grad_norm = nn.utils.clip_grad_norm_(self.agent.parameters(), args.max_grad_norm)
         self.optimizer.step()
-        sums = all_reduce_sum(torch.cat([logged, count.view(1)]), args.world_size)
-        return torch.cat([sums[:-1], grad_norm.detach().double().view(1).to(self.device), sums[-1:]])
+        names = (*self.STATS, "count")
+        summed = all_reduce_sum(torch.stack([sums[name] for name in names]), args.world_size)  # one all-reduce
+        return {**dict(zip(names, summed)), "grad_norm": grad_norm.detach().double().to(self.device)}
 
 
 # ---- Logging, checkpoints, evaluation ----

@@ -339,6 +339,28 @@ def normalize_advantages(advantages, valid, count, total, total_sq):
     return torch.where(valid, (advantages - mean) / (std + 1e-8), torch.zeros_like(advantages))
 
 
+def ppo_loss(agent: nn.Module, minibatch: dict, args: Args, count: float):
+    """The clipped PPO loss of one minibatch (App. A, Alg. 1): the mean over the valid samples of the global minibatch
+    (count: summed over all learners) of policy_loss - ent_coef x entropy + vf_coef x value_loss. A next-step reset
+    row (valid False: its action was ignored by the env) weighs 0. Returns (loss, the per-sample terms)."""
+    logits, newvalue = agent(minibatch["obs"])
+    newlogprob, entropy = logprob_entropy(logits, minibatch["actions"])
+    terms = ppo_loss_terms(
+        newlogprob,
+        minibatch["logprobs"],
+        entropy,
+        newvalue,
+        minibatch["advantages"],
+        minibatch["returns"],
+        args.clip_coef,
+    )
+    weight = minibatch["valid"].float() / max(count, 1.0)
+    loss = (
+        (terms["policy_loss"] - args.ent_coef * terms["entropy"] + args.vf_coef * terms["value_loss"]) * weight
+    ).sum()
+    return loss, terms
+
+
 # ---- Networks ----
 def layer_init(layer: nn.Linear, std: float = math.sqrt(2), bias_const: float = 0.0) -> nn.Linear:
     torch.nn.init.orthogonal_(layer.weight, std)
@@ -479,16 +501,19 @@ class ActorThread(threading.Thread):
         seeds = env_seeds(args.seed, rank, self.first_env, args.envs_per_thread, start_update)
         self.envs = make_env(args, args.envs_per_thread, seeds)
         self.agent = copy.deepcopy(template).to(device)
+        self.generator = torch.Generator(device=device)  # re-seeded at every step (noise_seed)
 
     @torch.no_grad()
     def policy(self, obs: torch.Tensor, update: int, step: int):
-        """Actions, log-probabilities and values for this thread's envs; the noise rows are those of its envs."""
+        """Actions, log-probabilities and values for this thread's envs; the noise rows are those of its envs.
+        One blocking device-to-host copy per env step, and the thread's one generator re-seeded (issue 25)."""
         logits, value = self.agent(obs.to(self.device))
-        generator = torch.Generator(device=self.device).manual_seed(noise_seed(self.args.seed, self.rank, update, step))
-        uniform = torch.rand((self.args.local_num_envs, logits.shape[-1]), generator=generator, device=self.device)
+        self.generator.manual_seed(noise_seed(self.args.seed, self.rank, update, step))
+        uniform = torch.rand((self.args.local_num_envs, logits.shape[-1]), generator=self.generator, device=self.device)
         action = sample_actions(logits, uniform[self.first_env : self.first_env + logits.shape[0]])
         logprob, _ = logprob_entropy(logits, action)
-        return action.cpu(), logprob.cpu(), value.cpu()
+        action, logprob, value = torch.stack([action.float(), logprob, value]).cpu()  # one device-to-host copy
+        return action.long(), logprob, value
 
     def run(self) -> None:
         try:
@@ -569,26 +594,28 @@ class Learner:
         advantages, returns = compute_gae(
             batch["rewards"], batch["values"], batch["last_value"], bootstrap_cut, dones, args.gamma, args.gae_lambda
         )
-        obs, actions, logprobs = batch["obs"].flatten(0, 1), batch["actions"].flatten(), batch["logprobs"].flatten()
-        advantages, returns, valid = advantages.flatten(), returns.flatten(), batch["valid"].flatten()
+        flat = {key: batch[key].flatten(0, 1) for key in ("obs", "actions", "logprobs", "valid")}
+        flat.update(advantages=advantages.flatten(), returns=returns.flatten())
 
         generator = torch.Generator().manual_seed(noise_seed(args.seed, self.rank, update, 0, stream=1))
-        sums = torch.zeros(len(self.STATS) + 1, dtype=torch.float64, device=self.device)
+        totals = {name: 0.0 for name in (*self.STATS, "count")}
         kl_exceeded = False
         for epoch in range(args.update_epochs):
             permutation = torch.randperm(args.local_batch_size, generator=generator).to(self.device)
             for start in range(0, args.local_batch_size, args.local_minibatch_size):
-                mb = permutation[start : start + args.local_minibatch_size]
-                stats = self.minibatch_step(obs[mb], actions[mb], logprobs[mb], advantages[mb], returns[mb], valid[mb])
-                sums += stats
+                indices = permutation[start : start + args.local_minibatch_size]
+                sums = self.minibatch_step({key: value[indices] for key, value in flat.items()})
+                for name, value in sums.items():
+                    totals[name] += value
                 # every learner sees the same global approx KL, so all stop together
-                kl_exceeded = args.target_kl is not None and stats[4] / stats[-1].clamp(min=1) > args.target_kl
+                approx_kl = sums["approx_kl"] / max(sums["count"], 1.0)
+                kl_exceeded = args.target_kl is not None and approx_kl > args.target_kl
                 if kl_exceeded:
                     break
             if kl_exceeded:
                 break
-        out = {name: (sums[i] / sums[-1].clamp(min=1)).item() for i, name in enumerate(self.STATS)}
-        values = batch["values"].flatten()
+        out = {name: float(totals[name] / max(totals["count"], 1.0)) for name in self.STATS}
+        returns, valid, values = flat["returns"], flat["valid"], batch["values"].flatten()
         moments = torch.stack(
             [
                 ((returns - values).square() * valid).sum(),
@@ -603,23 +630,18 @@ class Learner:
         out["learning_rate"] = lr
         return out
 
-    def minibatch_step(self, obs, actions, old_logprobs, advantages, returns, valid) -> torch.Tensor:
-        """One Adam step on one minibatch. The loss is the mean over the valid samples of the global minibatch (all
-        learners): each learner adds up its samples' terms divided by the global count, and the all-reduce SUMS the
-        learners' gradients, so the step is that of one learner holding the whole minibatch (App. A).
-        Returns the global sums of the logged terms and the global count (float64)."""
+    def minibatch_step(self, minibatch: dict) -> dict:
+        """One Adam step on one minibatch (obs, actions, logprobs, advantages, returns, valid). The loss is the mean over
+        the valid samples of the global minibatch (all learners): each learner adds up its samples' terms divided by the
+        global count, and the all-reduce SUMS the learners' gradients, so the step is that of one learner holding the
+        whole minibatch (App. A). Returns the global sums of the logged terms (float64 tensors) and the global count."""
         args = self.args
+        valid, advantages = minibatch["valid"], minibatch["advantages"]
         moments = torch.stack([valid.sum(), (advantages * valid).sum(), (advantages.square() * valid).sum()]).double()
-        count, total, total_sq = all_reduce_sum(moments, args.world_size).tolist()
+        count, total, total_sq = all_reduce_sum(moments, args.world_size).tolist()  # one sync
         if args.norm_adv:
             advantages = normalize_advantages(advantages, valid, count, total, total_sq)
-        logits, newvalue = self.agent(obs)
-        newlogprob, entropy = logprob_entropy(logits, actions)
-        terms = ppo_loss_terms(newlogprob, old_logprobs, entropy, newvalue, advantages, returns, args.clip_coef)
-        weight = valid.float() / max(count, 1.0)
-        loss = (
-            (terms["policy_loss"] - args.ent_coef * terms["entropy"] + args.vf_coef * terms["value_loss"]) * weight
-        ).sum()
+        loss, terms = ppo_loss(self.agent, {**minibatch, "advantages": advantages}, args, count)
         self.optimizer.zero_grad()
         loss.backward()
         for param in self.agent.parameters():  # the sum of all learners' gradients (not their mean)
@@ -627,8 +649,8 @@ class Learner:
         nn.utils.clip_grad_norm_(self.agent.parameters(), args.max_grad_norm)
         self.optimizer.step()
         sums = torch.stack([(terms[name].detach() * valid).sum() for name in self.STATS]).double()
-        sums = all_reduce_sum(sums, args.world_size)
-        return torch.cat([sums, torch.tensor([count], dtype=torch.float64, device=self.device)])
+        sums = all_reduce_sum(sums, args.world_size)  # one all-reduce for all terms, named back at once
+        return {**dict(zip(self.STATS, sums)), "count": count}
 
 
 # ---- Logging, checkpoints, evaluation ----

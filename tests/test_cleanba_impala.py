@@ -20,6 +20,9 @@ from test_cleanba_ppo import (
     check_ctrl_c_writes_the_summary_and_a_checkpoint,
     check_one_and_two_learners_make_the_same_step,
     check_the_actor_acts_with_the_params_it_receives,
+    check_the_actor_marks_the_next_step_reset_rows,
+    check_the_actor_syncs_the_host_once_per_env_step,
+    check_the_reset_rows_do_not_reach_the_update,
     only_run_dir,
     read_run,
     save_step,
@@ -187,9 +190,9 @@ def test_impala_loss_and_gradient_match_an_independent_jax_computation():
     agent.actor.weight.data.normal_(0.0, 1.0)  # a policy far from uniform, so that pi/mu matters
     batch = random_minibatch(args, T=7, N=3)
     assert (~batch["valid"]).any() and batch["terminations"].any()
-    loss, _, count = ci.impala_loss(agent, batch, args)
+    loss, sums = ci.impala_loss(agent, batch, args)
     loss.backward()
-    assert count == batch["valid"].sum()
+    assert sums["count"] == batch["valid"].sum()
 
     names = [name for name, _ in agent.named_parameters()]
     params = {name: jnp.asarray(p.detach().double().numpy()) for name, p in agent.named_parameters()}
@@ -265,6 +268,18 @@ def test_minibatches_of_whole_sequences_are_checked():
 # ----------------------------------------------------------------------------------------------------------------------
 def test_the_actor_acts_with_the_params_it_receives():
     check_the_actor_acts_with_the_params_it_receives(ci)
+
+
+def test_the_actor_syncs_the_host_once_per_env_step(monkeypatch):
+    check_the_actor_syncs_the_host_once_per_env_step(ci, monkeypatch)
+
+
+def test_the_actor_marks_the_next_step_reset_rows():
+    check_the_actor_marks_the_next_step_reset_rows(ci)
+
+
+def test_the_reset_rows_do_not_reach_the_update():
+    check_the_reset_rows_do_not_reach_the_update(ci)
 
 
 def learner_step(rank, world_size, port, out_dir):
