@@ -61,7 +61,7 @@ import tyro
 from torch.nn.utils.rnn import PackedSequence
 from torch.utils.tensorboard import SummaryWriter
 
-from toy_chain_env import ToyChainConfig, ToyChainVectorEnv, draw_target_actions
+from toy_chain_env import ToyChainVectorEnv, ToyChainWorkerConfig, draw_target_actions
 
 
 @dataclass
@@ -97,8 +97,8 @@ class Args:
     """N: environments per rank, each stepped in its own env worker process (default: 16 ToyChain, 8 otherwise)"""
     horizon: Optional[int] = None
     """max_episode_steps of a ManiSkill task (default: its registered one); ToyChain: --toy.horizon"""
-    toy: ToyChainConfig = field(default_factory=ToyChainConfig)
-    """ToyChain-v0 settings (the step-time options make its simulation time heterogeneous, as in VER Sec. 2)"""
+    toy: ToyChainWorkerConfig = field(default_factory=ToyChainWorkerConfig)
+    """ToyChain-v0 settings (the step-time and straggler options make its simulation time heterogeneous, VER Sec. 2)"""
     bootstrap_at_done: Optional[Literal["always", "truncated"]] = None
     """what an episode end bootstraps (CONVENTIONS.md): V(true last obs) always, or only at truncations (0 at
     terminations) (default: always for ManiSkill tasks, truncated otherwise)"""
@@ -146,8 +146,6 @@ class Args:
     # ---- DD-PPO (Sec. 2.3), launched with torchrun ----------------------------------------------------------------
     sync_frac: float = 0.6
     """DD-PPO's preemption rule (--sync under torchrun): a rank stops collecting once this fraction of the ranks have finished their rollout (and it has a quarter of its own)"""
-    slow_rank_factor: float = 1.0
-    """ToyChain under torchrun: rank 0's envs simulate this many times slower (a straggling machine, to study Sec. 2.3's preemption)"""
 
     # ---- evaluation -------------------------------------------------------------------------------------------------
     eval_freq: int = 10
@@ -186,6 +184,10 @@ PRESETS: dict[str, dict] = {
         bootstrap_at_done="always",
     ),
 }
+
+
+# A preemption rule (Sec. 2.3) for Collector.collect: (steps collected, seconds into the rollout) -> stop now.
+StopRule = Callable[[int, float], bool]
 
 
 class ArgsError(ValueError):
@@ -287,12 +289,13 @@ class EnvAdapter:
         )
 
 
-def make_env(args: Args, evaluation: bool = False) -> EnvAdapter:
-    """ToyChain-v0 (one chain) or a ManiSkill3 task on CPU simulation (physx_cpu).
-    Evaluation envs of ToyChain simulate without delays or crashes; ManiSkill evaluation ignores terminations
-    (its success_once/success_at_end protocol)."""
+def make_env(args: Args, evaluation: bool = False, rank: int = 0, env_index: int = 0) -> EnvAdapter:
+    """ToyChain-v0 (one chain) or a ManiSkill3 task on CPU simulation (physx_cpu), as env `env_index` of `rank`.
+    Evaluation envs of ToyChain simulate without delays, stragglers or crashes; ManiSkill evaluation ignores
+    terminations (its success_once/success_at_end protocol)."""
     if args.env_kind == "toy":  # same_step autoreset (resolve_args)
-        config = replace(args.toy, step_time_mean=0.0, crash_at_step=0) if evaluation else args.toy
+        step_time = 0.0 if evaluation else args.toy.step_time_of(rank, args.world_size, env_index)
+        config = replace(args.toy, step_time_mean=step_time, crash_at_step=0 if evaluation else args.toy.crash_at_step)
         return EnvAdapter(ToyChainVectorEnv(1, config, device="cpu"), "toy")
     import mani_skill.envs  # noqa: F401  (registers the tasks in this process)
     from mani_skill.utils.wrappers.gymnasium import CPUGymWrapper
@@ -340,7 +343,7 @@ class SharedSlots:
         )
 
 
-def env_worker(env_index: int, args: Args, slots: SharedSlots, conn, seed: int) -> None:
+def env_worker(env_index: int, args: Args, slots: SharedSlots, conn, seed: int, rank: int) -> None:
     """An env worker process (Sec. 2.1): builds and resets its env, then steps it one action at a time as the main
     process asks, writing each result into the env's slot of shared memory. It never waits for other workers. It
     exits when its pipe closes (the main process closed it or is gone), or after reporting its traceback; the
@@ -349,7 +352,7 @@ def env_worker(env_index: int, args: Args, slots: SharedSlots, conn, seed: int) 
     torch.set_num_threads(1)
     view = {name: slot[env_index].numpy() for name, slot in vars(slots).items()}
     try:
-        env = make_env(args)
+        env = make_env(args, rank=rank, env_index=env_index)
         view["obs"][...] = env.reset(seed=seed)
         conn.send("ready")
         while conn.recv() == "step":
@@ -375,7 +378,7 @@ class EnvWorkers:
     inherited). A worker's pipe doubles as its liveness signal: if a worker dies, poll() raises WorkerError; if the
     main process dies, the workers' pipes close and they exit."""
 
-    def __init__(self, args: Args, slots: SharedSlots, base_seed: int):
+    def __init__(self, args: Args, slots: SharedSlots, rank: int):
         ctx = mp.get_context("forkserver")
         ctx.set_forkserver_preload(
             ["torch", "gymnasium", "numpy", "toy_chain_env"]
@@ -385,7 +388,10 @@ class EnvWorkers:
         for e in range(args.num_envs):
             parent, child = ctx.Pipe(duplex=True)
             p = ctx.Process(
-                target=env_worker, args=(e, args, slots, child, base_seed + e), daemon=True, name=f"ver-env-worker-{e}"
+                target=env_worker,
+                args=(e, args, slots, child, args.seed + rank * args.num_envs + e, rank),
+                daemon=True,
+                name=f"ver-env-worker-{e}",
             )
             p.start()
             child.close()
@@ -438,6 +444,12 @@ class EnvWorkers:
 
 
 # ---- Pure functions the algorithm relies on (importable, tested in tests/test_ppo_ver.py) -----------------------------
+def sequence_starts(lengths: np.ndarray) -> np.ndarray:
+    """Where each of the sequences stored one after another starts: [0, l0, l0 + l1, ...] (no entry for the end)."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    return np.cumsum(lengths) - lengths
+
+
 def build_sequences(env_ids: np.ndarray, episode_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Groups the steps of one rollout into sequences: the steps of one env's one episode, in time order (Sec. 2.2:
     a sequence starts at a rollout start or at an episode start). The input steps are in time order per env (the
@@ -463,10 +475,10 @@ def pack_layout(lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray
     sorted_sequences = np.argsort(-lengths, kind="stable")
     rank = np.empty_like(sorted_sequences)
     rank[sorted_sequences] = np.arange(len(lengths))
-    max_len = int(lengths.max())
+    max_len = int(lengths.max(initial=0))
     batch_sizes = len(lengths) - np.cumsum(np.bincount(lengths, minlength=max_len + 1))[:max_len]
-    offsets = np.concatenate([[0], np.cumsum(batch_sizes)[:-1]])
-    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
+    offsets = sequence_starts(batch_sizes)
+    starts = sequence_starts(lengths)
     t_of_flat = np.arange(lengths.sum()) - np.repeat(starts, lengths)
     packed_of_flat = offsets[t_of_flat] + np.repeat(rank, lengths)
     select = np.empty_like(packed_of_flat)
@@ -512,10 +524,10 @@ def make_minibatches(
     lengths = np.asarray(lengths, dtype=np.int64)
     total = int(lengths.sum())
     size = total // num_minibatches
-    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
+    starts = sequence_starts(lengths)
     permutation = rng.permutation(len(lengths))
     perm_lengths = lengths[permutation]
-    perm_starts = np.concatenate([[0], np.cumsum(perm_lengths)[:-1]])
+    perm_starts = sequence_starts(perm_lengths)
     flat = np.repeat(starts[permutation] - perm_starts, perm_lengths) + np.arange(total)
     boundaries = np.union1d(np.cumsum(perm_lengths), np.arange(size, total + 1, size))  # sequence ends and cuts
     boundaries = np.concatenate([[0], boundaries])
@@ -744,7 +756,7 @@ def fill_from_previous(batch: dict, previous: dict, size: int, rng: np.random.Ge
     if missing <= 0:
         return batch
     order = rng.permutation(len(previous["lengths"]))
-    starts = np.concatenate([[0], np.cumsum(previous["lengths"])[:-1]])
+    starts = sequence_starts(previous["lengths"])
     idx = np.concatenate([np.arange(starts[s], starts[s] + previous["lengths"][s]) for s in order])[:missing]
     lengths = previous["lengths"][order]
     lengths = lengths[: np.searchsorted(np.cumsum(lengths), missing) + 1].copy()
@@ -780,8 +792,11 @@ class Collector:
     (or at the rollout's end); at an episode end it is V(true last observation) from the env's own recurrent
     state, or 0 at a termination with --bootstrap-at-done truncated."""
 
-    def __init__(self, args: Args, workers: EnvWorkers, slots: SharedSlots, agent: Agent, device):
+    def __init__(
+        self, args: Args, workers: EnvWorkers, slots: SharedSlots, agent: Agent, device, clock=time.perf_counter
+    ):
         self.args, self.workers, self.slots, self.agent, self.device = args, workers, slots, agent, device
+        self.clock = clock  # seconds; tests inject a simulated clock
         N = self.N = args.num_envs
         self.T = args.num_steps
         self.quota = None if args.variable_experience else self.T  # NoVER and sync: T steps from every env
@@ -798,13 +813,16 @@ class Collector:
         self.last_arrival = np.full(N, -math.inf)
         self.view = {name: slot.numpy() for name, slot in vars(slots).items()}  # numpy views of the shared slots
 
-    def collect(self, stop_early: Optional[Callable[[int], bool]] = None) -> None:
-        """One rollout: T x N steps, fewer if `stop_early(steps so far)` preempts it (Sec. 2.3)."""
+    def collect(self, stop_early: Optional[StopRule] = None) -> None:
+        """One rollout: T x N steps, fewer if `stop_early(steps so far, seconds since the rollout started)` preempts
+        it (Sec. 2.3)."""
         self.begin_rollout()
         while True:
             self.wait_for_requests(poll_at_most=0.005 if stop_early and self.min_batch < self.N else math.inf)
             self.complete_arrived()
-            if self.collected == self.T * self.N or (stop_early is not None and stop_early(self.collected)):
+            if self.collected == self.T * self.N:
+                break
+            if stop_early is not None and stop_early(self.collected, self.clock() - self.rollout_start):
                 break
             self.act()
         self.bootstrap_completed()
@@ -815,27 +833,27 @@ class Collector:
         self.steps_in_rollout = np.zeros(self.N, dtype=np.int64)
         self.interval_sum, self.interval_count = np.zeros(self.N), np.zeros(self.N)
         self.env_busy, self.batch_sizes, self.episodes = 0.0, [], []  # episodes: (return, length, success_once, at_end)
-        self.rollout_start = time.perf_counter()
+        self.rollout_start = self.clock()
         self.completed.extend(self.held)
         self.held = []
 
     def wait_for_requests(self, poll_at_most: float = math.inf) -> None:
         """Dynamic batching (Sec. 2.1, footnote 2): returns once min_batch envs have arrived or completed, or every
         stepping env has, or the first of them has waited half a policy step (not in sync), or after poll_at_most."""
-        start = time.perf_counter()
+        start = self.clock()
         max_wait = math.inf if self.min_batch >= self.N else 0.5 * self.policy_step_time
         while True:
             ready = len(self.completed) + len(self.arrived)
             if ready >= self.min_batch or (ready > 0 and ready + len(self.held) == self.N):  # none is stepping
                 return
-            timeout = min(poll_at_most, max_wait if ready > 0 else math.inf) - (time.perf_counter() - start)
+            timeout = min(poll_at_most, max_wait if ready > 0 else math.inf) - (self.clock() - start)
             if timeout <= 0:
                 return
             self.receive(self.workers.poll(timeout))
 
     def receive(self, arrived: list[int]) -> None:
         """Stepping -> arrived; each env's time between arrivals estimates its time per step (Sec. 2.3)."""
-        now = time.perf_counter()
+        now = self.clock()
         for e in arrived:
             self.arrived.append(e)
             if self.last_arrival[e] >= self.rollout_start:
@@ -896,7 +914,7 @@ class Collector:
         self.completed.clear()
         if len(envs) == 0:
             return
-        start = time.perf_counter()
+        start = self.clock()
         idx = torch.as_tensor(envs)
         with torch.no_grad():
             obs = self.slots.obs[idx].to(self.device)
@@ -922,7 +940,7 @@ class Collector:
         self.episode_start[envs] = False
         self.slots.action[idx] = action.to("cpu")
         self.workers.send_step(envs)
-        self.policy_step_time = 0.9 * self.policy_step_time + 0.1 * (time.perf_counter() - start)
+        self.policy_step_time = 0.9 * self.policy_step_time + 0.1 * (self.clock() - start)
         self.batch_sizes.append(len(envs))
 
     def bootstrap_completed(self) -> None:
@@ -962,7 +980,7 @@ class Collector:
     def mean_step_times(self) -> np.ndarray:
         """Sec. 2.3's Time(S) estimate: each env's mean time per step in the last rollout (inference and
         simulation); an env that delivered no two steps counts as taking the whole rollout."""
-        duration = max(time.perf_counter() - self.rollout_start, 1e-3)
+        duration = max(self.clock() - self.rollout_start, 1e-3)
         return np.where(self.interval_count > 0, self.interval_sum / np.maximum(self.interval_count, 1), duration)
 
 
@@ -982,26 +1000,29 @@ def allreduce_gradients(parameters) -> None:
         p.grad /= dist.get_world_size()
 
 
-def ver_stop_rule(collector: Collector, args: Args, learn_time: float) -> tuple[Callable, float]:
-    """Sec. 2.3: the rollout time t* maximizing S / (Time(S) + LT) over all ranks' envs, from each env's mean step
-    time in the previous rollout and the mean learning time LT; every rank computes the same t* from the gathered
-    numbers and stops collecting at t* (no rank stops when all of them fill their batch by then)."""
-    local = torch.tensor([*collector.mean_step_times(), learn_time], dtype=torch.float64, device=collector.device)
-    gathered = [torch.empty_like(local) for _ in range(args.world_size)]
+def gather_step_times(step_times: np.ndarray, learn_time: float, world_size: int, device) -> np.ndarray:
+    """Every rank's mean step time of each env and learning time: row r = (step times of rank r's envs..., LT)."""
+    local = torch.tensor([*step_times, learn_time], dtype=torch.float64, device=device)
+    gathered = [torch.empty_like(local) for _ in range(world_size)]
     dist.all_gather(gathered, local)
-    gathered = torch.stack(gathered).cpu().numpy()
-    t_star, _, t_full = optimal_preemption_time(
-        gathered[:, : args.num_envs], args.batch_size, collector.quota, float(gathered[:, args.num_envs].mean())
-    )
-    deadline = time.perf_counter() + (t_star if t_star < t_full else math.inf)
-    return (lambda steps: time.perf_counter() >= deadline), t_star
+    return torch.stack(gathered).cpu().numpy()
 
 
-def ddppo_stop_rule(store: dist.Store, args: Args, iteration: int) -> Callable:
+def ver_stop_rule(gathered: np.ndarray, rank_cap: int, env_cap: Optional[int]) -> tuple[StopRule, float]:
+    """Sec. 2.3: the rollout time t* maximizing S / (Time(S) + LT) over all ranks' envs, from each env's mean step
+    time in the previous rollout and the mean learning time LT (`gathered`, see gather_step_times); every rank
+    computes the same t* and stops collecting t* seconds into its rollout (no rank stops when all of them fill
+    their batch by then). Returns (the rule for Collector.collect, t*)."""
+    t_star, _, t_full = optimal_preemption_time(gathered[:, :-1], rank_cap, env_cap, float(gathered[:, -1].mean()))
+    stop_after = t_star if t_star < t_full else math.inf
+    return (lambda steps, elapsed: elapsed >= stop_after), t_star
+
+
+def ddppo_stop_rule(store: dist.Store, args: Args, iteration: int) -> StopRule:
     """DD-PPO's preemption (Wijmans et al. 2020, the --sync baseline): a rank stops collecting once a fraction
     --sync-frac of the ranks have finished their rollout, if it has at least a quarter of its own."""
     key = f"done_{iteration}"
-    return lambda steps: steps >= args.batch_size / 4 and store.add(key, 0) >= args.sync_frac * args.world_size
+    return lambda steps, elapsed: steps >= args.batch_size / 4 and store.add(key, 0) >= args.sync_frac * args.world_size
 
 
 # ---- PPO update (Sec. 2.2, 4) -----------------------------------------------------------------------------------------
@@ -1021,7 +1042,7 @@ def ppo_update(
             idx = torch.as_tensor(mb_idx, device=device)
             state0 = None
             if agent.recurrent:  # each piece starts from the stored state of its first step
-                first = torch.as_tensor(mb_idx[np.concatenate([[0], np.cumsum(piece_lengths)[:-1]])], device=device)
+                first = torch.as_tensor(mb_idx[sequence_starts(piece_lengths)], device=device)
                 state0 = batch["hidden"][first].permute(1, 2, 0, 3)  # (h, c), each (layers, pieces, hidden)
             newlogprob, entropy, newvalue = agent.evaluate(
                 batch["obs"][idx], batch["actions"][idx], state0, piece_lengths
@@ -1183,12 +1204,7 @@ def main(args: Args) -> dict:
             run_evaluation(final=True)
             print(" ".join(f"{k}={v:.4f}" for k, v in last.items()))
             return summary
-        worker_args = args
-        if rank == 0 and distributed:  # --slow-rank-factor: rank 0 simulates slower
-            worker_args = replace(
-                args, toy=replace(args.toy, step_time_mean=args.toy.step_time_mean * args.slow_rank_factor)
-            )
-        workers = EnvWorkers(worker_args, slots, base_seed=args.seed + rank * args.num_envs)
+        workers = EnvWorkers(args, slots, rank)
         collector = Collector(args, workers, slots, agent, device)
         if args.env_kind == "toy":
             targets = draw_target_actions(args.toy).to(device)
@@ -1203,7 +1219,8 @@ def main(args: Args) -> dict:
                 if args.sync:
                     stop_early = ddppo_stop_rule(store, args, iteration)
                 else:
-                    stop_early, t_star = ver_stop_rule(collector, args, learn_time)
+                    gathered = gather_step_times(collector.mean_step_times(), learn_time, args.world_size, device)
+                    stop_early, t_star = ver_stop_rule(gathered, args.batch_size, collector.quota)
             collect_start = time.perf_counter()
             collector.collect(stop_early)
             if distributed:
@@ -1260,12 +1277,12 @@ def main(args: Args) -> dict:
             log("ver/inflight_carried", carried, global_step)
             log("ver/env_utilization", collector.env_busy / (args.num_envs * collect_time), global_step)
             log("ver/preempted_ranks", total[7], global_step)
-            log("ver/filled_fraction", 1.0 - fresh / args.batch_size, global_step)  # rank 0's batch
+            log("ver/filled_fraction", 1.0 - fresh / len(batch["weights"]), global_step)  # rank 0's batch
             if not math.isnan(t_star):
                 log("ver/preemption_time", t_star, global_step)
             log("time/collect", collect_time, global_step)
             log("time/learn", learn_time, global_step)
-            if args.env_kind == "toy":
+            if args.env_kind == "toy" and fresh > 0:
                 log(
                     "toy/accuracy",
                     (batch["actions"][:fresh] == targets[batch["obs"][:fresh]]).float().mean(),

@@ -385,3 +385,29 @@ class ToyChainContinuousVectorEnv(ToyChainVectorEnv):
 
 if "ToyChainContinuous-v0" not in gym.registry:
     gym.register(id="ToyChainContinuous-v0", vector_entry_point=ToyChainContinuousVectorEnv)
+
+
+# =====================================================================================================================
+# ToyChain for env worker processes that step one chain each (ppo_ver.py), with deliberate stragglers
+# =====================================================================================================================
+@dataclass
+class ToyChainWorkerConfig(ToyChainConfig):
+    """ToyChain settings plus deliberate stragglers, for studying VER (Wijmans et al. 2022) with one chain per env
+    worker: --toy.slow-rank-factor (a straggling machine, Sec. 2.3) and --toy.slow-env-factor (a straggling env)."""
+
+    slow_rank_factor: float = 1.0
+    """with 2 or more ranks (torchrun), every chain of rank 0 steps this many times slower (with --toy.step-time-mean)"""
+    slow_env_factor: float = 1.0
+    """env 0 of every rank steps this many times slower than the others (with --toy.step-time-mean)"""
+
+    def validate(self) -> None:
+        super().validate()
+        for name in ("slow_rank_factor", "slow_env_factor"):
+            if not getattr(self, name) > 0.0:
+                raise ValueError(f"--toy.{name.replace('_', '-')} must be > 0, got {getattr(self, name)}")
+
+    def step_time_of(self, rank: int, world_size: int, env_index: int) -> float:
+        """The mean step time of env `env_index` of rank `rank`: step_time_mean times the straggler factors."""
+        rank_factor = self.slow_rank_factor if rank == 0 and world_size > 1 else 1.0
+        env_factor = self.slow_env_factor if env_index == 0 else 1.0
+        return self.step_time_mean * rank_factor * env_factor

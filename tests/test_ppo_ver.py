@@ -21,7 +21,7 @@ import torch
 from conftest import DEVICES, ROOT
 
 import ppo_ver as ver
-from toy_chain_env import ToyChainConfig
+from toy_chain_env import ToyChainWorkerConfig
 
 GAMMA, LAM = 0.9, 0.8
 
@@ -54,6 +54,7 @@ def test_pack_layout_hand_worked_and_matches_torch_pack_sequence():
     assert sorted_sequences.tolist() == [1, 3, 0, 2]
     assert batch_sizes.tolist() == [4, 3, 2, 1]
     assert select.tolist() == [2, 7, 0, 6, 3, 8, 1, 4, 9, 5]
+    assert ver.sequence_starts(lengths).tolist() == [0, 2, 6, 7] and ver.sequence_starts([]).tolist() == []
     rng = np.random.default_rng(0)
     for _ in range(20):
         lengths = rng.integers(1, 12, size=rng.integers(1, 9))
@@ -359,6 +360,90 @@ def test_preemption_rule_hand_worked():
     assert (t_star, steps, t_full) == (3.0, 3, 6.0)
 
 
+def test_ddppo_preemption_rule():
+    """DD-PPO's rule (--sync under torchrun): stop once sync_frac of the ranks are done and a quarter of the batch
+    (T x N = 64 here) is collected."""
+
+    class Store:  # stands in for the TCPStore that counts the ranks done with this rollout
+        def __init__(self, done):
+            self.counts = {"done_3": done}
+
+        def add(self, key, amount):
+            self.counts[key] = self.counts.get(key, 0) + amount
+            return self.counts[key]
+
+    args = ver.resolve_args(ver.Args(num_envs=4, num_steps=16, sync=True, sync_frac=0.6, cuda=False), world_size=4)
+    # 0.6 x 4 ranks = 2.4: three ranks must be done
+    assert ver.ddppo_stop_rule(Store(3), args, 3)(16, 0.0) and not ver.ddppo_stop_rule(Store(3), args, 3)(15, 9.0)
+    assert not ver.ddppo_stop_rule(Store(2), args, 3)(64, 9.0) and not ver.ddppo_stop_rule(Store(3), args, 4)(64, 0.0)
+
+
+@pytest.mark.parametrize(
+    "rule, slow_step_time, other, expected_steps",
+    [
+        ("ver", 3.0, 2.0, 1),  # S(t) = min(8, 2 floor(t/3)) + min(8, 2 floor(t)): S/(t+2) peaks at t* = 4 (10/6)
+        ("ver", 10.0, 0.5, 0),  # t* = 4 (8/4.5), before this rank's first step: its batch is all old experience
+        ("ver", 3.0, 100.0, 4),  # a long learning phase: waiting pays, t* = t_full = 12, no preemption
+        ("ddppo", 3.0, 1, 1),  # the other rank is done: stop once a quarter (2 steps) is in
+        ("ddppo", 3.0, 0, 4),  # no rank is done: collect the whole batch
+    ],
+)
+def test_the_collector_stops_where_the_preemption_rule_says_and_the_batch_is_filled(
+    rule, slow_step_time, other, expected_steps
+):
+    """Sec. 2.3 on the collector users run, on a simulated clock (no race against the wall clock): this rank's two
+    envs take `slow_step_time` s a step, the other rank's (injected) 1 s, T x N = 8. After one full rollout, the
+    collector's Time(S) estimate is this rank's step time; the VER rule from those step times (`other` = LT) or
+    DD-PPO's (`other` = ranks done) then stops the rollout, with the steps the rule predicts, at t*; the preempted
+    batch is filled to T x N with the previous rollout's steps (Sec. 2.3)."""
+    T, N = 4, 2
+    args = ver.resolve_args(
+        ver.Args(
+            env_id="ToyChain-v0",
+            num_envs=N,
+            num_steps=T,
+            toy=ToyChainWorkerConfig(horizon=8, block_length=2, num_actions=3),
+            num_minibatches=1,
+            cuda=False,
+            inference_min_batch=1,
+            sync=rule == "ddppo",
+            sync_frac=0.5,
+        ),
+        world_size=2,
+    )
+    env = ver.make_env(args)
+    torch.manual_seed(0)
+    agent = ver.Agent(env.observation_space, env.action_space, False, args.ent_coef, False, hidden_sizes=(16,))
+    slots, clock = ver.SharedSlots.allocate(N, env), SimulatedClock()
+    collector = ver.Collector(
+        args, TimedFakeWorkers(args, slots, [slow_step_time] * N, clock), slots, agent, torch.device("cpu"), clock
+    )
+    collector.collect()
+    assert collector.collected == T * N and collector.mean_step_times().tolist() == [slow_step_time] * N
+    previous = ver.build_batch(collector.storage, N, T, GAMMA, LAM)
+    collector.start_next_rollout()
+
+    if rule == "ver":  # row r: the step time of each env of rank r, then its learning time
+        gathered = np.array([[*collector.mean_step_times(), other], [1.0, 1.0, other]])
+        stop_early, t_star = ver.ver_stop_rule(gathered, args.batch_size, collector.quota)
+        assert t_star == (4.0 if expected_steps < T else 12.0)
+    else:
+        store = type("Store", (), {"add": lambda self, key, amount: other})()
+        stop_early = ver.ddppo_stop_rule(store, args, iteration=2)
+    start = clock.now
+    collector.collect(stop_early)
+    assert collector.steps_in_rollout.tolist() == [expected_steps] * N
+    if rule == "ver" and expected_steps < T:  # stopped at t*, within one 5 ms poll
+        assert 4.0 <= clock.now - start < 4.01
+    fresh = ver.build_batch(collector.storage, N, T, GAMMA, LAM)
+    filled = ver.fill_from_previous(fresh, previous, args.batch_size, np.random.default_rng(0))
+    assert fresh["lengths"].sum() == expected_steps * N and filled["lengths"].sum() == len(filled["obs"]) == T * N
+    assert torch.equal(filled["logprobs"][: expected_steps * N], fresh["logprobs"])
+    old = set(zip(previous["logprobs"].tolist(), previous["values"].tolist()))
+    old_rows = zip(filled["logprobs"][expected_steps * N :].tolist(), filled["values"][expected_steps * N :].tolist())
+    assert all(row in old for row in old_rows)
+
+
 def test_fill_from_previous_tops_up_with_whole_old_sequences_cut_to_size():
     def batch(lengths, tag):
         n = int(np.sum(lengths))
@@ -423,19 +508,61 @@ class FakeWorkers:
             return arrived
         chosen = [e for e in self.stepping if self.rng.random() < self.p[e]] or self.stepping[:1]
         for e in chosen:
-            self.stepping.remove(e)
-            action, version = self.acted[e]
-            obs, reward, terminated, truncated, final, success = self.envs[e].step(action)
-            self.log[e].append(
-                (self.current[e], action, version, reward, terminated, truncated, obs if final is None else final)
-            )
-            s = self.slots
-            s.obs[e], s.reward[e], s.terminated[e], s.truncated[e] = torch.as_tensor(obs), reward, terminated, truncated
-            s.success[e], s.busy_time[e] = success, 0.001
-            if final is not None:
-                s.final_obs[e] = torch.as_tensor(final)
-            self.current[e] = obs
+            self.deliver(e)
         return chosen
+
+    def deliver(self, e):
+        """Env e steps with the action it was sent and its result is written into its slot."""
+        self.stepping.remove(e)
+        action, version = self.acted[e]
+        obs, reward, terminated, truncated, final, success = self.envs[e].step(action)
+        self.log[e].append(
+            (self.current[e], action, version, reward, terminated, truncated, obs if final is None else final)
+        )
+        s = self.slots
+        s.obs[e], s.reward[e], s.terminated[e], s.truncated[e] = torch.as_tensor(obs), reward, terminated, truncated
+        s.success[e], s.busy_time[e] = success, 0.001
+        if final is not None:
+            s.final_obs[e] = torch.as_tensor(final)
+        self.current[e] = obs
+
+
+class SimulatedClock:
+    """A clock that only moves when the simulated workers let time pass."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+class TimedFakeWorkers(FakeWorkers):
+    """FakeWorkers whose envs take fixed step times on a simulated clock: env e's result arrives step_times[e]
+    simulated seconds after its action was sent, and poll(timeout) lets at most `timeout` seconds pass."""
+
+    def __init__(self, args, slots, step_times, clock):
+        super().__init__(args, slots, np.ones(args.num_envs), {"version": 0})
+        self.step_times, self.clock, self.due = step_times, clock, {}
+
+    def send_step(self, envs):
+        super().send_step(envs)
+        for e in envs:
+            self.due[int(e)] = self.clock.now + self.step_times[e]
+
+    def poll(self, timeout):
+        if self.initial:
+            arrived, self.initial = self.initial, []
+            return arrived
+        first = min(self.due[e] for e in self.stepping)
+        if first > self.clock.now + timeout:
+            self.clock.now += max(timeout, 1e-4)  # a poll takes some time (and a tiny timeout must move the clock)
+            return []
+        self.clock.now = max(self.clock.now, first)
+        arrived = [e for e in self.stepping if self.due[e] <= self.clock.now]
+        for e in arrived:
+            self.deliver(e)
+        return arrived
 
 
 @pytest.mark.parametrize(
@@ -459,7 +586,9 @@ def test_recurrent_collector_matches_a_step_by_step_recomputation_over_the_logge
     --bootstrap-at-done truncated). Rollouts have T x N steps (NoVER/sync: T from each env), faster envs give more
     steps in VER, and the steps in flight are carried into the next rollout, none lost or repeated."""
     T, N, K = 6, 4, 10
-    toy = ToyChainConfig(horizon=8, block_length=2, num_actions=3, progression_prob=0.5, terminal_horizon=terminal)
+    toy = ToyChainWorkerConfig(
+        horizon=8, block_length=2, num_actions=3, progression_prob=0.5, terminal_horizon=terminal
+    )
     args = ver.resolve_args(
         ver.Args(
             env_id="ToyChain-v0",
@@ -568,7 +697,8 @@ def test_defaults_follow_habitat_lab_and_conventions():
     [
         (dict(num_envs=3, num_steps=7, num_minibatches=4), "--num-minibatches 4 equal minibatches"),
         (dict(env_id="NoSuchEnv-v9"), "NoSuchEnv-v9"),
-        (dict(toy=ToyChainConfig(horizon=52)), "--toy.horizon"),
+        (dict(toy=ToyChainWorkerConfig(horizon=52)), "--toy.horizon"),
+        (dict(toy=ToyChainWorkerConfig(slow_env_factor=0.0)), "--toy.slow-env-factor"),
         (dict(evaluate=True), "--evaluate needs --checkpoint"),
     ],
 )
@@ -645,8 +775,12 @@ def scalars(run_dir):
 
 @pytest.mark.parametrize("mode", ["ver", "nover", "sync"])
 def test_toy_chain_with_heterogeneous_step_times(tmp_path, mode):
-    """VER, NoVER and SyncOnRL from the same script on ToyChain with episode- and action-level stragglers."""
-    flag = {"ver": [], "nover": ["--no-variable-experience"], "sync": ["--sync"]}[mode]
+    """VER, NoVER and SyncOnRL from the same script on ToyChain with episode- and action-level stragglers. VER runs
+    with env 0 100x slower (--toy.slow-env-factor: 200 ms a step against 2 ms; its first episode's speed factor,
+    seeded, is 1.03, and the run ends before that episode does), so that in every rollout the other envs give their
+    T steps long before env 0 can, however loaded the machine: uneven steps, importance weights below 1 and carried
+    steps (env 0's is in flight at nearly every rollout's end) hold by construction. NoVER's and sync's even steps hold by construction too."""
+    flag = {"ver": ["--toy.slow-env-factor", "100"], "nover": ["--no-variable-experience"], "sync": ["--sync"]}[mode]
     run_script(HETEROGENEOUS_TOY + ["--total-timesteps", "640", "--eval-freq", "5"] + flag, tmp_path)
     run_dir = only_run_dir(tmp_path)
     summary, config = load_summary(run_dir), json.load(open(os.path.join(run_dir, "config.json")))
@@ -667,8 +801,8 @@ def test_toy_chain_with_heterogeneous_step_times(tmp_path, mode):
     s = scalars(run_dir)
     steps_min, steps_max = s["ver/steps_per_env_min"], s["ver/steps_per_env_max"]
     if mode == "ver":  # no per-env quota: fast envs give more; inflight actions are carried over
-        assert max(b - a for a, b in zip(steps_min, steps_max)) > 0 and max(s["ver/inflight_carried"]) > 0
-        assert min(s["ver/importance_weight_min"]) < 1.0
+        assert min(b - a for a, b in zip(steps_min, steps_max)) > 0 and max(s["ver/inflight_carried"]) > 0
+        assert max(s["ver/importance_weight_min"]) < 1.0
     else:
         assert steps_min == steps_max == [16.0] * 10 and set(s["ver/importance_weight_min"]) == {1.0}
     if mode == "sync":  # step all envs, wait for all of them, act on all
@@ -715,7 +849,8 @@ def test_recurrent_save_resume_and_evaluate(tmp_path, device):
 
 
 def test_ver_learns_the_toy_chain_with_heterogeneous_step_times(tmp_path):
-    """VER's uneven sampling, corrected by truncated importance weights, still solves the chain (H = 50).
+    """VER's uneven sampling, corrected by truncated importance weights, still solves the chain (H = 50). Env 0
+    steps 50x slower (--toy.slow-env-factor), so the sampling is uneven however loaded the machine.
     Seeds 1-5 on this 2-core CPU (second pass): eval success_at_end 1.0 for all five, final toy/accuracy 0.984-0.996;
     one run on a busy machine ended at 0.89 (the last batch's mix depends on the workers' timing, and toy/accuracy
     is one batch of a stochastic policy), so asserted: eval success >= 0.9 and training accuracy > 0.7 (0.05 at first)."""
@@ -735,6 +870,8 @@ def test_ver_learns_the_toy_chain_with_heterogeneous_step_times(tmp_path):
             "0.001",
             "--toy.step-time-spread",
             "1.0",
+            "--toy.slow-env-factor",
+            "50",
             "--eval-freq",
             "0",
             "--num-eval-episodes",
@@ -790,21 +927,25 @@ def test_maniskill_cpu_task_with_two_workers(tmp_path):
 
 @pytest.mark.parametrize("mode", ["ver", "sync"])
 def test_torchrun_preempts_the_straggling_rank_and_fills_its_batch(tmp_path, mode):
-    """DD-PPO with 2 ranks (gloo), rank 0's envs 4x slower (--slow-rank-factor). VER: from the second rollout on,
-    every rank stops at the t* of Sec. 2.3, which comes before the slow rank has its T x N steps; --sync: DD-PPO's
-    rule, a rank stops once --sync-frac 0.5 of the ranks (the fast one) finished. Either way rank 0 is preempted and
-    its batch is filled from its previous rollout; the weights stay identical on both ranks."""
+    """The plumbing of DD-PPO's preemption with 2 ranks (gloo). Rank 0's envs step 100x slower
+    (--toy.slow-rank-factor: 200 ms a step against 2 ms), so that no scheduling of a loaded machine can rescue it:
+    its first, unpreempted rollout measures Time(S) (16 steps per env: 3.2 s), and rank 1 collects its T x N steps
+    (16 rounds of 2 ms steps) long before rank 0 can. VER: every rank stops at the t* of Sec. 2.3 (where and
+    whether the rule stops is pinned with injected step times in the collector test above); --sync: DD-PPO's rule,
+    a rank stops once --sync-frac 0.5 of the ranks (the fast one) finished. Asserted: rank 0 is preempted, its batch
+    is filled from its previous rollout, and the weights stay identical on both ranks."""
     flags = ["--sync", "--sync-frac", "0.5"] if mode == "sync" else []
     run_script(
         HETEROGENEOUS_TOY
-        + ["--total-timesteps", "1280", "--eval-freq", "0", "--toy.step-time-spread", "0.5", "--slow-rank-factor", "4"]
+        + ["--total-timesteps", "640", "--eval-freq", "0", "--toy.step-time-spread", "0", "--toy.slow-rank-factor"]
+        + ["100"]
         + flags,
         tmp_path,
         launcher=TORCHRUN,
     )
     run_dir = only_run_dir(tmp_path)  # one run directory (rank 0's)
     summary = load_summary(run_dir)
-    assert summary["global_step"] >= 1280 and summary["ddp/max_weight_difference"] == 0.0
+    assert summary["global_step"] >= 640 and summary["ddp/max_weight_difference"] == 0.0
     assert json.load(open(os.path.join(run_dir, "config.json")))["world_size"] == 2
     s = scalars(run_dir)
     filled, preempted = s["ver/filled_fraction"], s["ver/preempted_ranks"]
@@ -897,10 +1038,9 @@ class Watched:
 
 def test_a_crashing_worker_ends_the_run_with_its_traceback(tmp_path):
     run = Watched(HETEROGENEOUS_TOY + ["--total-timesteps", "1000000", "--toy.crash-at-step", "40"], tmp_path)
-    code, _, err, elapsed = run.wait(timeout=120)
+    code, _, err, _ = run.wait(timeout=120)  # a hang would be killed there (exit code -9)
     assert code == 1, err[-3000:]
     assert "an env worker failed" in err and "Traceback" in err and "deliberate crash in step() call 40" in err
-    assert elapsed < 90  # no hang: the error surfaces as soon as the main process hears from the worker
     run.assert_nothing_left()
     summary = load_summary(only_run_dir(tmp_path))
     assert "deliberate crash" in summary["error"] and summary["global_step"] < 1000000
@@ -911,10 +1051,8 @@ def test_a_killed_worker_ends_the_run_and_nothing_is_left_behind(tmp_path):
     run.wait_for_workers(4)
     victim = run.workers()[1]
     os.kill(victim, signal.SIGKILL)
-    killed_at = time.time()
-    code, _, err, _ = run.wait(timeout=120)
+    code, _, err, _ = run.wait(timeout=120)  # a hang would be killed there (exit code -9, no message)
     assert code == 1 and f"(pid {victim}) died with exit code -9" in err, err[-3000:]
-    assert time.time() - killed_at < 60
     run.assert_nothing_left()
 
 
