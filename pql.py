@@ -11,24 +11,20 @@ three processes that run at the same time (Sec. 3.1, Fig. 1, Alg. 1-3):
   V-learner  (a spawned process) keeps a replay buffer of transitions and updates Q1, Q2 (and their target networks)
              against a lagged copy of the policy, which plays the target policy (Sec. 3.2, third point);
   P-learner  (a spawned process) keeps a buffer of states and updates the policy to maximize min(Q1, Q2).
-Everything moves through one mechanism, SlotRing: preallocated slots in shared memory (CPU) or CUDA IPC memory,
-nothing pickled. Once per Actor step the Actor sends the V-learner its transitions, the normalizer statistics and
-the policy it acts with, and the P-learner the states, the statistics and the newest Q functions; the learners send
-back their networks (the original code relays networks through its driver the same way). Speed ratios beta_a:v
-(Actor steps per V-update, 1:8) and beta_p:v (P-updates per V-update, 1:2) are kept by making whichever process is
-ahead wait (Sec. 3.2).
-
-Baselines in this file (Sec. 4.1): --ddpg-n is the paper's DDPG(n) as the original code runs it: one process, after
-every env step 8 x (critic update, actor update on the same batch, soft update) with live networks (no lag).
---sequential is an ablation: PQL's own schedule (p:v = 1:2, lagged target policy, copied Q functions) run serially.
+Once per Actor step, through preallocated slots (SlotRing), the Actor sends the V-learner its transitions, the
+normalizer statistics and the policy it acts with, and the P-learner the states, the statistics and the newest Q
+functions; the learners send back their networks (the original code relays networks through its driver the same
+way). Speed ratios beta_a:v (Actor steps per V-update, 1:8) and beta_p:v (P-updates per V-update, 1:2) are kept by
+making whichever process is ahead wait (Sec. 3.2). Baselines (Sec. 4.1): --ddpg-n, the paper's DDPG(n) as the
+original code runs it, and the ablation --sequential, PQL's own schedule run serially (SerialLearners).
 
 Map from the paper to this file
-  Sec. 3.1, Fig. 1, Alg. 1   main (the Actor loop), NStepAssembler, SlotRing (data and network transfer)
+  Sec. 3.1, Fig. 1, Alg. 1   main (the Actor loop), NStepAssembler, SlotRing, network_for_the_others (transfers)
   Sec. 3.1, Alg. 3           VLearner (double Q, n-step target, target nets), ReplayBuffer, learner_process
   Sec. 3.1, Alg. 2           PLearner (maximize min Q over its state buffer)
-  Sec. 3.2                   actor_may_step, v_may_update, p_may_update (ratio control), pql/ratio_* metrics
-  Sec. 3.3                   mixed_exploration_sigmas (sigma_i spread over [0.05, 0.8] across envs)
-  Sec. 4.1 DDPG(n)           --ddpg-n (and the --sequential ablation), inline in the Actor loop
+  Sec. 3.2                   actor_may_step, v_may_update, p_may_update, may_update (ratio control), pql/ratio_*
+  Sec. 3.3                   mixed_exploration_sigmas (sigma_i spread over [0.05, 0.8] across envs), explore
+  Sec. 4.1 DDPG(n)           SerialLearners (--ddpg-n, and the --sequential ablation)
   App. B.1, Table B.1/B.2    Args defaults (batch 8192, buffer 5M, Adam lr 5e-4, tau 0.05, clip 0.5, n = 3)
   App. C, PQL-D              --distributional: 51 atoms on [-10, 10], categorical_projection
 Departures from the original code: Adam as App. B.1 says (the original uses AdamW, weight decay 0.01); the n-step
@@ -55,7 +51,7 @@ import sys
 import time
 import traceback
 from collections import deque
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from functools import partial
 from pathlib import Path
 from typing import Literal, Optional
@@ -208,7 +204,9 @@ class ProcessFailed(RuntimeError):
 
 
 def resolve_args(args: Args) -> Args:
-    """Fills presets, devices and derived sizes into `args` and checks what users get wrong. Raises ArgsError."""
+    """A copy of `args` with presets, devices and derived sizes filled in, checked for what users get wrong. Raises
+    ArgsError."""
+    args = replace(args)
     is_toy = args.env_id == TOY_ENV_ID
     if not is_toy:
         from mani_skill.utils.registration import REGISTERED_ENVS
@@ -320,14 +318,10 @@ class ManiSkillVecEnv(gym.vector.VectorEnv):
     def step(self, actions: torch.Tensor):
         obs, reward, terminated, truncated, info = self.env.step(actions if self.gpu else actions.cpu().numpy())
         obs = self.as_tensor(obs, torch.float32).reshape(self.num_envs, -1)
-        reward, terminated, truncated, success = (
-            self.as_tensor(x, dtype).reshape(self.num_envs)
-            for x, dtype in (
-                (reward, torch.float32),
-                (terminated, torch.bool),
-                (truncated, torch.bool),
-                (info.get("success", np.zeros(self.num_envs, bool)), torch.bool),
-            )
+        reward = self.as_tensor(reward, torch.float32).reshape(self.num_envs)
+        success = info.get("success", np.zeros(self.num_envs, bool))
+        terminated, truncated, success = (
+            self.as_tensor(x, torch.bool).reshape(-1) for x in (terminated, truncated, success)
         )
         reset_now = truncated | (terminated & self.reset_on_termination)
         final_obs = obs
@@ -465,7 +459,7 @@ def p_may_update(p_updates: int, v_updates: int, beta_p_v: float) -> bool:
 
 class RunningMeanStd:
     """Running mean and variance of observations (parallel-variance update of Chan et al.); Table B.1's
-    "Normalized Observations", kept by the Actor and sent to both learners with every batch."""
+    "Normalized Observations", kept by the Actor and sent to both learners with every batch (they keep a copy)."""
 
     def __init__(self, shape, device, epsilon: float = 1e-4):
         self.mean = torch.zeros(shape, device=device)
@@ -475,15 +469,18 @@ class RunningMeanStd:
     def update(self, x: torch.Tensor) -> None:
         batch_mean, batch_var, n = x.mean(0), x.var(0, unbiased=False), x.shape[0]
         delta, total = batch_mean - self.mean, self.count + n
-        self.mean += delta * n / total  # in place: the Actor's normalizer statistics are views of mean and var
+        self.mean += delta * n / total
         self.var.copy_((self.var * self.count + batch_var * n + delta.square() * self.count * n / total) / total)
         self.count = total
 
+    def normalize(self, x: torch.Tensor) -> torch.Tensor:
+        """(x - mean) / sqrt(var + 1e-8), clipped to [-5, 5]; the same in all three processes."""
+        return ((x - self.mean) / torch.sqrt(self.var + 1e-8)).clamp(-5.0, 5.0)
 
-def normalize_obs(obs: torch.Tensor, stats: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    """(obs - mean) / sqrt(var + 1e-8), clipped to [-5, 5]; the same in all three processes."""
-    mean, var = stats
-    return ((obs - mean) / torch.sqrt(var + 1e-8)).clamp(-5.0, 5.0)
+
+def transition_shapes(obs_dim: int, act_dim: int) -> dict:
+    """The fields of one n-step transition (float32), as the Actor sends them and the V-learner stores them."""
+    return {"obs": (obs_dim,), "action": (act_dim,), "reward": (), "next_obs": (obs_dim,), "discount": ()}
 
 
 class ReplayBuffer:
@@ -572,8 +569,8 @@ def initial_networks(args: Args, obs_dim: int, act_dim: int, device) -> tuple[Po
     if args.checkpoint:
         state = torch.load(args.checkpoint, map_location="cpu", weights_only=True)
         try:
-            policy.load_state_dict(state["policy"])
-            critic.load_state_dict(state["critic"])
+            policy.load_state_dict(state["model"]["policy"])
+            critic.load_state_dict(state["model"]["critic"])
         except RuntimeError as e:
             raise ArgsError(
                 f"--checkpoint {args.checkpoint} does not fit these networks (was it trained with "
@@ -593,22 +590,19 @@ class VLearner:
         self.critic_target = copy.deepcopy(self.critic)
         self.optimizer = torch.optim.Adam(self.critic.parameters(), lr=args.learning_rate)
         if state is not None:
-            self.critic_target.load_state_dict(state["critic_target"])
-            self.optimizer.load_state_dict(state["critic_optimizer"])
-        self.buffer = ReplayBuffer(
-            capacity,
-            {"obs": (obs_dim,), "action": (act_dim,), "reward": (), "next_obs": (obs_dim,), "discount": ()},
-            device,
-        )
+            self.critic_target.load_state_dict(state["model"]["critic_target"])
+            self.optimizer.load_state_dict(state["optimizer"]["critic"])
+        self.buffer = ReplayBuffer(capacity, transition_shapes(obs_dim, act_dim), device)
         self.generator = torch.Generator(device=device).manual_seed(args.seed + 1)
-        self.obs_stats = None
+        self.obs_rms = RunningMeanStd((obs_dim,), device)  # the Actor's, received with every message
 
     def receive(self, message: dict) -> None:
         """One Actor step's message (Alg. 3, "if new data received"): its transitions into the buffer, the policy the
         Actor acts with (the lagged target policy) and the normalizer statistics."""
         self.buffer.add({k: message[k] for k in self.buffer.data})
         load_vector(self.policy, message["policy"])
-        self.obs_stats = (message["obs_mean"].clone(), message["obs_var"].clone())
+        self.obs_rms.mean.copy_(message["obs_mean"])
+        self.obs_rms.var.copy_(message["obs_var"])
 
     @torch.no_grad()
     def target(self, returns: torch.Tensor, discounts: torch.Tensor, next_obs: torch.Tensor) -> torch.Tensor:
@@ -635,8 +629,8 @@ class VLearner:
         """One update of Q1, Q2 on a sampled batch (Alg. 3), then the soft update of their targets.
         Returns the loss and the batch's normalized observations (--ddpg-n's actor update uses them)."""
         batch = self.buffer.sample(self.args.batch_size, self.generator)
-        obs = normalize_obs(batch["obs"], self.obs_stats)
-        target = self.target(batch["reward"], batch["discount"], normalize_obs(batch["next_obs"], self.obs_stats))
+        obs = self.obs_rms.normalize(batch["obs"])
+        target = self.target(batch["reward"], batch["discount"], self.obs_rms.normalize(batch["next_obs"]))
         out1, out2 = self.critic(obs, batch["action"])
         if self.critic.distributional:  # cross-entropy to the projected target distribution, for both heads
             loss = -(target * out1.log_softmax(-1)).sum(-1).mean() - (target * out2.log_softmax(-1)).sum(-1).mean()
@@ -650,11 +644,8 @@ class VLearner:
         return loss.detach(), obs
 
     def state_dict(self) -> dict:
-        return {
-            "critic": self.critic.state_dict(),
-            "critic_target": self.critic_target.state_dict(),
-            "critic_optimizer": self.optimizer.state_dict(),
-        }
+        model = {"critic": self.critic.state_dict(), "critic_target": self.critic_target.state_dict()}
+        return {"model": model, "optimizer": {"critic": self.optimizer.state_dict()}}
 
 
 class PLearner:
@@ -666,22 +657,23 @@ class PLearner:
         self.policy, self.critic, state = initial_networks(args, obs_dim, act_dim, device)
         self.optimizer = torch.optim.Adam(self.policy.parameters(), lr=args.learning_rate)
         if state is not None:
-            self.optimizer.load_state_dict(state["policy_optimizer"])
+            self.optimizer.load_state_dict(state["optimizer"]["policy"])
         self.buffer = ReplayBuffer(capacity, {"obs": (obs_dim,)}, device)
         self.generator = torch.Generator(device=device).manual_seed(args.seed + 2)
-        self.obs_stats = None
+        self.obs_rms = RunningMeanStd((obs_dim,), device)  # the Actor's, received with every message
 
     def receive(self, message: dict) -> None:
         """One Actor step's message (Alg. 2): its states, the newest Q functions and the normalizer statistics."""
         self.buffer.add({"obs": message["obs"]})
         load_vector(self.critic, message["critic"])
-        self.obs_stats = (message["obs_mean"].clone(), message["obs_var"].clone())
+        self.obs_rms.mean.copy_(message["obs_mean"])
+        self.obs_rms.var.copy_(message["obs_var"])
 
     def update(self, obs: Optional[torch.Tensor] = None) -> torch.Tensor:
         """One policy update: maximize min_i Q_i(s, pi(s)) over a batch of (normalized) states, sampled from the
         buffer unless given (Alg. 2). Returns the loss."""
         if obs is None:
-            obs = normalize_obs(self.buffer.sample(self.args.batch_size, self.generator)["obs"], self.obs_stats)
+            obs = self.obs_rms.normalize(self.buffer.sample(self.args.batch_size, self.generator)["obs"])
         q1, q2 = self.critic.q_values(obs, self.policy(obs))
         loss = -torch.min(q1, q2).mean()
         self.optimizer.zero_grad(set_to_none=True)
@@ -691,7 +683,7 @@ class PLearner:
         return loss.detach()
 
     def state_dict(self) -> dict:
-        return {"policy": self.policy.state_dict(), "policy_optimizer": self.optimizer.state_dict()}
+        return {"model": {"policy": self.policy.state_dict()}, "optimizer": {"policy": self.optimizer.state_dict()}}
 
 
 def network_for_the_others(role: str, learner) -> dict:
@@ -710,16 +702,14 @@ class SlotRing:
     when the reader is done with it (has_room), so there is no lock, nothing is pickled and a process that stops at
     any moment leaves no transfer half done for the other.
 
-    On CUDA the host never waits for the GPU: each slot has two interprocess CUDA events (torch.cuda.Event with
-    interprocess=True; the other process opens them from their IPC handles when the ring is passed to it). The
-    writer's stream waits for the slot's `read` event before it overwrites the slot and records `written` after its
-    copies; the reader's stream waits for `written` before it reads and records `read` after. Each event is recorded
-    before the counter that announces it moves (host order), and is not recorded again until the other side has
-    enqueued its wait (the slot is not reused before), so every wait refers to the right copies; a wait on an event
-    not recorded since an earlier round (a slot skipped by newest_only) waits for nothing new. Copies between two
-    devices are ordered with the current streams of both by PyTorch (Copy.cu). Checked against the CUDA runtime's
-    documentation (cudaStreamWaitEvent, cudaIpcGetEventHandle) and PyTorch's source (torch.multiprocessing's event
-    reduction, Copy.cu); not run: no GPU was available to this work. The CPU path has no events."""
+    On CUDA the host never waits for the GPU: each slot has two interprocess CUDA events (shared by their IPC handles
+    when the ring is passed to the other process). The writer's stream waits for the slot's `read` event before it
+    overwrites the slot and records `written` after; the reader's stream waits for `written` before it reads and
+    records `read` after. An event is recorded before the counter that announces it moves, and not again before the
+    other side has enqueued its wait (the slot is not reused before); a slot skipped by newest_only waits for nothing
+    new. PyTorch orders copies between two devices with the current streams of both (Copy.cu). Checked against the
+    CUDA runtime's documentation (cudaStreamWaitEvent, cudaIpcGetEventHandle) and PyTorch's source (the event
+    reduction of torch.multiprocessing, Copy.cu); not run: no GPU was available to this work."""
 
     def __init__(self, shapes: dict, device, num_slots: int):
         self.device, self.num_slots = torch.device(device), num_slots
@@ -766,61 +756,73 @@ class SlotRing:
         return written - read
 
 
-# Shared counters (int64): Actor learning steps A, V-updates V, P-updates P, checkpoint requests, and the checkpoint
-# requests each learner has served. Losses (float64): the last loss of the V-learner at index V, of the P-learner at P.
-A, V, P, CKPT_REQUEST, CKPT_SERVED_V, CKPT_SERVED_P = range(6)
+def shared_field(index: int, kind: type = int) -> property:
+    """Field `index` of SharedCounters.values, read as `kind` (each field has one process that writes it)."""
+    return property(lambda self: kind(self.values[index]), lambda self, value: self.values.__setitem__(index, value))
+
+
+class SharedCounters:
+    """What the three processes share besides the slots, in shared memory (float64, exact for counts below 2^53): the
+    counts of the ratio control (Sec. 3.2: Actor learning steps A, V-updates V, P-updates P), checkpoint requests of
+    the Actor and the requests each learner has served, and each learner's last loss for the Actor's log."""
+
+    actor_steps = shared_field(0)
+    v_updates = shared_field(1)
+    p_updates = shared_field(2)
+    checkpoint_requests = shared_field(3)
+    v_learner_served = shared_field(4)
+    p_learner_served = shared_field(5)
+    v_learner_loss = shared_field(6, float)
+    p_learner_loss = shared_field(7, float)
+
+    def __init__(self):
+        self.values = torch.zeros(8, dtype=torch.float64).share_memory_()
+
+    def add(self, name: str, amount: int = 1) -> None:
+        setattr(self, name, getattr(self, name) + amount)
+
+
+def may_update(role: str, counters: SharedCounters, args: Args) -> bool:
+    """Sec. 3.2's rule for learner `role` on the shared counts: the one place it is evaluated (the learner processes,
+    --sequential, and the end of a run)."""
+    if role == "v_learner":
+        return v_may_update(counters.v_updates, counters.actor_steps, counters.p_updates, args.beta_a_v, args.beta_p_v)
+    return p_may_update(counters.p_updates, counters.v_updates, args.beta_p_v)
+
+
 POLL_S = 2e-4
 
 
-def learner_process(
-    role: str,
-    args: Args,
-    obs_dim: int,
-    act_dim: int,
-    capacity: int,
-    inbox: SlotRing,
-    outbox: SlotRing,
-    counters: torch.Tensor,
-    losses: torch.Tensor,
-    stop,
-    run_dir: str,
-    threads: int,
-) -> None:
-    """The V-learner or P-learner process (Alg. 2, 3): take the Actor's messages, serve checkpoint requests, and update
-    whenever the speed ratios allow it (Sec. 3.2), else wait. It ignores Ctrl-C (the Actor stops it through `stop`);
-    an error stops the run, its traceback written to {role}_error.txt in the run directory for the Actor to report;
-    it exits when the Actor is gone."""
+def learner_process(role, args, sizes, inbox, outbox, counters, stop, run_dir, threads) -> None:
+    """The V-learner or P-learner process (Alg. 2, 3), learner `role` on (obs_dim, act_dim, capacity) = `sizes`: take
+    the Actor's messages from `inbox` (SlotRing), send back its network through `outbox`, serve checkpoint requests,
+    and update whenever the speed ratios allow it (Sec. 3.2), else wait. It ignores Ctrl-C (the Actor stops it through
+    the event `stop`); an error stops the run, its traceback written to {role}_error.txt in `run_dir` for the Actor to
+    report; it exits when the Actor is gone."""
     try:
         torch.set_num_threads(threads)
         torch.backends.cudnn.deterministic = args.torch_deterministic
-        is_v = role == "v_learner"
-        device = torch.device(args.v_learner_device if is_v else args.p_learner_device)
+        device = torch.device(getattr(args, f"{role}_device"))
         if device.type == "cuda":
             torch.cuda.set_device(device)
-        learner = (VLearner if is_v else PLearner)(args, obs_dim, act_dim, capacity, device)
-        mine, served = (V, CKPT_SERVED_V) if is_v else (P, CKPT_SERVED_P)
+        learner = (VLearner if role == "v_learner" else PLearner)(args, *sizes, device)
+        updates = "v_updates" if role == "v_learner" else "p_updates"
         parent = mp.parent_process()
         while not stop.is_set():
             if inbox.take(learner.receive) and outbox.has_room():  # new data: send back my network
                 outbox.put(network_for_the_others(role, learner))
-            if counters[CKPT_REQUEST] > counters[served]:
-                request = int(counters[CKPT_REQUEST])
+            if counters.checkpoint_requests > getattr(counters, f"{role}_served"):
+                request = counters.checkpoint_requests
                 torch.save(learner.state_dict(), Path(run_dir, f"{role}_state.pt"))
-                counters[served] = request
-            steps, v_updates, p_updates = counters[:3].tolist()
-            allowed = (
-                v_may_update(v_updates, steps, p_updates, args.beta_a_v, args.beta_p_v)
-                if is_v
-                else p_may_update(p_updates, v_updates, args.beta_p_v)
-            )
-            if allowed and learner.buffer.size > 0:
+                setattr(counters, f"{role}_served", request)
+            if may_update(role, counters, args) and learner.buffer.size > 0:
                 loss = learner.update()
-                counters[mine] += 1
-                if args.debug_crash == role and counters[mine] >= 20:
+                counters.add(updates)
+                if args.debug_crash == role and getattr(counters, updates) >= 20:
                     raise RuntimeError(f"--debug-crash {role}: the {ROLES[role]} fails on purpose")
                 continue
-            if counters[mine] > 0:  # idle: its last loss for the Actor's log (read here: no GPU sync per update)
-                losses[mine] = (loss[0] if is_v else loss).item()
+            if getattr(counters, updates) > 0:  # idle: its last loss for the Actor's log (no GPU sync per update)
+                setattr(counters, f"{role}_loss", (loss[0] if role == "v_learner" else loss).item())
             if not parent.is_alive():  # the Actor was killed (SIGKILL): no orphans
                 return
             time.sleep(POLL_S)
@@ -829,25 +831,180 @@ def learner_process(
         stop.set()
 
 
-# ---- Evaluation ------------------------------------------------------------------------------------------------------
+def start_learners(args, ctx, supervisor, counters, sizes, numels: dict, threads: int) -> tuple[dict, dict]:
+    """Sec. 3.1: the V-learner and the P-learner as two processes, and the slots of what travels each Actor step
+    (float32): to the V-learner (Alg. 3) and the P-learner (Alg. 2), and back. Returns the two groups of SlotRings."""
+    obs_dim, act_dim, _ = sizes
+    n, stats = args.num_envs, {"obs_mean": (obs_dim,), "obs_var": (obs_dim,)}
+    transitions = {k: (n, *shape) for k, shape in transition_shapes(obs_dim, act_dim).items()}
+    to_shapes = {
+        "v_learner": {**transitions, "policy": (numels["policy"],), **stats},
+        "p_learner": {"obs": (n, obs_dim), "critic": (numels["critic"],), **stats},
+    }
+    back_shapes = {"v_learner": {"critic": (numels["critic"],)}, "p_learner": {"policy": (numels["policy"],)}}
+    to_learner = {role: SlotRing(to_shapes[role], getattr(args, f"{role}_device"), 4) for role in ROLES}
+    from_learner = {role: SlotRing(back_shapes[role], getattr(args, f"{role}_device"), 2) for role in ROLES}
+    for role in ROLES:
+        channels = (to_learner[role], from_learner[role])
+        supervisor.processes[role] = ctx.Process(
+            target=learner_process,
+            name=f"pql-{role}",
+            daemon=True,
+            args=(role, args, sizes, *channels, counters, supervisor.stop, str(supervisor.run_dir), threads),
+        )
+    # SIGINT blocked while they start: the learners inherit the blocked signal (they never see Ctrl-C), the Actor
+    # gets it when it unblocks
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    for process in supervisor.processes.values():
+        process.start()
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+    for role, process in supervisor.processes.items():
+        print(f"{ROLES[role]} started: pid {process.pid}", flush=True)
+    return to_learner, from_learner
+
+
+class SerialLearners:
+    """The baselines of Sec. 4.1, both learners in the Actor's process, updated after each env step: --ddpg-n is the
+    paper's DDPG(n) as the original code runs it (live networks: one policy and one critic, no lag, no copies; k_v x
+    (critic update, actor update on the same batch)); --sequential is PQL's schedule (p:v ratio, lagged target policy,
+    copied Q functions) run serially."""
+
+    def __init__(self, args: Args, sizes: tuple[int, int, int]):
+        self.args, (obs_dim, act_dim, capacity) = args, sizes
+        self.v_learner = VLearner(args, obs_dim, act_dim, capacity, torch.device(args.v_learner_device))
+        p_capacity = 0 if args.ddpg_n else capacity
+        self.p_learner = PLearner(args, obs_dim, act_dim, p_capacity, torch.device(args.p_learner_device))
+        if args.ddpg_n:
+            self.v_learner.policy, self.p_learner.critic = self.p_learner.policy, self.v_learner.critic
+        self.losses: dict = {}  # the last losses, as tensors: read when logged (no GPU sync per step)
+
+    def send(self, messages: dict) -> None:
+        self.v_learner.receive({k: t.to(self.args.v_learner_device) for k, t in messages["v_learner"].items()})
+        if self.args.sequential:
+            self.p_learner.receive({k: t.to(self.args.p_learner_device) for k, t in messages["p_learner"].items()})
+
+    def update(self, counters: SharedCounters) -> None:
+        if self.args.ddpg_n:
+            k_v = round(1 / self.args.beta_a_v)
+            for _ in range(k_v):
+                self.losses["losses/qf_loss"], obs_batch = self.v_learner.update()
+                self.losses["losses/actor_loss"] = self.p_learner.update(obs_batch)
+            counters.add("v_updates", k_v)
+            counters.add("p_updates", k_v)
+            return
+        while True:  # Sec. 3.2's rule, serially: P-updates first, as their V-updates allow
+            if may_update("p_learner", counters, self.args):
+                self.losses["losses/actor_loss"] = self.p_learner.update()
+                counters.add("p_updates")
+            elif may_update("v_learner", counters, self.args):
+                self.losses["losses/qf_loss"] = self.v_learner.update()[0]
+                counters.add("v_updates")
+            else:
+                break
+
+
+# ---- The Actor's safe points, evaluation, checkpoints ------------------------------------------------------------------
+class Supervisor:
+    """The Actor's safe points: Ctrl-C / SIGTERM (`stop_requested`, appended to by the signal handlers) and the learner
+    processes, which set the event `stop` when they fail (a failing learner writes its traceback, then sets it)."""
+
+    def __init__(self, run_dir: Path, stop_requested: list, stop):
+        self.run_dir, self.stop_requested, self.stop = run_dir, stop_requested, stop
+        self.processes: dict = {}
+
+    def check(self, interruptible: bool = True) -> None:
+        """Raises KeyboardInterrupt after Ctrl-C, ProcessFailed when a learner failed or died."""
+        if self.stop_requested and interruptible:
+            raise KeyboardInterrupt  # at a safe point, never inside a transfer
+        dead = [role for role, process in self.processes.items() if not process.is_alive()]
+        if self.stop.is_set() or dead:
+            self.stop.set()
+            errors = sorted(self.run_dir.glob("*_error.txt"))
+            if errors:
+                raise ProcessFailed(errors[0].read_text().rstrip())
+            code = self.processes[dead[0]].exitcode if dead else None
+            signal_note = f", killed by signal {-code}" if code and code < 0 else ""
+            name = ROLES[dead[0]] if dead else "learner"
+            raise ProcessFailed(f"the {name} process stopped (exit code {code}{signal_note})")
+
+    def wait_for(self, condition, timeout: float = float("inf"), interruptible: bool = True) -> float:
+        """Waits (bounded) until condition() holds, at safe points. Returns the seconds waited."""
+        start = time.time()
+        while not condition():
+            self.check(interruptible)
+            if time.time() - start > timeout:
+                raise TimeoutError(f"the learners did not answer within {timeout:.0f} s")
+            time.sleep(POLL_S)
+        return time.time() - start
+
+
+def to_env_action(action: torch.Tensor, bounds: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """The policy's action in [-1, 1]^d, scaled to the env's action space [low, high]."""
+    low, high = bounds
+    return low + (action + 1.0) * 0.5 * (high - low)
+
+
 @torch.no_grad()
-def evaluate(policy: Policy, eval_envs, obs_stats, horizon: int, seed: int, act_low, act_high, check) -> dict:
+def evaluate(policy: Policy, eval_envs, obs_rms: RunningMeanStd, bounds, horizon: int, seed: int, check) -> dict:
     """One H-step episode of every eval env with the deterministic policy (no exploration noise; ManiSkill's protocol:
-    a termination does not end an evaluation episode). Means over the eval envs of the return (unscaled) and of
-    success at any step (success_once) and at the last step (success_at_end)."""
+    a termination does not end an evaluation episode), calling check() at every step (Ctrl-C ends an evaluation too).
+    Means over the eval envs of the return (unscaled) and of success at any step (success_once) and at the last step
+    (success_at_end), and the seconds it took (synchronized by .item())."""
+    start = time.time()
     obs, _ = eval_envs.reset(seed=seed)
     ret, success_once = 0.0, False
     for _ in range(horizon):
-        check()  # Ctrl-C ends an evaluation too
-        action = act_low + (policy(normalize_obs(obs, obs_stats)) + 1.0) * 0.5 * (act_high - act_low)
-        obs, reward, terminated, truncated, info = eval_envs.step(action)
+        check()
+        obs, reward, terminated, truncated, info = eval_envs.step(to_env_action(policy(obs_rms.normalize(obs)), bounds))
         ret, success_once = ret + reward, success_once | info["success"]
     return {
-        "return": ret.mean().item(),
-        "success_once": success_once.float().mean().item(),
-        "success_at_end": info["success"].float().mean().item(),
-        "episode_len": horizon,
+        "eval/return": ret.mean().item(),
+        "eval/success_once": success_once.float().mean().item(),
+        "eval/success_at_end": info["success"].float().mean().item(),
+        "eval/episode_len": horizon,
+        "time/eval": time.time() - start,
     }
+
+
+def save_checkpoint(path: Path, args, supervisor, counters, serial, obs_rms, global_step, iteration) -> None:
+    """CONVENTIONS.md's layout: {"model": {policy, critic, critic_target}, "optimizer": {policy, critic}, "global_step",
+    "iteration" (Actor steps), "obs_rms", "args"}; not the replay buffers (up to 2 x 5M entries): a resumed run refills
+    them. The learner processes write their parts to files when asked (`serial`: SerialLearners, here). Written to a
+    temporary file, then renamed."""
+    if serial is None:
+        counters.add("checkpoint_requests")
+        request = counters.checkpoint_requests
+        served = lambda: min(counters.v_learner_served, counters.p_learner_served) >= request  # noqa: E731
+        supervisor.wait_for(served, timeout=60.0, interruptible=False)
+        parts = []
+        for role in ROLES:
+            parts.append(torch.load(supervisor.run_dir / f"{role}_state.pt", map_location="cpu", weights_only=True))
+            (supervisor.run_dir / f"{role}_state.pt").unlink()
+    else:
+        parts = [serial.v_learner.state_dict(), serial.p_learner.state_dict()]
+    state = {"model": {}, "optimizer": {}, "global_step": global_step, "iteration": iteration}
+    for part in parts:
+        state["model"].update(part["model"])
+        state["optimizer"].update(part["optimizer"])
+    state.update(obs_rms=vars(obs_rms), args=json.dumps(asdict(args)))  # obs_rms: its mean, var and count
+    temporary = path.with_name(path.name + ".tmp")
+    torch.save(state, temporary)
+    os.replace(temporary, path)
+
+
+def check_buffer_memory(args: Args, obs_dim: int, act_dim: int, capacity: int) -> None:
+    """The replay buffers of both learners must fit in the free memory of their devices (else ArgsError)."""
+    needed = {args.v_learner_device: 0, args.p_learner_device: 0}  # bytes of replay buffer on each device:
+    needed[args.v_learner_device] += capacity * 4 * (2 * obs_dim + act_dim + 2)  # V-learner: s, s', a, r, discount
+    needed[args.p_learner_device] += capacity * 4 * obs_dim  # P-learner: s
+    free_on_cpu = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    for device, bytes_needed in needed.items():
+        free = torch.cuda.mem_get_info(device)[0] if torch.device(device).type == "cuda" else free_on_cpu
+        if bytes_needed > free:
+            raise ArgsError(
+                f"--buffer-size {args.buffer_size}: the replay buffers need {bytes_needed / 2**30:.1f} "
+                f"GiB on {device}, {free / 2**30:.1f} GiB free; use a smaller --buffer-size"
+            )
 
 
 # ---- The Actor (Alg. 1): the main process ----------------------------------------------------------------------------
@@ -867,7 +1024,6 @@ def main(args: Args) -> dict:
     torch.set_num_threads(threads)
     torch.backends.cudnn.deterministic = args.torch_deterministic
     device = torch.device(args.actor_device)
-    k_v = round(1 / args.beta_a_v)
     if args.track:
         import wandb
 
@@ -882,224 +1038,103 @@ def main(args: Args) -> dict:
     writer = SummaryWriter(str(run_dir))
     last: dict[str, float] = {}  # the last value of every scalar, for summary.json
 
-    def log(name: str, value, step: int) -> None:
-        writer.add_scalar(name, float(value), step)
-        last[name] = float(value)
+    def log(values: dict) -> None:
+        for name, value in values.items():
+            writer.add_scalar(name, float(value), global_step)
+            last[name] = float(value)
 
     summary: dict = {"interrupted": False, "eval_time_s": 0.0}
-    envs = eval_envs = None
-    processes: dict = {}
-    counters = torch.zeros(6, dtype=torch.int64).share_memory_()  # A, V, P, checkpoint requests and serves
-    losses = torch.zeros(3, dtype=torch.float64).share_memory_()  # the learners' last losses, at V and P
-    actor_step = global_step = start_step = 0  # Actor steps and env steps taken; env steps before this run
+    envs = eval_envs = serial = None
+    counters = SharedCounters()
     ctx = mp.get_context("spawn")
-    stop = ctx.Event()
+    supervisor = Supervisor(run_dir, stop_requested, ctx.Event())
+    iteration = global_step = start_step = 0  # Actor steps and env steps taken; env steps before this run
     start_time = time.time()
     learners_ready = False
-
-    def check(interruptible: bool = True) -> None:
-        """A safe point: raises KeyboardInterrupt after Ctrl-C, ProcessFailed when a learner failed or died."""
-        if stop_requested and interruptible:
-            raise KeyboardInterrupt  # at a safe point, never inside a transfer
-        dead = [role for role, process in processes.items() if not process.is_alive()]
-        if stop.is_set() or dead:
-            stop.set()
-            errors = sorted(run_dir.glob("*_error.txt"))  # a failing learner writes its traceback, then sets `stop`
-            code = processes[dead[0]].exitcode if dead else None
-            raise ProcessFailed(
-                errors[0].read_text().rstrip()
-                if errors
-                else f"the {ROLES[dead[0]] if dead else 'learner'} process stopped (exit code {code}"
-                f"{f', killed by signal {-code}' if code and code < 0 else ''})"
-            )
-
-    def wait_for(condition, timeout: float = float("inf"), interruptible: bool = True) -> None:
-        """Waits (bounded) until condition() holds, at safe points."""
-        start = time.time()
-        while not condition():
-            check(interruptible)
-            if time.time() - start > timeout:
-                raise TimeoutError(f"the learners did not answer within {timeout:.0f} s")
-            time.sleep(POLL_S)
-
     try:
+        # ---- build: envs, networks, the learners ------------------------------------------------------------------
         eval_envs = make_env(args, args.num_eval_envs, device, evaluation=True)
-        check()  # a Ctrl-C during start-up ends the run before the training envs are built
+        supervisor.check()  # a Ctrl-C during start-up ends the run before the training envs are built
         obs_dim = int(np.prod(eval_envs.single_observation_space.shape))
         act_dim = int(np.prod(eval_envs.single_action_space.shape))
-        act_low, act_high = (
-            torch.as_tensor(x, dtype=torch.float32, device=device)
-            for x in (eval_envs.single_action_space.low, eval_envs.single_action_space.high)
-        )
+        space = eval_envs.single_action_space
+        bounds = tuple(torch.as_tensor(x, dtype=torch.float32, device=device) for x in (space.low, space.high))
         policy, critic, ckpt = initial_networks(args, obs_dim, act_dim, device)
         obs_rms = RunningMeanStd((obs_dim,), device)
         if ckpt is not None:
-            actor_step, global_step, start_step = ckpt["actor_step"], ckpt["global_step"], ckpt["global_step"]
+            iteration, global_step, start_step = ckpt["iteration"], ckpt["global_step"], ckpt["global_step"]
             obs_rms.mean, obs_rms.var, obs_rms.count = (ckpt["obs_rms"][k].to(device) for k in ("mean", "var", "count"))
-        obs_stats = (obs_rms.mean, obs_rms.var)  # updated in place (with --norm-obs)
-
-        def run_eval(final: bool = False) -> None:
-            start = time.time()
-            metrics = evaluate(
-                policy,
-                eval_envs,
-                obs_stats,
-                args.resolved_horizon,
-                args.seed + 10_000 + actor_step,
-                act_low,
-                act_high,
-                check,
-            )
-            summary["eval_time_s"] += time.time() - start  # the learners idle meanwhile
-            log("time/eval", time.time() - start, global_step)  # seconds of this evaluation (synchronized by .item())
-            for k, v in metrics.items():
-                log(f"eval/{k}", v, global_step)
-            if args.evaluate:
-                print(" ".join(f"eval/{k}={v:.4f}" for k, v in metrics.items()))
-            elif args.save_model and (final or actor_step > first_step):
-                save(run_dir / ("final_ckpt.pt" if final else f"ckpt_{global_step}.pt"))
-
-        def save(path: Path) -> None:
-            """Policy and its optimizer (P-learner), Q functions, their targets and optimizer (V-learner), the
-            normalizer and the counters; not the replay buffers (up to 2 x 5M entries): a resumed run refills them.
-            The learners write their parts to files when asked; written to a temporary file and renamed."""
-            if parallel:
-                counters[CKPT_REQUEST] += 1
-                request = int(counters[CKPT_REQUEST])
-                wait_for(
-                    lambda: counters[CKPT_SERVED_V] >= request and counters[CKPT_SERVED_P] >= request,
-                    timeout=60.0,
-                    interruptible=False,
-                )
-                state = {}
-                for role in ROLES:
-                    state.update(torch.load(run_dir / f"{role}_state.pt", map_location="cpu", weights_only=True))
-                    (run_dir / f"{role}_state.pt").unlink()
-            else:
-                state = {**v_learner.state_dict(), **p_learner.state_dict()}
-            state.update(
-                global_step=global_step, actor_step=actor_step, args=json.dumps(asdict(args)), obs_rms=vars(obs_rms)
-            )  # its mean, var and count
-            torch.save(state, path.with_name(path.name + ".tmp"))
-            os.replace(path.with_name(path.name + ".tmp"), path)
-
+        evaluation = partial(
+            evaluate, policy, eval_envs, obs_rms, bounds, args.resolved_horizon, check=supervisor.check
+        )
         if args.evaluate:
-            run_eval()
+            log(evaluation(seed=args.seed + 10_000 + iteration))
+            print(" ".join(f"{k}={v:.4f}" for k, v in last.items() if k.startswith("eval/")))
             return summary
 
         capacity = min(args.buffer_size, args.num_actor_steps * args.num_envs)
-        needed = {args.v_learner_device: 0, args.p_learner_device: 0}  # bytes of replay buffer on each device:
-        needed[args.v_learner_device] += capacity * 4 * (2 * obs_dim + act_dim + 2)  # V-learner: s, s', a, r, discount
-        needed[args.p_learner_device] += capacity * 4 * obs_dim  # P-learner: s
-        for buffer_device, bytes_needed in needed.items():
-            free = (
-                torch.cuda.mem_get_info(buffer_device)[0]
-                if torch.device(buffer_device).type == "cuda"
-                else os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-            )
-            if bytes_needed > free:
-                raise ArgsError(
-                    f"--buffer-size {args.buffer_size}: the replay buffers need {bytes_needed / 2**30:.1f} "
-                    f"GiB on {buffer_device}, {free / 2**30:.1f} GiB free; use a smaller --buffer-size"
-                )
+        check_buffer_memory(args, obs_dim, act_dim, capacity)
         envs = make_env(args, args.num_envs, device, evaluation=False)
-        first_step = actor_step
+        first_step = iteration
         critic_vector = parameters_to_vector(critic.parameters()).detach().to(args.p_learner_device)
-        if parallel:  # Sec. 3.1: the V-learner and the P-learner as two processes
-            # what travels each Actor step (float32): to the V-learner (Alg. 3) and the P-learner (Alg. 2), and back
-            n, stats = args.num_envs, {"obs_mean": (obs_dim,), "obs_var": (obs_dim,)}
-            policy_numel, critic_numel = sum(p.numel() for p in policy.parameters()), critic_vector.numel()
-            to_shapes = {
-                "v_learner": {
-                    "obs": (n, obs_dim),
-                    "action": (n, act_dim),
-                    "reward": (n,),
-                    "next_obs": (n, obs_dim),
-                    "discount": (n,),
-                    "policy": (policy_numel,),
-                    **stats,
-                },
-                "p_learner": {"obs": (n, obs_dim), "critic": (critic_numel,), **stats},
-            }
-            back_shapes = {"v_learner": {"critic": (critic_numel,)}, "p_learner": {"policy": (policy_numel,)}}
-            to_learner = {role: SlotRing(to_shapes[role], getattr(args, f"{role}_device"), 4) for role in ROLES}
-            from_learner = {role: SlotRing(back_shapes[role], getattr(args, f"{role}_device"), 2) for role in ROLES}
-            for role in ROLES:
-                processes[role] = ctx.Process(
-                    target=learner_process,
-                    name=f"pql-{role}",
-                    daemon=True,
-                    args=(
-                        role,
-                        args,
-                        obs_dim,
-                        act_dim,
-                        capacity,
-                        to_learner[role],
-                        from_learner[role],
-                        counters,
-                        losses,
-                        stop,
-                        str(run_dir),
-                        threads,
-                    ),
-                )
-            # SIGINT blocked while they start: the learners inherit the blocked signal (they never see Ctrl-C),
-            # the Actor gets it when it unblocks
-            signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
-            for process in processes.values():
-                process.start()
-            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
-            for role, process in processes.items():
-                print(f"{ROLES[role]} started: pid {process.pid}", flush=True)
-        else:  # --ddpg-n, --sequential: both learners in this process
-            v_learner = VLearner(args, obs_dim, act_dim, capacity, torch.device(args.v_learner_device))
-            p_learner = PLearner(
-                args, obs_dim, act_dim, 0 if args.ddpg_n else capacity, torch.device(args.p_learner_device)
-            )
-            if args.ddpg_n:  # live networks: one policy and one critic, no lag, no copies
-                v_learner.policy, p_learner.critic = p_learner.policy, v_learner.critic
-            qf_loss = actor_loss = torch.zeros((), device=args.v_learner_device)
+        sizes = (obs_dim, act_dim, capacity)
+        if parallel:
+            numels = {"policy": sum(p.numel() for p in policy.parameters()), "critic": critic_vector.numel()}
+            to_learner, from_learner = start_learners(args, ctx, supervisor, counters, sizes, numels, threads)
+        else:
+            serial = SerialLearners(args, sizes)
         learners_ready = True
 
-        # ---- the Actor loop (Alg. 1) ----------------------------------------------------------------------------
         N = args.num_envs
         sigmas = mixed_exploration_sigmas(N, args.sigma_min, args.sigma_max, device)  # Sec. 3.3
         assembler = NStepAssembler(args.nstep, args.gamma, args.bootstrap_at_done)
-        raw_obs, _ = envs.reset(seed=args.seed + actor_step)
+        raw_obs, _ = envs.reset(seed=args.seed + iteration)
         ep_return, ep_len = torch.zeros(N, device=device), torch.zeros(N, dtype=torch.long, device=device)
         success_once = torch.zeros(N, dtype=torch.bool, device=device)
         episodes = torch.zeros(4, device=device)  # count, return, length, success of the episodes since the last log
         warm_up_end = first_step + max(args.warm_up_steps, args.nstep - 1)  # learning starts after the warm-up
+        timers = {"time/rollout": 0.0, "time/update": 0.0}  # seconds since the last log
+        while iteration < args.num_actor_steps:
+            # ---- 1. evaluate (and checkpoint) every --eval-freq Actor steps --------------------------------------
+            supervisor.check()
+            if (iteration - first_step) % args.eval_freq == 0:
+                metrics = evaluation(seed=args.seed + 10_000 + iteration)  # the learners idle meanwhile
+                summary["eval_time_s"] += metrics["time/eval"]
+                log(metrics)
+                if args.save_model and iteration > first_step:
+                    path = run_dir / f"ckpt_{global_step}.pt"
+                    save_checkpoint(path, args, supervisor, counters, serial, obs_rms, global_step, iteration)
+            learning = iteration >= warm_up_end
 
-        while actor_step < args.num_actor_steps:
-            check()
-            if (actor_step - first_step) % args.eval_freq == 0:
-                run_eval()
-            learning = actor_step >= warm_up_end
+            # ---- 2. the learners' newest networks (Alg. 1); Sec. 3.2: wait while ahead of the V-learner -----------
             if parallel:
-                if learning:  # Sec. 3.2: wait while ahead of the V-learner
-                    wait_for(lambda: actor_may_step(int(counters[A]), int(counters[V]), args.beta_a_v))
+                if learning:
+                    timers["time/update"] += supervisor.wait_for(
+                        lambda: actor_may_step(counters.actor_steps, counters.v_updates, args.beta_a_v)
+                    )
                 from_learner["p_learner"].take(lambda slot: load_vector(policy, slot["policy"]), newest_only=True)
                 from_learner["v_learner"].take(lambda slot: critic_vector.copy_(slot["critic"]), newest_only=True)
             else:
-                load_vector(policy, network_for_the_others("p_learner", p_learner)["policy"])
-                critic_vector = network_for_the_others("v_learner", v_learner)["critic"]
+                load_vector(policy, network_for_the_others("p_learner", serial.p_learner)["policy"])
+                critic_vector = network_for_the_others("v_learner", serial.v_learner)["critic"]
 
+            # ---- 3. act: warm-up actions, then pi(s) + N(0, sigma_i^2), sigma_i fixed per env (Sec. 3.3) ----------
+            step_start = time.time()
             with torch.no_grad():
-                if actor_step < warm_up_end and ckpt is None:  # Table B.1 warm-up: uniform random actions
+                if iteration < warm_up_end and ckpt is None:  # Table B.1 warm-up: uniform random actions
                     action = torch.rand((N, act_dim), device=device) * 2.0 - 1.0
-                else:  # Sec. 3.3: pi(s) + N(0, sigma_i^2), sigma_i fixed per env
-                    action = explore(policy(normalize_obs(raw_obs, obs_stats)), sigmas)
-            next_raw, reward, terminated, truncated, info = envs.step(
-                act_low + (action + 1.0) * 0.5 * (act_high - act_low)
-            )
+                else:
+                    action = explore(policy(obs_rms.normalize(raw_obs)), sigmas)
+            next_raw, reward, terminated, truncated, info = envs.step(to_env_action(action, bounds))
             # the true next observation: where an env reset in this step (same-step autoreset), info["final_obs"]
             true_next = torch.where(info["_final_obs"][:, None], info["final_obs"].reshape(N, -1), next_raw)
             transitions = assembler.push(raw_obs, action, reward * args.reward_scale, terminated, truncated, true_next)
             if args.norm_obs:
                 obs_rms.update(next_raw)
-            if transitions is not None:  # Alg. 1: send data, the normalizer and the newest networks
+            raw_obs = next_raw
+
+            # ---- 4. send data, the normalizer and the newest networks (Alg. 1) -------------------------------------
+            if transitions is not None:
                 normalizer = {"obs_mean": obs_rms.mean, "obs_var": obs_rms.var}
                 policy_vector = parameters_to_vector(policy.parameters())
                 messages = {
@@ -1108,35 +1143,21 @@ def main(args: Args) -> dict:
                 }
                 if parallel:
                     for role in ROLES:
-                        wait_for(to_learner[role].has_room)
+                        timers["time/update"] += supervisor.wait_for(to_learner[role].has_room)
                         to_learner[role].put(messages[role])
                 else:
-                    v_learner.receive({k: t.to(args.v_learner_device) for k, t in messages["v_learner"].items()})
-                    if args.sequential:
-                        p_learner.receive({k: t.to(args.p_learner_device) for k, t in messages["p_learner"].items()})
+                    serial.send(messages)
             if learning:
-                counters[A] += 1
-            if learning and args.ddpg_n:  # DDPG(n): k_v x (critic update, actor update on the same batch)
-                for _ in range(k_v):
-                    qf_loss, obs_batch = v_learner.update()
-                    actor_loss = p_learner.update(obs_batch)
-                counters[V] += k_v
-                counters[P] += k_v
-            elif learning and args.sequential:  # PQL's schedule in one process: p:v ratio, lagged networks
-                while True:
-                    if p_may_update(int(counters[P]), int(counters[V]), args.beta_p_v):
-                        actor_loss = p_learner.update()
-                        counters[P] += 1
-                    elif v_may_update(*counters[[V, A, P]].tolist(), args.beta_a_v, args.beta_p_v):
-                        qf_loss = v_learner.update()[0]
-                        counters[V] += 1
-                    else:
-                        break
-            if learning and not parallel:
-                losses[[V, P]] = torch.stack([qf_loss, actor_loss.to(qf_loss.device)]).double().cpu()
-            raw_obs = next_raw
+                counters.add("actor_steps")
+            timers["time/rollout"] += time.time() - step_start
 
-            # episode statistics (unscaled rewards) of the training episodes
+            # ---- (the baselines of Sec. 4.1, --ddpg-n and --sequential: the updates, here, serially) ----------------
+            if learning and serial is not None:
+                update_start = time.time()
+                serial.update(counters)
+                timers["time/update"] += time.time() - update_start
+
+            # ---- 5. episode statistics (unscaled rewards) and the log ----------------------------------------------
             done = terminated | truncated
             ep_return += reward
             ep_len += 1
@@ -1146,55 +1167,59 @@ def main(args: Args) -> dict:
             ).float()
             ep_return, ep_len = ep_return * ~done, ep_len * ~done
             success_once &= ~done
-            actor_step += 1
+            iteration += 1
             global_step += N
-
-            if actor_step % LOG_EVERY == 0:
-                log(
-                    "charts/SPS", (global_step - start_step) / (time.time() - start_time), global_step
-                )  # since the start
-                if episodes[0] > 0:
-                    for i, name in ((1, "episodic_return"), (2, "episodic_length"), (3, "success_rate")):
-                        log(f"charts/{name}", episodes[i] / episodes[0], global_step)
-                steps, v_updates, p_updates = counters[:3].tolist()
-                if v_updates > 0:  # the measured speed ratios (Sec. 3.2)
-                    log("pql/ratio_a_v", steps / v_updates, global_step)
-                    log("pql/ratio_p_v", p_updates / v_updates, global_step)
-                for index, name in ((V, "losses/qf_loss"), (P, "losses/actor_loss")):
-                    if counters[index] > 0:  # the learner's last loss
-                        log(name, losses[index], global_step)
+            if iteration % LOG_EVERY == 0:
+                count, returns, lengths, successes = episodes.tolist()  # (on CUDA: synchronizes before the timers)
+                sps = (global_step - start_step) / (time.time() - start_time)  # since the start
+                log({"charts/SPS": sps, **timers})
+                if count > 0:
+                    log({"charts/episodic_return": returns / count, "charts/episodic_length": lengths / count})
+                    log({"charts/success_rate": successes / count})
+                if counters.v_updates > 0:  # the measured speed ratios (Sec. 3.2)
+                    log({"pql/ratio_a_v": counters.actor_steps / counters.v_updates})
+                    log({"pql/ratio_p_v": counters.p_updates / counters.v_updates})
+                if parallel:  # each learner's last loss
+                    losses = {"losses/qf_loss": (counters.v_updates, counters.v_learner_loss)}
+                    losses["losses/actor_loss"] = (counters.p_updates, counters.p_learner_loss)
+                    log({name: loss for name, (updates, loss) in losses.items() if updates > 0})
+                else:
+                    log(serial.losses)
                 episodes.zero_()
+                timers = dict.fromkeys(timers, 0.0)
 
-        if parallel:  # the learners finish the updates the last Actor steps paid for
-            wait_for(
-                lambda: (
-                    not v_may_update(*counters[[V, A, P]].tolist(), args.beta_a_v, args.beta_p_v)
-                    and not p_may_update(int(counters[P]), int(counters[V]), args.beta_p_v)
-                )
-            )
+        # ---- the end: the learners finish the updates the last Actor steps paid for; the final evaluation ---------
+        if parallel:
+            supervisor.wait_for(lambda: not any(may_update(role, counters, args) for role in ROLES))
             from_learner["p_learner"].take(lambda slot: load_vector(policy, slot["policy"]), newest_only=True)
         else:
-            load_vector(policy, network_for_the_others("p_learner", p_learner)["policy"])
-        run_eval(final=True)
+            load_vector(policy, network_for_the_others("p_learner", serial.p_learner)["policy"])
+        metrics = evaluation(seed=args.seed + 10_000 + iteration)
+        summary["eval_time_s"] += metrics["time/eval"]
+        log(metrics)
+        if args.save_model:
+            final = run_dir / "final_ckpt.pt"
+            save_checkpoint(final, args, supervisor, counters, serial, obs_rms, global_step, iteration)
     except KeyboardInterrupt:
         summary["interrupted"] = True
         print("interrupted: writing summary.json" + (" and a checkpoint" if args.save_model else ""), flush=True)
-        if args.save_model and learners_ready:
-            save(run_dir / "final_ckpt.pt")  # (a learner that cannot answer: ProcessFailed or TimeoutError, exit 1)
+        if args.save_model and learners_ready:  # (a learner that cannot answer: ProcessFailed or TimeoutError, exit 1)
+            final = run_dir / "final_ckpt.pt"
+            save_checkpoint(final, args, supervisor, counters, serial, obs_rms, global_step, iteration)
+
     finally:
         wall = time.time() - start_time
-        summary.update(
-            global_step=global_step, actor_steps=actor_step, wall_time_s=wall, sps=(global_step - start_step) / wall
-        )
-        summary.update(last)
-        steps, v_updates, p_updates = counters[:3].tolist()
-        summary.update({"pql/learning_steps": steps, "pql/v_updates": v_updates, "pql/p_updates": p_updates})
-        if v_updates > 0:
-            summary.update({"pql/ratio_a_v": steps / v_updates, "pql/ratio_p_v": p_updates / v_updates})
+        summary.update(global_step=global_step, iteration=iteration, wall_time_s=wall)
+        summary.update(sps=(global_step - start_step) / wall, **last)
+        summary["pql/learning_steps"] = counters.actor_steps
+        summary.update({"pql/v_updates": counters.v_updates, "pql/p_updates": counters.p_updates})
+        if counters.v_updates > 0:
+            summary["pql/ratio_a_v"] = counters.actor_steps / counters.v_updates
+            summary["pql/ratio_p_v"] = counters.p_updates / counters.v_updates
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         writer.close()
-        stop.set()  # every wait below is bounded
-        for process in processes.values():
+        supervisor.stop.set()  # every wait below is bounded
+        for process in supervisor.processes.values():
             process.join(timeout=5.0)
             process.kill()  # (nothing happens to one that has ended)
         for env in (envs, eval_envs):

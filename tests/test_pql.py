@@ -287,31 +287,30 @@ def test_the_v_learner_process_sends_back_its_online_critic(tmp_path):
     outbox = pql.SlotRing({"critic": (critic_numel,)}, "cpu", 2)
     message = {k: torch.rand_like(slot) for k, slot in inbox.slots[0].items() if k != "obs_var"}
     message["obs_var"] = torch.ones(10)
-    counters = torch.zeros(6, dtype=torch.int64).share_memory_()
-    losses = torch.zeros(3, dtype=torch.float64).share_memory_()
-    counters[pql.P] = 100  # the P-learner never holds the V-learner back here
+    counters = pql.SharedCounters()
+    counters.p_updates = 100  # the P-learner never holds the V-learner back here
     ctx = torch.multiprocessing.get_context("spawn")
     stop = ctx.Event()
     process = ctx.Process(
         target=pql.learner_process,
-        args=("v_learner", args, 10, 4, 64, inbox, outbox, counters, losses, stop, str(tmp_path), 1),
+        args=("v_learner", args, (10, 4, 64), inbox, outbox, counters, stop, str(tmp_path), 1),
         daemon=True,
     )
     process.start()
     try:
         inbox.put(message)
-        counters[pql.A] = 1  # one Actor step: 8 V-updates (beta_a:v = 1:8)
-        wait_until(lambda: int(counters[pql.V]) == 8, "8 V-updates")
+        counters.actor_steps = 1  # one Actor step: 8 V-updates (beta_a:v = 1:8)
+        wait_until(lambda: counters.v_updates == 8, "8 V-updates")
         inbox.put(message)
         wait_until(lambda: int(outbox.counters[0]) == 2, "the answer to the second message")
-        counters[pql.CKPT_REQUEST] = 1
-        wait_until(lambda: int(counters[pql.CKPT_SERVED_V]) == 1, "the checkpoint")
-        assert int(counters[pql.V]) == 8  # no update since the answer
+        counters.checkpoint_requests = 1
+        wait_until(lambda: counters.v_learner_served == 1, "the checkpoint")
+        assert counters.v_updates == 8  # no update since the answer
         state = torch.load(tmp_path / "v_learner_state.pt", weights_only=True)
-        critic.load_state_dict(state["critic"])
+        critic.load_state_dict(state["model"]["critic"])
         sent = outbox.slots[1]["critic"]
         assert torch.equal(sent, torch.nn.utils.parameters_to_vector(critic.parameters()))
-        critic.load_state_dict(state["critic_target"])
+        critic.load_state_dict(state["model"]["critic_target"])
         assert not torch.allclose(sent, torch.nn.utils.parameters_to_vector(critic.parameters()))
     finally:
         stop.set()
@@ -592,7 +591,7 @@ def test_toy_chain_smoke(tmp_path, mode, device):
     proc = run_script(args, tmp_path)
     run_dir = only_run_dir(tmp_path)
     summary, config = read_summary(run_dir), json.load(open(os.path.join(run_dir, "config.json")))
-    assert summary["global_step"] == 32 * 60 and summary["actor_steps"] == 60 and summary["sps"] > 0
+    assert summary["global_step"] == 32 * 60 and summary["iteration"] == 60 and summary["sps"] > 0
     assert config["bootstrap_at_done"] == "truncated"  # the toy chain's default
     assert config["actor_device"] == ("cpu" if device == "cpu" else "cuda")
     # 60 Actor steps, learning from step 8: 52 learning steps, 8 V-updates each; PQL's schedule (parallel and its
@@ -717,7 +716,7 @@ def test_the_actor_loop_makes_no_host_sync_per_env_step(actor_run):
     two env steps pql.py's lines make no host sync, except where the loop logs (every LOG_EVERY steps: it reads the
     episode statistics) or evaluates; measured: 0 syncs between all other steps, 160 of the 199 gaps."""
     args, summary, steps = actor_run
-    assert summary["actor_steps"] == len(steps) == 200
+    assert summary["iteration"] == len(steps) == 200
     gaps = [(t, after[2] - before[2]) for t, (before, after) in enumerate(zip(steps, steps[1:]))]
     quiet = [count for t, count in gaps if (t + 1) % pql.LOG_EVERY != 0 and (t + 1) % args.eval_freq != 0]
     assert len(quiet) == 160 and sum(quiet) == 0, [(t, count) for t, count in gaps if count]
@@ -735,7 +734,7 @@ def test_the_actor_explores_each_env_with_its_own_sigma(actor_run):
     obs_dim = obs.shape[-1]
     policy, _, _ = pql.initial_networks(args, obs_dim, args.toy.action_dim, "cpu")
     with torch.no_grad():
-        noise = actions - policy(pql.normalize_obs(obs, (torch.zeros(obs_dim), torch.ones(obs_dim))))
+        noise = actions - policy(pql.RunningMeanStd((obs_dim,), "cpu").normalize(obs))  # the initial statistics
     measured = noise.transpose(0, 1).reshape(args.num_envs, -1).std(1)
     assert (actions.abs() < 1.0).all()  # nothing clipped: the std is the noise's
     print("measured / sigma:", (measured / pql.mixed_exploration_sigmas(16, 0.02, 0.2)).tolist())
@@ -796,15 +795,16 @@ def learned_and_true_q(run_dir, gamma, bootstrap_last):
     toy = ToyChainContinuousConfig(**config["toy"])
     policy = pql.Policy(toy.horizon, toy.action_dim, tuple(config["hidden_dims"]))
     critic = pql.Critic(toy.horizon, toy.action_dim, tuple(config["hidden_dims"]))
-    policy.load_state_dict(ckpt["policy"])
-    critic.load_state_dict(ckpt["critic"])
-    stats = (ckpt["obs_rms"]["mean"], ckpt["obs_rms"]["var"])
+    policy.load_state_dict(ckpt["model"]["policy"])
+    critic.load_state_dict(ckpt["model"]["critic"])
+    obs_rms = pql.RunningMeanStd(ckpt["obs_rms"]["mean"].shape, "cpu")
+    obs_rms.mean, obs_rms.var = ckpt["obs_rms"]["mean"], ckpt["obs_rms"]["var"]
     env = gym.make_vec(pql.TOY_ENV_ID, num_envs=1, config=toy, device="cpu")
     obs, _ = env.reset(seed=0)
     learned, rewards = [], []
     with torch.no_grad():
         for _ in range(toy.horizon):
-            normalized = pql.normalize_obs(obs, stats)
+            normalized = obs_rms.normalize(obs)
             action = policy(normalized)
             learned.append(torch.min(*critic.q_values(normalized, action)).item())
             obs, reward, *_ = env.step(action)
@@ -921,19 +921,15 @@ def test_save_model_then_evaluate_then_resume(tmp_path):
     ckpts = sorted(os.path.basename(p) for p in glob.glob(os.path.join(run_dir, "*.pt")))
     assert ckpts == ["ckpt_640.pt", "final_ckpt.pt"]
     ckpt = torch.load(os.path.join(run_dir, "final_ckpt.pt"), weights_only=True)
-    assert set(ckpt) >= {
+    assert set(ckpt) == {"model", "optimizer", "global_step", "iteration", "obs_rms", "args"}  # CONVENTIONS.md
+    assert set(ckpt["model"]) == {"policy", "critic", "critic_target"} and set(ckpt["optimizer"]) == {
         "policy",
-        "policy_optimizer",
         "critic",
-        "critic_target",
-        "critic_optimizer",
-        "obs_rms",
-        "args",
-        "global_step",
-        "actor_step",
     }
-    assert ckpt["global_step"] == 1280 and ckpt["policy_optimizer"]["state"] and ckpt["critic_optimizer"]["state"]
-    assert ckpt["critic"]["q1.0.weight"].shape == (256, 10 + 4) and ckpt["critic"]["q1.4.weight"].shape[0] == 51
+    assert set(ckpt["obs_rms"]) == {"mean", "var", "count"} and ckpt["iteration"] == 40
+    assert ckpt["global_step"] == 1280 and ckpt["optimizer"]["policy"]["state"] and ckpt["optimizer"]["critic"]["state"]
+    critic = ckpt["model"]["critic"]
+    assert critic["q1.0.weight"].shape == (256, 10 + 4) and critic["q1.4.weight"].shape[0] == 51
     assert "eval/return" in read_summary(run_dir)
 
     second = tmp_path / "second"
@@ -959,7 +955,7 @@ def test_save_model_then_evaluate_then_resume(tmp_path):
         third,
     )
     resumed = read_summary(only_run_dir(third))
-    assert resumed["global_step"] == 32 * 60 and resumed["actor_steps"] == 60
+    assert resumed["global_step"] == 32 * 60 and resumed["iteration"] == 60
     # the replay buffers are not saved: 8 warm-up steps (with the saved policy) refill them, then 12 learning steps
     assert resumed["pql/learning_steps"] == 12
 
@@ -1067,7 +1063,7 @@ def test_ctrl_c_at_any_moment_ends_the_run_with_summary_checkpoint_and_no_proces
     if moment == "evaluation":
         assert "eval/return" not in summary  # the evaluation did not run to its end
     ckpt = torch.load(os.path.join(run_dir, "final_ckpt.pt"), weights_only=True)
-    assert ckpt["global_step"] == summary["global_step"] and {"policy", "critic_optimizer"} <= set(ckpt)
+    assert ckpt["global_step"] == summary["global_step"] and "policy" in ckpt["model"] and "critic" in ckpt["optimizer"]
     assert not glob.glob(os.path.join(run_dir, "*.tmp")) and not glob.glob(os.path.join(run_dir, "*_state.pt"))
     assert not any(pid_alive(pid) for pid in pids.values())
 
