@@ -20,8 +20,9 @@ Map from the paper to this file
   Sec. 2.2, Fig. 3B  build_sequences, make_minibatches (shuffle sequences, cut into equal-size minibatches)
   Sec. 2.2, Fig. 3C  pack_layout, Agent.evaluate (LSTM over a PackedSequence, each piece from its stored state)
   GAE                compute_gae_packed (over sequences split at rollout and episode boundaries)
-  Sec. 4 "Training"  importance_weights (truncated at 1.0), ppo_update (weighted losses, learned entropy coef.)
-  Sec. 2.3           allreduce_gradients (DD-PPO), optimal_preemption_time (argmax_S S/(Time(S)+LT)),
+  Sec. 4 "Training"  importance_weights (truncated at 1.0), ppo_loss (weighted losses, learned entropy coef.),
+                     ppo_update
+  Sec. 2.3           allreduce_gradients (DD-PPO), optimal_preemption_time (argmax_S S/(Time(S)+LT)), ver_stop_rule,
                      fill_from_previous (a preempted rank's batch is filled with the previous rollout's experience);
                      --sync under torchrun preempts with DD-PPO's own rule instead (--sync-frac)
 Autoreset (autoreset_modes.txt): none in the collector. Each env worker resets its own env in the step that ends an
@@ -61,7 +62,7 @@ import tyro
 from torch.nn.utils.rnn import PackedSequence
 from torch.utils.tensorboard import SummaryWriter
 
-from toy_chain_env import ToyChainVectorEnv, ToyChainWorkerConfig, draw_target_actions
+from toy_chain_env import ToyChainWorkerConfig, ToyChainWorkerEnv, draw_target_actions
 
 
 @dataclass
@@ -135,15 +136,13 @@ class Args:
     recurrent: bool = False
     """an LSTM policy trained on packed sequences (Sec. 2.2, Fig. 3C); default: an MLP"""
 
-    # ---- VER (Sec. 2) ----------------------------------------------------------------------------------------------
+    # ---- VER (Sec. 2), and DD-PPO under torchrun (Sec. 2.3) ----------------------------------------------------------
     variable_experience: bool = True
     """variable experience rollout: T x N steps per rollout from any envs (Sec. 2.2); --no-variable-experience is NoVER: the same workers and dynamic batching, but exactly T steps from every env"""
     sync: bool = False
     """SyncOnRL (DD-PPO's collection): step all envs, wait for all of them, then act; implies NoVER"""
     inference_min_batch: Optional[int] = None
     """dynamic batching: act once this many envs are waiting, or after half a policy step's time (default: N / 1.5, as habitat-lab)"""
-
-    # ---- DD-PPO (Sec. 2.3), launched with torchrun ----------------------------------------------------------------
     sync_frac: float = 0.6
     """DD-PPO's preemption rule (--sync under torchrun): a rank stops collecting once this fraction of the ranks have finished their rollout (and it has a quarter of its own)"""
 
@@ -186,10 +185,6 @@ PRESETS: dict[str, dict] = {
 }
 
 
-# A preemption rule (Sec. 2.3) for Collector.collect: (steps collected, seconds into the rollout) -> stop now.
-StopRule = Callable[[int, float], bool]
-
-
 class ArgsError(ValueError):
     """Bad command-line input, reported before any environment or process starts."""
 
@@ -218,14 +213,10 @@ def resolve_args(args: Args, world_size: Optional[int] = None) -> Args:
 
         if resolved.env_id not in REGISTERED_ENVS:
             raise ArgsError(f"--env-id {resolved.env_id!r}: neither ToyChain-v0 nor a ManiSkill3 task")
-        if not (
-            glob.glob("/usr/share/vulkan/icd.d/*")
-            or glob.glob("/etc/vulkan/icd.d/*")
-            or os.environ.get("VK_ICD_FILENAMES")
-        ):
+        icd_files = glob.glob("/usr/share/vulkan/icd.d/*.json") + glob.glob("/etc/vulkan/icd.d/*.json")
+        if sys.platform.startswith("linux") and not (icd_files or os.environ.get("VK_ICD_FILENAMES")):
             raise ArgsError(
-                f"--env-id {resolved.env_id}: ManiSkill3 needs a Vulkan driver even for state-only "
-                "simulation, and none is installed; on Debian/Ubuntu run: bash .ci/install_system.sh"
+                "ManiSkill3 needs a Vulkan driver, even for state-only simulation: bash .ci/install_system.sh"
             )
     if resolved.evaluate and not resolved.checkpoint:
         raise ArgsError("--evaluate needs --checkpoint PATH")
@@ -246,62 +237,43 @@ def resolve_args(args: Args, world_size: Optional[int] = None) -> Args:
 
 
 # ---- Environments: one env as a worker (or the evaluation loop) steps it ----------------------------------------------
-class EnvAdapter:
-    """One environment with numpy in and out; step() resets an ended episode itself.
+class ManiSkillEnv:
+    """One ManiSkill3 env (CPU simulation) with numpy in and out and the interface of toy_chain_env's
+    ToyChainWorkerEnv: step() resets an ended episode itself and returns (obs, reward, terminated, truncated,
+    final_obs, success), final_obs the true last observation of an episode that ended in this step, else None."""
 
-    step(action) returns (obs, reward, terminated, truncated, final_obs, success): final_obs is the true last
-    observation of an episode that ended in this step (obs is then the first of the next one), else None; success
-    is the task's success flag of this step (False where the env has none)."""
-
-    def __init__(self, env, kind: str):
-        self.env, self.kind = env, kind  # ToyChain: a 1-chain vector env in same_step mode
-        self.observation_space = env.single_observation_space if kind == "toy" else env.observation_space
-        self.action_space = env.single_action_space if kind == "toy" else env.action_space
+    def __init__(self, env):
+        self.env, self.observation_space, self.action_space = env, env.observation_space, env.action_space
 
     def reset(self, seed: Optional[int] = None) -> np.ndarray:
-        obs, _ = self.env.reset(seed=seed)
-        return obs.numpy()[0] if self.kind == "toy" else np.asarray(obs)
+        return np.asarray(self.env.reset(seed=seed)[0])
 
     def step(self, action: np.ndarray):
-        if self.kind == "toy":
-            obs, reward, terminated, truncated, info = self.env.step(torch.as_tensor(action).reshape(1))
-            final = info["final_obs"].numpy()[0] if bool(info["_final_obs"][0]) else None
-            return (
-                obs.numpy()[0],
-                float(reward[0]),
-                bool(terminated[0]),
-                bool(truncated[0]),
-                final,
-                bool(info["success"][0]),
-            )
         action = np.clip(action, self.action_space.low, self.action_space.high)
         obs, reward, terminated, truncated, info = self.env.step(action)
-        final = np.asarray(obs) if terminated or truncated else None
-        if final is not None:
+        final_obs = np.asarray(obs) if terminated or truncated else None
+        if final_obs is not None:
             obs, _ = self.env.reset()
-        return (
-            np.asarray(obs),
-            float(reward),
-            bool(terminated),
-            bool(truncated),
-            final,
-            bool(info.get("success", False)),
-        )
+        success = bool(info.get("success", False))
+        return np.asarray(obs), float(reward), bool(terminated), bool(truncated), final_obs, success
+
+    def close(self) -> None:
+        self.env.close()
 
 
-def make_env(args: Args, evaluation: bool = False, rank: int = 0, env_index: int = 0) -> EnvAdapter:
+def make_env(args: Args, evaluation: bool = False, rank: int = 0, env_index: int = 0):
     """ToyChain-v0 (one chain) or a ManiSkill3 task on CPU simulation (physx_cpu), as env `env_index` of `rank`.
     Evaluation envs of ToyChain simulate without delays, stragglers or crashes; ManiSkill evaluation ignores
     terminations (its success_once/success_at_end protocol)."""
     if args.env_kind == "toy":  # same_step autoreset (resolve_args)
         step_time = 0.0 if evaluation else args.toy.step_time_of(rank, args.world_size, env_index)
         config = replace(args.toy, step_time_mean=step_time, crash_at_step=0 if evaluation else args.toy.crash_at_step)
-        return EnvAdapter(ToyChainVectorEnv(1, config, device="cpu"), "toy")
+        return ToyChainWorkerEnv(config)
     import mani_skill.envs  # noqa: F401  (registers the tasks in this process)
     from mani_skill.utils.wrappers.gymnasium import CPUGymWrapper
 
     env = gym.make(args.env_id, num_envs=1, obs_mode="state", sim_backend="physx_cpu", max_episode_steps=args.horizon)
-    return EnvAdapter(CPUGymWrapper(env, ignore_terminations=evaluation), "maniskill")
+    return ManiSkillEnv(CPUGymWrapper(env, ignore_terminations=evaluation))
 
 
 # ---- Env workers (Sec. 2.1, Fig. 2): processes that write into preallocated shared CPU memory -------------------------
@@ -320,9 +292,8 @@ class SharedSlots:
     busy_time: torch.Tensor  # (N,) float64: seconds the env's last step took in its worker (simulation time)
 
     @staticmethod
-    def allocate(num_envs: int, env: EnvAdapter) -> "SharedSlots":
-        """Slots for num_envs copies of `env`; a Box (ManiSkill) is stored as float32, a Discrete space (ToyChain) as
-        its int64 index."""
+    def allocate(num_envs: int, env) -> "SharedSlots":
+        """Slots for num_envs copies of `env`: a Box (ManiSkill) as float32, a Discrete space (ToyChain) as int64."""
 
         def shared(shape, dtype):
             return torch.zeros((num_envs, *shape), dtype=dtype).share_memory_()
@@ -380,10 +351,8 @@ class EnvWorkers:
 
     def __init__(self, args: Args, slots: SharedSlots, rank: int):
         ctx = mp.get_context("forkserver")
-        ctx.set_forkserver_preload(
-            ["torch", "gymnasium", "numpy", "toy_chain_env"]
-            + (["mani_skill.envs"] if args.env_kind == "maniskill" else [])
-        )
+        preload = ["torch", "gymnasium", "numpy", "toy_chain_env"]
+        ctx.set_forkserver_preload(preload + (["mani_skill.envs"] if args.env_kind == "maniskill" else []))
         self.processes, self.conns = [], []
         for e in range(args.num_envs):
             parent, child = ctx.Pipe(duplex=True)
@@ -430,8 +399,7 @@ class EnvWorkers:
         )
 
     def close(self, timeout: float = 3.0) -> None:
-        """Closes the pipes (a worker exits when its pipe closes), waits up to `timeout` seconds, then kills what is
-        left."""
+        """Closes the pipes (a worker exits when its pipe closes), waits up to `timeout` s, then kills what is left."""
         for conn in self.conns:
             conn.close()
         deadline = time.monotonic() + timeout
@@ -446,7 +414,6 @@ class EnvWorkers:
 # ---- Pure functions the algorithm relies on (importable, tested in tests/test_ppo_ver.py) -----------------------------
 def sequence_starts(lengths: np.ndarray) -> np.ndarray:
     """Where each of the sequences stored one after another starts: [0, l0, l0 + l1, ...] (no entry for the end)."""
-    lengths = np.asarray(lengths, dtype=np.int64)
     return np.cumsum(lengths) - lengths
 
 
@@ -792,11 +759,10 @@ class Collector:
     (or at the rollout's end); at an episode end it is V(true last observation) from the env's own recurrent
     state, or 0 at a termination with --bootstrap-at-done truncated."""
 
-    def __init__(
-        self, args: Args, workers: EnvWorkers, slots: SharedSlots, agent: Agent, device, clock=time.perf_counter
-    ):
+    clock = staticmethod(time.perf_counter)  # seconds (tests use a simulated clock)
+
+    def __init__(self, args: Args, workers: EnvWorkers, slots: SharedSlots, agent: Agent, device):
         self.args, self.workers, self.slots, self.agent, self.device = args, workers, slots, agent, device
-        self.clock = clock  # seconds; tests inject a simulated clock
         N = self.N = args.num_envs
         self.T = args.num_steps
         self.quota = None if args.variable_experience else self.T  # NoVER and sync: T steps from every env
@@ -813,7 +779,7 @@ class Collector:
         self.last_arrival = np.full(N, -math.inf)
         self.view = {name: slot.numpy() for name, slot in vars(slots).items()}  # numpy views of the shared slots
 
-    def collect(self, stop_early: Optional[StopRule] = None) -> None:
+    def collect(self, stop_early: Optional[Callable[[int, float], bool]] = None) -> None:
         """One rollout: T x N steps, fewer if `stop_early(steps so far, seconds since the rollout started)` preempts
         it (Sec. 2.3)."""
         self.begin_rollout()
@@ -883,11 +849,8 @@ class Collector:
         """Env e's result completes the step at `row`; returns True if it needs V(true last observation)."""
         st, view = self.storage, self.view
         reward = float(view["reward"][e])
-        terminated, truncated, success = (
-            bool(view["terminated"][e]),
-            bool(view["truncated"][e]),
-            bool(view["success"][e]),
-        )
+        terminated, truncated = bool(view["terminated"][e]), bool(view["truncated"][e])
+        success = bool(view["success"][e])
         st.rewards[row], st.complete[row] = reward, True
         self.collected += 1
         self.steps_in_rollout[e] += 1
@@ -985,12 +948,12 @@ class Collector:
 
 
 # ---- DD-PPO (Sec. 2.3): every rank collects and learns; gradients are all-reduced; stragglers are preempted -----------
-def all_reduce_sum(x: torch.Tensor) -> torch.Tensor:
-    """The sum of x over the ranks, in place (x itself without torchrun). x lives on the training device: NCCL
-    reduces GPU tensors, gloo CPU ones."""
+def all_reduce_named(values: dict, device) -> dict:
+    """Named numbers summed over the ranks (NCCL on GPUs, gloo on CPU) as one vector, named back at once."""
+    vector = torch.tensor([float(value) for value in values.values()], dtype=torch.float64, device=device)
     if dist.is_initialized():
-        dist.all_reduce(x)
-    return x
+        dist.all_reduce(vector)
+    return dict(zip(values, vector.tolist()))
 
 
 def allreduce_gradients(parameters) -> None:
@@ -1000,25 +963,17 @@ def allreduce_gradients(parameters) -> None:
         p.grad /= dist.get_world_size()
 
 
-def gather_step_times(step_times: np.ndarray, learn_time: float, world_size: int, device) -> np.ndarray:
-    """Every rank's mean step time of each env and learning time: row r = (step times of rank r's envs..., LT)."""
-    local = torch.tensor([*step_times, learn_time], dtype=torch.float64, device=device)
-    gathered = [torch.empty_like(local) for _ in range(world_size)]
-    dist.all_gather(gathered, local)
-    return torch.stack(gathered).cpu().numpy()
-
-
-def ver_stop_rule(gathered: np.ndarray, rank_cap: int, env_cap: Optional[int]) -> tuple[StopRule, float]:
+def ver_stop_rule(gathered: np.ndarray, rank_cap: int, env_cap: Optional[int]) -> tuple[Callable, float]:
     """Sec. 2.3: the rollout time t* maximizing S / (Time(S) + LT) over all ranks' envs, from each env's mean step
-    time in the previous rollout and the mean learning time LT (`gathered`, see gather_step_times); every rank
-    computes the same t* and stops collecting t* seconds into its rollout (no rank stops when all of them fill
-    their batch by then). Returns (the rule for Collector.collect, t*)."""
+    time in the previous rollout and the mean learning time LT (gathered[r] = (rank r's step times..., its LT));
+    every rank stops collecting t* seconds into its rollout, unless all fill their batch by then. Returns (the
+    rule for Collector.collect, t*)."""
     t_star, _, t_full = optimal_preemption_time(gathered[:, :-1], rank_cap, env_cap, float(gathered[:, -1].mean()))
     stop_after = t_star if t_star < t_full else math.inf
     return (lambda steps, elapsed: elapsed >= stop_after), t_star
 
 
-def ddppo_stop_rule(store: dist.Store, args: Args, iteration: int) -> StopRule:
+def ddppo_stop_rule(store: dist.Store, args: Args, iteration: int) -> Callable:
     """DD-PPO's preemption (Wijmans et al. 2020, the --sync baseline): a rank stops collecting once a fraction
     --sync-frac of the ranks have finished their rollout, if it has at least a quarter of its own."""
     key = f"done_{iteration}"
@@ -1026,47 +981,54 @@ def ddppo_stop_rule(store: dist.Store, args: Args, iteration: int) -> StopRule:
 
 
 # ---- PPO update (Sec. 2.2, 4) -----------------------------------------------------------------------------------------
+def ppo_loss(agent: Agent, minibatch: dict, args: Args) -> tuple[torch.Tensor, dict]:
+    """The loss of one VER minibatch, every term weighted by the truncated importance weights w (Sec. 4):
+    mean(w * clipped surrogate) + vf_coef * mean(w * value loss) - [alpha]_sg * mean(w * entropy), plus, with
+    --learned-ent-coef, alpha * ([unweighted mean entropy]_sg - target) for the entropy coefficient alpha (Sec. 4).
+    Returns (loss, statistics: a dict of detached tensors, no device sync)."""
+    newlogprob, entropy, newvalue = agent.evaluate(
+        minibatch["obs"], minibatch["actions"], minibatch["state0"], minibatch["piece_lengths"]
+    )
+    logratio = newlogprob - minibatch["logprobs"]
+    ratio = logratio.exp()
+    advantages = minibatch["advantages"]
+    advantages = (advantages - advantages.mean()) / (advantages.std() + 1e-8)
+    weights = minibatch["weights"]
+    pg = torch.max(-advantages * ratio, -advantages * ratio.clamp(1 - args.clip_coef, 1 + args.clip_coef))
+    value_error = (newvalue - minibatch["returns"]).square()  # not clipped (CleanRL and habitat-lab clip it)
+    pg_loss, v_loss = (weights * pg).mean(), 0.5 * (weights * value_error).mean()
+    alpha = agent.log_ent_coef.exp()
+    loss = pg_loss + args.vf_coef * v_loss - alpha.detach() * (weights * entropy).mean()
+    if args.learned_ent_coef:
+        loss = loss + alpha * (entropy.mean().detach() - args.target_entropy)
+    stats = {
+        "policy_loss": pg_loss,
+        "value_loss": v_loss,
+        "entropy": entropy.mean(),
+        "old_approx_kl": (-logratio).mean(),
+        "approx_kl": ((ratio - 1) - logratio).mean(),
+        "clipfrac": ((ratio - 1.0).abs() > args.clip_coef).float().mean(),
+    }
+    return loss, {name: value.detach() for name, value in stats.items()}
+
+
 def ppo_update(
     args: Args, agent: Agent, optimizer: torch.optim.Optimizer, batch: dict, rng: np.random.Generator
 ) -> dict:
-    """PPO epochs over VER minibatches (Sec. 2.2), losses weighted by the truncated importance weights (Sec. 4):
-    mean(w * clipped surrogate), mean(w * value loss), mean(w * entropy). With --learned-ent-coef the entropy
-    coefficient alpha minimizes alpha * ([mean entropy]_sg - target) (the unweighted mean) while the policy maximizes
-    [alpha]_sg * mean(w * entropy) (Sec. 4); alpha is kept in [1e-4, 1] as habitat-lab does."""
+    """PPO epochs over VER minibatches (Sec. 2.2) with ppo_loss; gradients are averaged over the ranks (DD-PPO) and
+    alpha is kept in [1e-4, 1] as habitat-lab does. Returns the mean of each statistic over the minibatches."""
     device = batch["obs"].device
     policy_params = [p for name, p in agent.named_parameters() if name != "log_ent_coef"]
-    names = ("policy_loss", "value_loss", "entropy", "old_approx_kl", "approx_kl", "clipfrac")
-    totals, updates = torch.zeros(len(names), device=device), 0
+    totals, updates = {}, 0
     for epoch in range(args.update_epochs):
         for mb_idx, piece_lengths in make_minibatches(batch["lengths"], args.num_minibatches, rng):
             idx = torch.as_tensor(mb_idx, device=device)
-            state0 = None
+            minibatch = {key: batch[key][idx] for key in ("obs", "actions", "logprobs", "advantages", "returns")}
+            minibatch.update(weights=batch["weights"][idx], piece_lengths=piece_lengths, state0=None)
             if agent.recurrent:  # each piece starts from the stored state of its first step
                 first = torch.as_tensor(mb_idx[sequence_starts(piece_lengths)], device=device)
-                state0 = batch["hidden"][first].permute(1, 2, 0, 3)  # (h, c), each (layers, pieces, hidden)
-            newlogprob, entropy, newvalue = agent.evaluate(
-                batch["obs"][idx], batch["actions"][idx], state0, piece_lengths
-            )
-            logratio = newlogprob - batch["logprobs"][idx]
-            ratio = logratio.exp()
-            with torch.no_grad():
-                old_approx_kl = (-logratio).mean()
-                approx_kl = ((ratio - 1) - logratio).mean()
-                clipfrac = ((ratio - 1.0).abs() > args.clip_coef).float().mean()
-            advantages = batch["advantages"][idx]
-            advantages = (advantages - advantages.mean()) / (advantages.std() + 1e-8)
-            weights = batch["weights"][idx]
-            pg = torch.max(-advantages * ratio, -advantages * ratio.clamp(1 - args.clip_coef, 1 + args.clip_coef))
-            value_error = (newvalue - batch["returns"][idx]).square()  # not clipped (CleanRL and habitat-lab clip it)
-            pg_loss, v_loss, ent = (
-                (weights * pg).mean(),
-                0.5 * (weights * value_error).mean(),
-                (weights * entropy).mean(),
-            )
-            alpha = agent.log_ent_coef.exp()
-            loss = pg_loss + args.vf_coef * v_loss - alpha.detach() * ent
-            if args.learned_ent_coef:
-                loss = loss + alpha * (entropy.mean().detach() - args.target_entropy)
+                minibatch["state0"] = batch["hidden"][first].permute(1, 2, 0, 3)  # (h, c): (layers, pieces, hidden)
+            loss, stats = ppo_loss(agent, minibatch, args)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             if dist.is_initialized():
@@ -1076,40 +1038,40 @@ def ppo_update(
             if args.learned_ent_coef:
                 with torch.no_grad():
                     agent.log_ent_coef.clamp_(math.log(1e-4), 0.0)
-            totals += torch.stack(
-                [pg_loss.detach(), v_loss.detach(), entropy.detach().mean(), old_approx_kl, approx_kl, clipfrac]
-            )
+            totals = {name: totals.get(name, 0.0) + value for name, value in stats.items()}
             updates += 1
         if args.target_kl is not None:  # the mean over ranks: the same decision on every rank
-            if float(all_reduce_sum(approx_kl.reshape(1))[0]) / args.world_size > args.target_kl:
+            if all_reduce_named(stats, device)["approx_kl"] / args.world_size > args.target_kl:
                 break
-    out = dict(zip(names, (totals / max(updates, 1)).tolist()))
-    out["ent_coef"] = float(agent.log_ent_coef.detach().exp())
-    out["explained_variance"] = float(1 - (batch["returns"] - batch["values"]).var() / batch["returns"].var())
-    return out
+    means = dict(zip(totals, (torch.stack(list(totals.values())) / max(updates, 1)).tolist()))  # one device sync
+    means["ent_coef"] = float(agent.log_ent_coef.detach().exp())
+    means["explained_variance"] = float(1 - (batch["returns"] - batch["values"]).var() / batch["returns"].var())
+    return means
 
 
-# ---- Logging, checkpoints, evaluation ---------------------------------------------------------------------------------
+# ---- Checkpoints, evaluation ------------------------------------------------------------------------------------------
 def save_checkpoint(path: Path, agent, optimizer, global_step: int, iteration: int) -> None:
-    """What resuming needs: model, optimizer, global step and iteration (the number of updates made). Written to a
-    temporary file and renamed, so that a save interrupted by Ctrl-C never leaves a half-written checkpoint."""
+    """What resuming needs (CONVENTIONS.md's layout; no obs_rms: this script does not normalize observations): model,
+    optimizer, global step and iteration (the number of updates made). Written to a temporary file and renamed, so
+    that a save interrupted by Ctrl-C never leaves a half-written checkpoint."""
+    state = {
+        "model": agent.state_dict(),
+        "optimizer": optimizer.state_dict(),
+        "global_step": global_step,
+        "iteration": iteration,
+    }
     tmp = path.with_name(path.name + ".tmp")
-    torch.save(
-        {
-            "agent": agent.state_dict(),
-            "optimizer": optimizer.state_dict(),
-            "global_step": global_step,
-            "iteration": iteration,
-        },
-        tmp,
-    )
-    os.replace(tmp, path)
+    try:
+        torch.save(state, tmp)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 @torch.no_grad()
-def evaluate(agent: Agent, env: EnvAdapter, num_episodes: int, seed: int, device) -> dict:
+def evaluate(agent: Agent, env, num_episodes: int, seed: int, device) -> dict:
     """Deterministic policy in the main process, `num_episodes` episodes one after another on one env. Returns the
-    means of eval/return, episode_len, success_once, success_at_end."""
+    means of eval/return, eval/episode_len, eval/success_once and eval/success_at_end."""
     totals = np.zeros(4)
     for episode in range(num_episodes):
         obs = env.reset(seed=seed + episode)
@@ -1124,7 +1086,8 @@ def evaluate(agent: Agent, env: EnvAdapter, num_episodes: int, seed: int, device
             success_once |= success
             done = terminated or truncated
         totals += (episode_return, length, success_once, success)
-    return dict(zip(("return", "episode_len", "success_once", "success_at_end"), totals / num_episodes))
+    names = ("eval/return", "eval/episode_len", "eval/success_once", "eval/success_at_end")
+    return dict(zip(names, totals / num_episodes))
 
 
 # ---- Training loop ----------------------------------------------------------------------------------------------------
@@ -1148,6 +1111,7 @@ def main(args: Args) -> dict:
     torch.manual_seed(args.seed)  # DD-PPO: the same initial weights on every rank (or the same checkpoint)
     torch.backends.cudnn.deterministic = args.torch_deterministic
 
+    # The run directory (rank 0 logs, evaluates and saves).
     writer, last, run_dir = None, {}, None
     if rank == 0:
         run_name = f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}"
@@ -1167,17 +1131,10 @@ def main(args: Args) -> dict:
             )
         writer = SummaryWriter(str(run_dir))
 
-    def log(name: str, value, step: int) -> None:
-        last[name] = float(value)
-        writer.add_scalar(name, float(value), step)
-
-    def run_evaluation(final: bool) -> None:
-        metrics = evaluate(agent, eval_env, args.num_eval_episodes, args.seed + 10_000 + iteration, device)
+    def log(metrics: dict, step: int) -> None:
         for name, value in metrics.items():
-            log(f"eval/{name}", value, global_step)
-        if args.save_model and not args.evaluate:
-            name = "final_ckpt.pt" if final else f"ckpt_{global_step}.pt"
-            save_checkpoint(run_dir / name, agent, optimizer, global_step, iteration)
+            last[name] = float(value)
+            writer.add_scalar(name, float(value), step)
 
     summary: dict = {"run_dir": str(run_dir), "interrupted": False}
     env_busy_time, global_step, iteration = 0.0, 0, 0  # iteration = updates made
@@ -1192,7 +1149,7 @@ def main(args: Args) -> dict:
         optimizer = torch.optim.Adam(agent.parameters(), lr=args.learning_rate, eps=1e-5)
         if args.checkpoint:
             ckpt = torch.load(args.checkpoint, map_location=device, weights_only=True)
-            agent.load_state_dict(ckpt["agent"])
+            agent.load_state_dict(ckpt["model"])
             global_step, iteration = ckpt["global_step"], ckpt["iteration"]
             start_step = global_step  # SPS counts the steps of this run
             if not args.evaluate:
@@ -1201,14 +1158,14 @@ def main(args: Args) -> dict:
         torch.manual_seed(args.seed + 1000 * rank + iteration)  # per-rank action sampling
         rng = np.random.default_rng(args.seed + 7919 * rank + iteration)
         if args.evaluate:
-            run_evaluation(final=True)
+            log(evaluate(agent, eval_env, args.num_eval_episodes, args.seed + 10_000 + iteration, device), global_step)
             print(" ".join(f"{k}={v:.4f}" for k, v in last.items()))
             return summary
         workers = EnvWorkers(args, slots, rank)
         collector = Collector(args, workers, slots, agent, device)
         if args.env_kind == "toy":
             targets = draw_target_actions(args.toy).to(device)
-        previous, learn_time = None, 0.0
+        previous, update_time = None, 0.0
         train_start = time.time()
         while global_step < args.total_timesteps:
             iteration += 1
@@ -1219,17 +1176,21 @@ def main(args: Args) -> dict:
                 if args.sync:
                     stop_early = ddppo_stop_rule(store, args, iteration)
                 else:
-                    gathered = gather_step_times(collector.mean_step_times(), learn_time, args.world_size, device)
+                    step_times = [*collector.mean_step_times(), update_time]  # this rank's row of `gathered`
+                    local = torch.tensor(step_times, dtype=torch.float64, device=device)
+                    gathered = [torch.empty_like(local) for _ in range(args.world_size)]
+                    dist.all_gather(gathered, local)  # every rank computes the same t* from the same numbers
+                    gathered = torch.stack(gathered).cpu().numpy()
                     stop_early, t_star = ver_stop_rule(gathered, args.batch_size, collector.quota)
-            collect_start = time.perf_counter()
+            rollout_start = time.perf_counter()
             collector.collect(stop_early)
             if distributed:
                 store.add(f"done_{iteration}", 1)
             synchronize()
-            collect_time = time.perf_counter() - collect_start
+            rollout_time = time.perf_counter() - rollout_start
 
             # 2. Returns over variable-length sequences and importance weights; a preempted rank is filled up.
-            learn_start = time.perf_counter()
+            update_start = time.perf_counter()
             batch = build_batch(collector.storage, args.num_envs, args.num_steps, args.gamma, args.gae_lambda)
             fresh = int(batch["lengths"].sum())
             batch = fill_from_previous(batch, previous, args.batch_size, rng)  # unchanged unless preempted
@@ -1239,57 +1200,56 @@ def main(args: Args) -> dict:
             losses = ppo_update(args, agent, optimizer, batch, rng)
             carried = collector.start_next_rollout()
             synchronize()
-            learn_time = time.perf_counter() - learn_start
+            update_time = time.perf_counter() - update_start  # LT of Sec. 2.3
 
             # 4. Counters of all ranks, logging (rank 0), evaluation and checkpoints.
             episodes = np.array(collector.episodes, dtype=np.float64).reshape(-1, 4)
-            local = torch.tensor(
-                [
-                    collector.collected,
-                    collector.env_busy,
-                    len(episodes),
-                    *episodes.sum(0),
-                    float(fresh < args.batch_size),
-                ],
-                dtype=torch.float64,
-                device=device,
-            )
-            total = all_reduce_sum(local).tolist()
-            global_step += int(total[0])
-            env_busy_time += total[1]
+            counts = {
+                "env_steps": collector.collected,
+                "env_busy_time": collector.env_busy,
+                "episodes": len(episodes),
+                "return": episodes[:, 0].sum(),
+                "length": episodes[:, 1].sum(),
+                "success": episodes[:, 2].sum(),
+                "preempted_ranks": float(fresh < args.batch_size),
+            }
+            counts = all_reduce_named(counts, device)
+            global_step += int(counts["env_steps"])
+            env_busy_time += counts["env_busy_time"]
             summary["iteration"], summary["global_step"] = iteration, global_step
             if rank > 0:
                 continue
-            log("charts/SPS", (global_step - start_step) / (time.time() - train_start), global_step)
-            log(
-                "charts/learning_rate", args.learning_rate, global_step
-            )  # constant: CleanRL anneals it, VER a cosine (Sec. 4)
-            if total[2] > 0:
-                log("charts/episodic_return", total[3] / total[2], global_step)
-                log("charts/episodic_length", total[4] / total[2], global_step)
-                log("charts/success_rate", total[5] / total[2], global_step)
-            for name, value in losses.items():
-                log(f"losses/{name}", value, global_step)
-            log("ver/steps_per_env_min", collector.steps_in_rollout.min(), global_step)
-            log("ver/steps_per_env_max", collector.steps_in_rollout.max(), global_step)
-            log("ver/importance_weight_min", batch["weights"].min(), global_step)
-            log("ver/inference_batch_size_mean", np.mean(collector.batch_sizes or [0]), global_step)
-            log("ver/inflight_carried", carried, global_step)
-            log("ver/env_utilization", collector.env_busy / (args.num_envs * collect_time), global_step)
-            log("ver/preempted_ranks", total[7], global_step)
-            log("ver/filled_fraction", 1.0 - fresh / len(batch["weights"]), global_step)  # rank 0's batch
+            metrics = {
+                "charts/SPS": (global_step - start_step) / (time.time() - train_start),
+                "charts/learning_rate": args.learning_rate,  # constant: CleanRL anneals it, VER a cosine (Sec. 4)
+                **{f"losses/{name}": value for name, value in losses.items()},
+                "ver/steps_per_env_min": collector.steps_in_rollout.min(),
+                "ver/steps_per_env_max": collector.steps_in_rollout.max(),
+                "ver/importance_weight_min": batch["weights"].min(),
+                "ver/inference_batch_size_mean": np.mean(collector.batch_sizes or [0]),
+                "ver/inflight_carried": carried,
+                "ver/env_utilization": collector.env_busy / (args.num_envs * rollout_time),
+                "ver/preempted_ranks": counts["preempted_ranks"],
+                "ver/filled_fraction": 1.0 - fresh / len(batch["weights"]),  # rank 0's batch
+                "time/rollout": rollout_time,
+                "time/update": update_time,
+            }
+            if counts["episodes"] > 0:
+                metrics["charts/episodic_return"] = counts["return"] / counts["episodes"]
+                metrics["charts/episodic_length"] = counts["length"] / counts["episodes"]
+                metrics["charts/success_rate"] = counts["success"] / counts["episodes"]
             if not math.isnan(t_star):
-                log("ver/preemption_time", t_star, global_step)
-            log("time/collect", collect_time, global_step)
-            log("time/learn", learn_time, global_step)
+                metrics["ver/preemption_time"] = t_star
             if args.env_kind == "toy" and fresh > 0:
-                log(
-                    "toy/accuracy",
-                    (batch["actions"][:fresh] == targets[batch["obs"][:fresh]]).float().mean(),
-                    global_step,
-                )
+                correct = batch["actions"][:fresh] == targets[batch["obs"][:fresh]]
+                metrics["toy/accuracy"] = correct.float().mean()
+            log(metrics, global_step)
             if args.eval_freq and iteration % args.eval_freq == 0 and global_step < args.total_timesteps:
-                run_evaluation(final=False)
+                eval_start = time.perf_counter()
+                metrics = evaluate(agent, eval_env, args.num_eval_episodes, args.seed + 10_000 + iteration, device)
+                log({**metrics, "time/eval": time.perf_counter() - eval_start}, global_step)
+                if args.save_model:
+                    save_checkpoint(run_dir / f"ckpt_{global_step}.pt", agent, optimizer, global_step, iteration)
         if distributed:  # DD-PPO keeps the ranks' weights identical: check it (summary.json)
             weights = torch.cat([p.detach().reshape(-1) for p in agent.parameters()])
             rank0_weights = weights.clone()
@@ -1298,7 +1258,9 @@ def main(args: Args) -> dict:
             dist.all_reduce(difference, op=dist.ReduceOp.MAX)
             summary["ddp/max_weight_difference"] = float(difference)
         if rank == 0:
-            run_evaluation(final=True)
+            log(evaluate(agent, eval_env, args.num_eval_episodes, args.seed + 10_000 + iteration, device), global_step)
+            if args.save_model:
+                save_checkpoint(run_dir / "final_ckpt.pt", agent, optimizer, global_step, iteration)
     except WorkerError as error:
         summary["error"] = str(error)
         raise
@@ -1312,15 +1274,11 @@ def main(args: Args) -> dict:
         if workers is not None:
             workers.close()
         if eval_env is not None:
-            eval_env.env.close()
+            eval_env.close()
         if rank == 0:
             wall = time.time() - start_time
-            summary.update(
-                global_step=global_step,
-                wall_time_s=wall,
-                sps=(global_step - start_step) / wall,
-                env_busy_time_s=env_busy_time,
-            )
+            summary.update(global_step=global_step, wall_time_s=wall, sps=(global_step - start_step) / wall)
+            summary["env_busy_time_s"] = env_busy_time
             summary.update(last)
             (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
             writer.close()

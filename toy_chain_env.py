@@ -411,3 +411,30 @@ class ToyChainWorkerConfig(ToyChainConfig):
         rank_factor = self.slow_rank_factor if rank == 0 and world_size > 1 else 1.0
         env_factor = self.slow_env_factor if env_index == 0 else 1.0
         return self.step_time_mean * rank_factor * env_factor
+
+
+class ToyChainWorkerEnv:
+    """One chain with numpy in and out, for an env worker process that steps one env (ppo_ver.py, VER Sec. 2.1). The
+    chain runs in same_step mode, so step() resets an ended episode itself.
+
+    step(action) returns (obs, reward, terminated, truncated, final_obs, success): final_obs is the true last
+    observation of an episode that ended in this step (obs is then the first of the next one), else None; success is
+    this step's success flag (in the final block)."""
+
+    def __init__(self, config: ToyChainConfig):
+        self.env = ToyChainVectorEnv(1, replace(config, autoreset_mode="same_step"), device="cpu")
+        self.observation_space = self.env.single_observation_space
+        self.action_space = self.env.single_action_space
+
+    def reset(self, seed: int | None = None) -> np.ndarray:
+        obs, _ = self.env.reset(seed=seed)
+        return obs.numpy()[0]
+
+    def step(self, action: np.ndarray):
+        obs, reward, terminated, truncated, info = self.env.step(torch.as_tensor(action).reshape(1))
+        final_obs = info["final_obs"].numpy()[0] if bool(info["_final_obs"][0]) else None
+        success = bool(info["success"][0])
+        return obs.numpy()[0], float(reward[0]), bool(terminated[0]), bool(truncated[0]), final_obs, success
+
+    def close(self) -> None:
+        self.env.close()

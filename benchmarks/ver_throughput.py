@@ -113,14 +113,14 @@ def throughput_of(run_dir: str, num_envs_total: int) -> dict:
     s = read_scalars(run_dir)
     summary = json.load(open(os.path.join(run_dir, "summary.json")))
     steps = np.diff([0] + [step for step, _ in s["charts/SPS"]])
-    loop_time = np.array([v for _, v in s["time/collect"]]) + np.array([v for _, v in s["time/learn"]])
-    collect = np.array([v for _, v in s["time/collect"]])
+    loop_time = np.array([v for _, v in s["time/rollout"]]) + np.array([v for _, v in s["time/update"]])
+    collect = np.array([v for _, v in s["time/rollout"]])
     return {
         "sps": float(steps[1:].sum() / loop_time[1:].sum()),
         "collect_sps": float(steps[1:].sum() / collect[1:].sum()),
         "ideal_sps": summary["global_step"] / (summary["env_busy_time_s"] / num_envs_total),
         "env_utilization": float(np.mean([v for _, v in s["ver/env_utilization"]][1:])),
-        "learn_s": float(np.mean([v for _, v in s["time/learn"]][1:])),
+        "learn_s": float(np.mean([v for _, v in s["time/update"]][1:])),
         "collect_s": float(collect[1:].mean()),
         "batch_size_mean": float(np.mean([v for _, v in s["ver/inference_batch_size_mean"]][1:])),
     }
