@@ -10,6 +10,9 @@ training, so every batch holds every stage of the task (Sec. 3.3, App. B.1). Eac
 when its horizon ends (a "reset gate"); an env that terminates early waits for its group's next gate, its steps
 masked out of the loss. --no-stagger is the naive baseline of Table 1/3: one group, and a terminated env resets
 at once (immediate partial resets, as ManiSkill's PPO does). --partial-reset-mode overrides either default.
+--reset-scheme random-start is the trick of legged_gym / rsl_rl / Isaac Lab (init_at_random_ep_len; the paper's
+prior work [21], Rudin et al. 2022, "a form of staggering in locomotion contexts", Sec. 5.3): each env's first
+episode is cut after U[1, H] steps, a time-limit truncation, with no advance and immediate partial resets.
 
 This is ManiSkill's PPO baseline (examples/baselines/ppo/ppo.py) with three differences, each marked
 "STAGGER" below: the advance before training, the reset gates with their loss mask, and the masked PPO losses.
@@ -17,6 +20,7 @@ This is ManiSkill's PPO baseline (examples/baselines/ppo/ppo.py) with three diff
 Map from the paper to this file
   Sec. 3.3, App. B.1  stagger_groups, stagger_start_steps, "STAGGER: advance"     (groups, offsets j*S)
   Sec. 3.3 resets     reset_bookkeeping, PartialResetVecEnv                        (reset gates, masking)
+  Sec. 2, 5.3 [21]    random_start_lengths, "RANDOM START"                         (--reset-scheme random-start)
   App. B.2, Table 2   PRESETS["ToyChain-v0"], ChainAgent                           (toy chain: toy_chain_env.py)
   App. B.3, Table 3   PRESETS[ManiSkill task ids], MANISKILL_COMMON, GaussianAgent
   App. C, Fig. 6      batch_temporal_stats, toy_diagnostics.npz                    (stagger/..., toy/...)
@@ -30,6 +34,7 @@ Figures of the toy diagnostics: benchmarks/toy_sweeps.py.
   python ppo_staggered.py                                      # ToyChain-v0 (Table 2 PPO), ~30 s on a CPU
   python ppo_staggered.py --env-id StackCube-v1                # Table 3 on a CUDA GPU; a short trial without one
   python ppo_staggered.py --env-id StackCube-v1 --no-stagger   # the naive baseline (immediate partial resets)
+  python ppo_staggered.py --reset-scheme random-start          # legged_gym's random first-episode lengths
 """
 
 from __future__ import annotations
@@ -121,11 +126,14 @@ class Args:
     bootstrap_at_done: Optional[Literal["always", "truncated"]] = None
     """bootstrap V(final obs) at every episode end ('always', default for ManiSkill) or only at truncations"""
 
+    reset_scheme: Literal["staggered", "naive", "random-start"] = "staggered"
+    """staggered (Sec. 3.3); naive: synchronous resets, the baseline of Tables 1/3; random-start: each env's first
+    episode cut after U[1, H] steps (legged_gym's init_at_random_ep_len), immediate partial resets"""
     stagger: bool = True
-    """staggered resets; --no-stagger is the naive synchronous baseline (one group, immediate partial resets)"""
+    """--no-stagger: the naive synchronous baseline (alias of --reset-scheme naive)"""
     partial_reset_mode: Optional[Literal["gate", "immediate"]] = None
     """an env that terminates early: 'gate' waits (masked) for its group's reset gate (default with staggering),
-    'immediate' resets at once (default with --no-stagger)"""
+    'immediate' resets at once (default with the other schemes)"""
 
     eval_freq: Optional[int] = None
     """evaluate every this many iterations (default: the task preset)"""
@@ -198,24 +206,16 @@ def resolve_args(args: Args) -> Args:
     kind = "toy" if args.env_id == TOY_ENV_ID else "maniskill" if args.env_id in REGISTERED_ENVS else "gym"
     if kind == "gym" and args.env_id not in gym.registry:
         raise ArgsError(f"--env-id {args.env_id!r} is not ToyChain-v0, a ManiSkill3 task or a Gymnasium id")
-    args.resolved_sim_backend = (
-        "torch"
-        if kind == "toy"
-        else "cpu"
-        if kind == "gym"
-        else "physx_cuda"
-        if args.cuda and torch.cuda.is_available()
-        else "physx_cpu"
-    )
     if kind == "toy":
-        preset = PRESETS[TOY_ENV_ID]
+        args.resolved_sim_backend, preset = "torch", PRESETS[TOY_ENV_ID]
         try:
             args.toy.validate()
         except ValueError as e:
             raise ArgsError(str(e)) from e
     elif kind == "gym":
-        preset = GYM_DEFAULTS
+        args.resolved_sim_backend, preset = "cpu", GYM_DEFAULTS
     else:
+        args.resolved_sim_backend = "physx_cuda" if args.cuda and torch.cuda.is_available() else "physx_cpu"
         preset = {**MANISKILL_COMMON, **PRESETS.get(args.env_id, MANISKILL_OTHER)}
         if args.resolved_sim_backend == "physx_cpu":
             print(
@@ -229,6 +229,12 @@ def resolve_args(args: Args) -> Args:
             setattr(args, name, value)
     if args.bootstrap_at_done is None:
         args.bootstrap_at_done = "always" if kind == "maniskill" else "truncated"
+    if not args.stagger and args.reset_scheme == "random-start":
+        raise ArgsError(
+            "--no-stagger means --reset-scheme naive: pass one of --no-stagger, --reset-scheme random-start"
+        )
+    args.reset_scheme = "naive" if not args.stagger else args.reset_scheme
+    args.stagger = args.reset_scheme == "staggered"  # (config.json then records both consistently)
     if args.partial_reset_mode is None:
         args.partial_reset_mode = "gate" if args.stagger else "immediate"
     args.horizon = args.toy.horizon if kind == "toy" else (args.horizon or gym.spec(args.env_id).max_episode_steps or 0)
@@ -398,16 +404,22 @@ def reset_bookkeeping(
 ):
     """Which transitions are trained on, and who waits, after one vector step t (Sec. 3.3; autoreset_modes.txt).
     (N,) inputs: stale (next-step mode: step t only resets the env), waiting (gate mode: terminated earlier, waits
-    for its group's reset gate, which is its time limit), the flags of step t, final_mask (same-step: reset inside
-    step t) and episode_step (steps into the episode at obs_t). Returns whether transition t is trained on and
-    ends an episode, and the stale, waiting and episode_step of step t + 1."""
+    for its group's reset gate, which is its time limit), the flags of step t, final_mask (reset inside step t: by
+    a same-step env, or by the loop in either mode) and episode_step (steps into the episode at obs_t). Returns
+    whether transition t is trained on and ends an episode, and the stale, waiting and episode_step of step t + 1."""
     valid = ~stale & ~waiting
     done = terminated | truncated
-    reset_now = stale if next_step_mode else final_mask
-    stale_next = done if next_step_mode else torch.zeros_like(done)
+    reset_now = (stale | final_mask) if next_step_mode else final_mask
+    stale_next = done & ~final_mask if next_step_mode else torch.zeros_like(done)
     waiting_next = (waiting | (valid & terminated)) & ~reset_now if gate_mode else torch.zeros_like(done)
     episode_step_next = torch.where(reset_now, 0, episode_step + 1)
     return valid, valid & done, stale_next, waiting_next, episode_step_next
+
+
+def random_start_lengths(num_envs: int, horizon: int, seed: int) -> torch.Tensor:
+    """--reset-scheme random-start: the length of each env's first episode, uniform in [1, H], as legged_gym / rsl_rl /
+    Isaac Lab's init_at_random_ep_len (episode counters start at U{0, ..., H-1}). Drawn on the CPU from `seed`."""
+    return torch.randint(1, horizon + 1, (num_envs,), generator=torch.Generator().manual_seed(seed))
 
 
 def compute_gae(rewards, values, next_values, no_bootstrap, dones, gamma: float, gae_lambda: float):
@@ -693,13 +705,8 @@ def main(args: Args) -> dict:
     try:
         # ---- build: envs, agent, optimizer, observation normalizer (and the checkpoint to resume or evaluate) ------
         envs = None if args.evaluate else make_env(args, N, device, evaluation=False)
-        eval_envs = make_env(
-            args,
-            args.num_eval_envs,
-            device,
-            evaluation=True,
-            video_dir=str(run_dir / "videos") if args.capture_video else None,
-        )
+        video_dir = str(run_dir / "videos") if args.capture_video else None
+        eval_envs = make_env(args, args.num_eval_envs, device, evaluation=True, video_dir=video_dir)
         agent = make_agent(eval_envs).to(device)
         optimizer = torch.optim.Adam(agent.parameters(), lr=args.learning_rate, eps=1e-5)  # Table 3: Adam, eps 1e-5
         obs_rms = RunningMeanStd(eval_envs.single_observation_space.shape, device, enabled=not is_toy)  # Table 3
@@ -714,10 +721,9 @@ def main(args: Args) -> dict:
                 log(name, value, global_step)
             log("time/eval", clock(device) - eval_start, global_step)
             print(f"global_step={global_step} " + " ".join(f"{k}={v:.3f}" for k, v in last.items() if "eval/" in k))
+            completed = global_step // args.batch_size  # iterations (rollouts collected)
             if args.save_model and checkpoint_name:
-                save_checkpoint(
-                    run_dir / checkpoint_name, agent, optimizer, obs_rms, global_step, global_step // args.batch_size
-                )
+                save_checkpoint(run_dir / checkpoint_name, agent, optimizer, obs_rms, global_step, completed)
 
         if args.evaluate:
             log_evaluation(None)
@@ -767,7 +773,13 @@ def main(args: Args) -> dict:
             obs_rms.update(raw_obs)
         obs = obs_rms.normalize(raw_obs)
         summary["advance_env_steps"] = starts[0] * N
-        tracked = episode_step == 0  # statistics count only the episodes that start during training
+        # RANDOM START ([21]): env i's first episode is cut (a time limit) after first_lengths[i] ~ U[1, H] training
+        # steps, at steps the host knows; at H the env's own time limit ends it.
+        random_start, training_step = args.reset_scheme == "random-start", 0
+        first_lengths = random_start_lengths(N, H, args.seed + global_step)
+        cut_steps = set(first_lengths.tolist()) - {H} if random_start else set()
+        first_lengths, first_episode = first_lengths.to(device), torch.full((N,), random_start, device=device)
+        tracked = (episode_step == 0) & ~first_episode  # statistics count only whole episodes started in training
         ep_return, ep_len, ep_success = torch.zeros(N, device=device), torch.zeros(N, device=device), tracked & False
         toy_occupancy, toy_accuracy = [], []
 
@@ -783,15 +795,25 @@ def main(args: Args) -> dict:
                 obs_buf[step], episode_step_buf[step] = obs, episode_step
                 actions_buf[step], logprobs_buf[step], values_buf[step] = act(obs)
                 raw_obs, reward, terminated, truncated, info = envs.step(actions_buf[step])
+                final_mask, final_obs = info.get("_final_obs", terminated & False), info.get("final_obs")
+                training_step += 1
+                if training_step in cut_steps:  # RANDOM START: truncate and reset the first episodes this long
+                    cut = (first_lengths == training_step) & first_episode & ~(terminated | truncated)
+                    if bool(cut.any()):  # (a host sync at fewer than H steps of the whole run)
+                        last_obs = raw_obs if final_obs is None else final_obs
+                        final_obs = torch.where(cut.view(-1, *[1] * (raw_obs.dim() - 1)), raw_obs, last_obs)
+                        truncated, final_mask = truncated | cut, final_mask | cut
+                        raw_obs, _ = envs.reset(options={"reset_mask": cut})  # (the observations of all envs)
+                first_episode = first_episode & ~(terminated | truncated)
                 rewards_buf[step], dones_buf[step] = reward, terminated | truncated
                 no_bootstrap_buf[step] = terminated & (args.bootstrap_at_done == "truncated")
-                final_mask_buf[step] = final_mask = info.get("_final_obs", terminated & False)
+                final_mask_buf[step] = final_mask
                 # Same-step autoreset: where an env reset inside this step, its next observation is the new episode's
                 # first one, so the bootstrap value is V(info["final_obs"]), the true last observation. (The env says
                 # whether any reset by the key's presence; ToyChain always sends it: no host sync either way.)
-                if "final_obs" in info:
+                if final_obs is not None:
                     with torch.no_grad():
-                        final_values_buf[step] = agent.get_value(obs_rms.normalize(info["final_obs"]))
+                        final_values_buf[step] = agent.get_value(obs_rms.normalize(final_obs))
                 # STAGGER: reset gates. An env that terminated waits (masked) until its group's gate resets it.
                 valid, episode_end, stale, waiting, episode_step = reset_bookkeeping(
                     stale, waiting, terminated, truncated, final_mask, episode_step, next_step_mode, gate_mode

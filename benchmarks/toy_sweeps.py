@@ -89,7 +89,7 @@ def run_one(job: dict) -> dict:
     args = ppo.Args(
         env_id="ToyChain-v0",
         seed=job["seed"],
-        stagger=job["stagger"],
+        reset_scheme=job["scheme"],
         cuda=False,
         output_dir=job["tmp"],
         eval_freq=50,

@@ -438,6 +438,68 @@ def test_a_same_step_truncation_bootstraps_the_value_of_the_final_observation_no
     assert checked == 2
 
 
+def test_random_start_first_episode_lengths_are_uniform_over_1_to_h_per_env():
+    """--reset-scheme random-start (legged_gym's init_at_random_ep_len): each env's own length, uniform in [1, H]."""
+    lengths = ppo.random_start_lengths(30000, 10, seed=3)
+    assert lengths.min() == 1 and lengths.max() == 10
+    np.testing.assert_allclose(torch.bincount(lengths, minlength=11)[1:].numpy() / 30000, 0.1, atol=0.01)
+    assert torch.equal(lengths, ppo.random_start_lengths(30000, 10, seed=3))  # reproducible from the seed
+    assert not torch.equal(lengths, ppo.random_start_lengths(30000, 10, seed=4))
+
+
+def test_reset_scheme_flags():
+    random_start = ppo.resolve_args(ppo.Args(cuda=False, reset_scheme="random-start"))
+    assert (random_start.num_stagger_groups, random_start.partial_reset_mode, random_start.stagger) == (
+        1,
+        "immediate",
+        False,
+    )
+    naive = ppo.resolve_args(ppo.Args(cuda=False, stagger=False))
+    assert naive.reset_scheme == "naive" and naive.num_stagger_groups == 1
+    assert ppo.resolve_args(ppo.Args(cuda=False)).reset_scheme == "staggered"
+    with pytest.raises(ppo.ArgsError, match="--no-stagger means --reset-scheme naive"):
+        ppo.resolve_args(ppo.Args(cuda=False, stagger=False, reset_scheme="random-start"))
+
+
+@pytest.mark.parametrize("mode", ["same_step", "next_step"])
+def test_random_start_cuts_each_first_episode_at_its_length_and_bootstraps_the_final_observation(
+    tmp_path, monkeypatch, mode
+):
+    """The training loop with --reset-scheme random-start on a chain of 4 blocks with p_prog = 1 (after s steps an
+    episode is in block min(s // 5, 3)), H = 20, 16 envs, 40 steps: env e's first episode ends (a truncation, not a
+    termination) after random_start_lengths(16, 20, seed)[e] steps, its value target bootstraps V(block of the final
+    observation), and its next episode starts at once and lasts the full H. The cut first episodes stay out of the episode statistics,
+    and in next-step mode the step after a cut is trained on (the loop reset the env: no stale reset step follows):
+    every recorded episode has H trained-on steps."""
+    calls = record_gae(monkeypatch)
+    summary = train_in_process(
+        tmp_path,
+        env_id="ToyChain-v0",
+        toy=ToyChainConfig(horizon=20, progression_prob=1.0, autoreset_mode=mode),
+        reset_scheme="random-start",
+        num_envs=16,
+        num_steps=5,
+        num_minibatches=2,
+        total_timesteps=16 * 5 * 9,
+    )
+    lengths = ppo.random_start_lengths(16, 20, seed=1)
+    assert len(set(lengths.tolist())) > 5 and summary["advance_env_steps"] == 0
+    dones = torch.cat([call["dones"] for call in calls])  # (45, 16): every step of the run
+    for env in range(16):
+        ends = dones[:, env].nonzero()[:, 0].tolist()
+        first = lengths[env].item() - 1
+        stale_step = mode == "next_step" and first == 19  # (the env's own time limit: a next-step reset step follows)
+        assert ends[:2] == [first, first + 20 + stale_step], (env, ends)
+        call, t = calls[first // 5], first % 5
+        assert not call["no_bootstrap"][t, env]
+        final_value = call["block_values"][min(lengths[env].item() // 5, 3)]
+        torch.testing.assert_close(call["next_values"][t, env], final_value)
+        torch.testing.assert_close(call["returns"][t, env], call["rewards"][t, env] + call["gamma"] * final_value)
+    episode_lengths = [value for _, value in scalars(summary["run_dir"])["charts/episodic_length"]]
+    assert episode_lengths and set(episode_lengths) == {20.0}
+    assert json.load(open(os.path.join(summary["run_dir"], "config.json")))["reset_scheme"] == "random-start"
+
+
 # ---- Host syncs: none per env step in the rollout, none per minibatch in the update ----------------------------------
 SYNC_METHODS = ("item", "__bool__", "__float__", "__int__", "tolist", "cpu", "numpy")
 
