@@ -700,8 +700,8 @@ def publish_params(agent: nn.Module, actors: list[ActorThread], version: int) ->
 
 def train(args: Args, learner: Learner, actors: list, logger, run_dir, start_iteration: int, global_step: int) -> dict:
     """Starts the actor threads and runs iterations start_iteration .. num_iterations (iteration i turns pi_i into
-    pi_{i+1}). Ctrl-C ends it where it is. Returns {"iteration", "global_step"} of the last finished iteration and
-    "interrupted"."""
+    pi_{i+1}). Ctrl-C or a failed actor thread ends it where it is. Returns {"iteration", "global_step"} of the last
+    finished iteration, "interrupted" and, if an actor thread failed, its error as "actor_error"."""
     agent, device, rank = learner.agent, learner.device, learner.rank
     finished = start_iteration - 1
     try:
@@ -759,9 +759,9 @@ def train(args: Args, learner: Learner, actors: list, logger, run_dir, start_ite
             logger.scalars(row, global_step)
             if args.save_model and iteration % args.checkpoint_freq == 0:
                 save_checkpoint(run_dir / f"ckpt_{global_step}.pt", agent, learner.optimizer, iteration, global_step)
-    except Stopped:  # an actor thread died: end the run with its error
+    except Stopped:  # an actor thread died: the caller ends the run with its error
         error = next((actor.error for actor in actors if actor.error is not None), None)
-        raise RuntimeError(f"an actor thread failed: {error!r}") from error
+        return {"iteration": finished, "global_step": global_step, "interrupted": False, "actor_error": error}
     except KeyboardInterrupt:
         return {"iteration": finished, "global_step": global_step, "interrupted": True}
     return {"iteration": finished, "global_step": global_step, "interrupted": False}
@@ -817,10 +817,12 @@ def main(args: Args) -> dict:
                     index = device_index * args.num_actor_threads + j
                     actors.append(ActorThread(args, index, device, rank, start_iteration, agent, stop))
             progress = train(args, learner, actors, logger, run_dir, start_iteration, global_step)
+            if "actor_error" in progress:
+                error = progress.pop("actor_error")
+                raise RuntimeError(f"an actor thread failed: {error!r}") from error
             if rank == 0 and args.save_model and progress["iteration"] >= start_iteration:
-                save_checkpoint(
-                    run_dir / "final_ckpt.pt", agent, learner.optimizer, progress["iteration"], progress["global_step"]
-                )
+                final = run_dir / "final_ckpt.pt"
+                save_checkpoint(final, agent, learner.optimizer, progress["iteration"], progress["global_step"])
             if progress["interrupted"]:
                 raise KeyboardInterrupt
         if rank == 0 and args.num_eval_episodes > 0:
