@@ -1,4 +1,4 @@
-"""Cleanba IMPALA: IMPALA with V-trace on the Cleanba actor/learner architecture, in PyTorch (EnvPool Atari, toy chain).
+"""Cleanba IMPALA: IMPALA with V-trace on the Cleanba actor/learner architecture, in PyTorch (EnvPool, toy chain).
 
 Paper: "Cleanba: A Reproducible and Efficient Distributed Reinforcement Learning Platform",
 Shengyi Huang, Jiayi Weng, Rujikorn Charakorn, Min Lin, Zhongwen Xu, Santiago Ontanon (ICLR 2024), arXiv:2310.00036.
@@ -32,6 +32,7 @@ observation is the episode's true last one, whose value is bootstrapped at a tru
 
 Examples
   python cleanba_impala.py --env-id ToyChain-v0                              # seconds on a CPU
+  python cleanba_impala.py --env-id CartPole-v1                              # CPU minutes
   python cleanba_impala.py --env-id Breakout-v5 --actor-device-ids 0         # Table 3, 50M steps on GPU 0
   python cleanba_impala.py --env-id Breakout-v5 --no-concurrency             # the synchronous architecture
   torchrun --nproc_per_node 2 cleanba_impala.py --env-id Breakout-v5 --local-num-envs 64   # 2 learners, same batch
@@ -40,6 +41,7 @@ Examples
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import math
 import os
@@ -60,7 +62,7 @@ import torch.nn.functional as F
 import tyro
 from torch.utils.tensorboard import SummaryWriter
 
-from toy_chain_env import ToyChainConfig, ToyChainVectorEnv
+from toy_chain_env import ToyChainConfig, ToyChainPool
 
 
 @dataclass
@@ -82,28 +84,30 @@ class Args:
     wandb_entity: Optional[str] = None
     """wandb entity (team)"""
     save_model: bool = False
-    """write checkpoints (ckpt_{global_step}.pt every --checkpoint-freq updates, final_ckpt.pt at the end)"""
+    """write checkpoints (ckpt_{global_step}.pt every --checkpoint-freq iterations, final_ckpt.pt at the end)"""
     checkpoint_freq: int = 500
-    """with --save-model, write ckpt_{global_step}.pt every this many updates"""
+    """with --save-model, write ckpt_{global_step}.pt every this many iterations"""
     checkpoint: Optional[str] = None
-    """a checkpoint to resume training from (model, optimizer, update), or to evaluate with --evaluate"""
+    """a checkpoint to resume training from (model, optimizer, iteration), or to evaluate with --evaluate"""
     evaluate: bool = False
     """only evaluate the policy of --checkpoint, then exit"""
     num_eval_episodes: int = 10
     """episodes of the final evaluation (one per eval env; 0: none) and of --evaluate"""
 
     env_id: str = "Breakout-v5"
-    """an EnvPool Atari task id (Breakout-v5, Pong-v5, ...) or ToyChain-v0"""
+    """an EnvPool Atari task (Breakout-v5, Pong-v5, ...), an EnvPool classic-control task (CartPole-v1, Acrobot-v1)
+    or ToyChain-v0"""
     max_episode_steps: int = 27000
-    """Atari: episode time limit in agent steps, 27,000 = 108,000 frames (Sec. 5; a truncation)"""
+    """Atari: episode time limit in agent steps, 27,000 = 108,000 frames (Sec. 5; a truncation); classic control
+    keeps its task's own limit (CartPole-v1, Acrobot-v1: 500 steps, a truncation)"""
     bootstrap_at_done: Literal["always", "truncated"] = "truncated"
     """truncated: a time limit bootstraps V(last observation), a termination 0; always: every episode end bootstraps"""
     toy: ToyChainConfig = field(default_factory=ToyChainConfig)
     """ToyChain-v0 settings (always next-step autoreset, as EnvPool)"""
 
     local_num_envs: Optional[int] = None
-    """envs per learner process, split evenly over its actor threads (default: 128 Atari, 32 ToyChain). The original
-    Cleanba's --local-num-envs counts envs per ACTOR THREAD: ours = theirs x num_actor_threads x actor devices"""
+    """envs per learner process, split evenly over its actor threads (default: 128 Atari, 4 classic, 32 ToyChain). The
+    original Cleanba's --local-num-envs counts envs per ACTOR THREAD: ours = theirs x num_actor_threads x devices"""
     num_actor_threads: int = 2
     """actor threads per actor device, each with its own EnvPool and queues (hardware, not a hyperparameter)"""
     actor_device_ids: Optional[list[int]] = None
@@ -114,13 +118,13 @@ class Args:
     """seconds the learner sleeps after each update (Sec. 3): a slower learner must give exactly the same run"""
 
     total_timesteps: Optional[int] = None
-    """env steps of all processes together (default: 50M Atari, Table 3; 64,000 ToyChain)"""
+    """env steps of all processes together (default: 50M Atari, Table 3; 500k classic; 64,000 ToyChain)"""
     learning_rate: float = 6e-4
     """RMSprop learning rate (Table 3)"""
     anneal_lr: bool = True
     """linearly decay the learning rate to 0 (Table 3)"""
     num_steps: Optional[int] = None
-    """rollout (unroll) length per env and update (default: 20 Atari, Table 3; 10 ToyChain)"""
+    """rollout (unroll) length per env and update (default: 20 Atari, Table 3; 20 classic; 10 ToyChain)"""
     gamma: float = 0.99
     """discount factor (Table 3)"""
     vtrace_lambda: float = 1.0
@@ -150,13 +154,16 @@ class Args:
     local_minibatch_size: tyro.conf.Suppress[int] = 0
     batch_size: tyro.conf.Suppress[int] = 0
     minibatch_size: tyro.conf.Suppress[int] = 0
-    num_updates: tyro.conf.Suppress[int] = 0
+    num_iterations: tyro.conf.Suppress[int] = 0
 
 
 TOY_ENV_ID = "ToyChain-v0"
-# App. B Table 3 (Atari) and small settings for the toy chain; any flag overrides them.
+CLASSIC_ENVS = {"CartPole-v1": (4, 2), "Acrobot-v1": (6, 3)}  # EnvPool classic control: observation size, actions
+# App. B Table 3 (Atari), Table 3's unroll on 16 envs for classic control, and small settings for the toy chain;
+# any flag overrides them.
 PRESETS = {
     "atari": dict(local_num_envs=128, num_steps=20, total_timesteps=50_000_000),
+    "classic": dict(local_num_envs=16, num_steps=20, total_timesteps=500_000),
     "toy": dict(local_num_envs=32, num_steps=10, total_timesteps=64_000),
 }
 
@@ -165,20 +172,32 @@ class ArgsError(ValueError):
     """Bad command-line input, reported before any environment or thread starts."""
 
 
+def env_family(env_id: str) -> Optional[str]:
+    """'toy', 'classic' or 'atari' (an EnvPool Atari task id); None for anything else."""
+    if env_id == TOY_ENV_ID:
+        return "toy"
+    if env_id in CLASSIC_ENVS:
+        return "classic"
+    from envpool.registration import registry
+
+    return "atari" if env_id in registry.specs and registry.specs[env_id][0] == "envpool.atari" else None
+
+
 def resolve_args(args: Args, world_size: int = 1) -> Args:
     """Fills the presets and the App. A sizes into a copy of `args`; raises ArgsError for the usual mistakes.
 
     local_batch_size = local_num_envs x num_steps, batch_size = world_size x local_batch_size, and the minibatches
     are those divided by num_minibatches. Actor threads and devices do not appear: they are hardware (Sec. 4.1)."""
-    args = copy.deepcopy(args)
-    if args.env_id != TOY_ENV_ID:
-        from envpool.registration import registry
-
-        if args.env_id not in registry.specs or registry.specs[args.env_id][0] != "envpool.atari":
-            raise ArgsError(f"--env-id {args.env_id!r} is not an EnvPool Atari task (Breakout-v5...) or ToyChain-v0")
-    elif args.toy.autoreset_mode != "next_step":
+    args = dataclasses.replace(args)
+    family = env_family(args.env_id)
+    if family is None:
+        raise ArgsError(
+            f"--env-id {args.env_id!r} is none of: an EnvPool Atari task (Breakout-v5, Pong-v5, ...), an EnvPool "
+            f"classic-control task ({', '.join(CLASSIC_ENVS)}), {TOY_ENV_ID}"
+        )
+    if family == "toy" and args.toy.autoreset_mode != "next_step":
         raise ArgsError("--toy.autoreset-mode: this script consumes next-step autoreset (EnvPool's); use next_step")
-    for name, value in PRESETS["toy" if args.env_id == TOY_ENV_ID else "atari"].items():
+    for name, value in PRESETS[family].items():
         if getattr(args, name) is None:
             setattr(args, name, value)
     threads = args.num_actor_threads * len(args.actor_device_ids or [0])
@@ -199,8 +218,8 @@ def resolve_args(args: Args, world_size: int = 1) -> Args:
         )
     args.local_minibatch_size = args.local_batch_size // args.num_minibatches
     args.minibatch_size = args.local_minibatch_size * world_size
-    args.num_updates = args.total_timesteps // args.batch_size
-    if args.num_updates < 1 and not args.evaluate:
+    args.num_iterations = args.total_timesteps // args.batch_size
+    if args.num_iterations < 1 and not args.evaluate:
         raise ArgsError(f"--total-timesteps {args.total_timesteps} is less than one batch ({args.batch_size})")
     if args.evaluate and not args.checkpoint:
         raise ArgsError("--evaluate needs --checkpoint PATH")
@@ -209,41 +228,12 @@ def resolve_args(args: Args, world_size: int = 1) -> Args:
     return args
 
 
-# ---- Environments: EnvPool Atari, and ToyChain-v0 behind EnvPool's send/recv API (both next-step autoreset) ----
-class ToyChainPool:
-    """ToyChain-v0 with EnvPool's async_reset/send/recv: recv returns numpy (obs, reward, terminated, truncated, info),
-    info["reward"] being the raw reward as in EnvPool, info["success"] ToyChain's success flag."""
-
-    def __init__(self, config: ToyChainConfig, num_envs: int, seed: int):
-        self.env = ToyChainVectorEnv(num_envs, config, device="cpu")
-        self.seed = seed
-        self.actions = None
-
-    def async_reset(self) -> None:
-        self.actions = None
-
-    def send(self, actions: np.ndarray, env_ids=None) -> None:
-        self.actions = actions
-
-    def recv(self):
-        if self.actions is None:
-            obs, _ = self.env.reset(seed=self.seed)
-            no = torch.zeros(self.env.num_envs, dtype=torch.bool)
-            reward, terminated, truncated, info = torch.zeros(self.env.num_envs), no, no, {"success": no}
-        else:
-            obs, reward, terminated, truncated, info = self.env.step(torch.as_tensor(self.actions))
-        info = {"reward": reward.numpy(), "success": info["success"].numpy()}
-        return obs.numpy(), reward.numpy(), terminated.numpy(), truncated.numpy(), info
-
-    def close(self) -> None:
-        self.env.close()
-
-
-def env_seeds(seed: int, rank: int, first_env: int, num_envs: int, start_update: int) -> list[int]:
+# ---- Environments: EnvPool Atari and classic control, ToyChain-v0 behind EnvPool's API (all next-step autoreset) ----
+def env_seeds(seed: int, rank: int, first_env: int, num_envs: int, start_iteration: int) -> list[int]:
     """One seed per env from its global index, so that an env gets the same seed whatever the number of actor
-    threads it is split over; resuming at a later update draws new ones."""
+    threads it is split over; resuming at a later iteration draws new ones."""
     return [
-        int(np.random.SeedSequence([seed, rank, first_env + i, start_update]).generate_state(1)[0] >> 1)
+        int(np.random.SeedSequence([seed, rank, first_env + i, start_iteration]).generate_state(1)[0] >> 1)
         for i in range(num_envs)
     ]
 
@@ -253,39 +243,27 @@ def make_env(args: Args, num_envs: int, seeds: list[int]):
         return ToyChainPool(args.toy, num_envs, seeds[0])
     import envpool
 
+    pool = dict(env_type="gymnasium", num_envs=num_envs, batch_size=num_envs, seed=seeds)
+    if args.env_id in CLASSIC_ENVS:  # the task's own time limit (a truncation); a fallen pole is a termination
+        return envpool.make(args.env_id, **pool)
     # Sec. 5 (Machado et al. 2018): sticky actions 0.25, full action space, no life-loss signal, 84x84 grey, 4 stacked
     # frames, frame skip 4; rewards clipped for learning (info["reward"] keeps the raw game score).
-    return envpool.make(
-        args.env_id,
-        env_type="gymnasium",
-        num_envs=num_envs,
-        batch_size=num_envs,
-        seed=seeds,
-        max_episode_steps=args.max_episode_steps,
-        repeat_action_probability=0.25,
-        full_action_space=True,
-        episodic_life=False,
-        noop_max=1,
-        reward_clip=True,
-        stack_num=4,
-        frame_skip=4,
-        img_height=84,
-        img_width=84,
-        gray_scale=True,
-    )
+    protocol = dict(repeat_action_probability=0.25, full_action_space=True, episodic_life=False, noop_max=1)
+    frames = dict(reward_clip=True, stack_num=4, frame_skip=4, img_height=84, img_width=84, gray_scale=True)
+    return envpool.make(args.env_id, **pool, max_episode_steps=args.max_episode_steps, **protocol, **frames)
 
 
 # ---- Pure functions (importable, tested in tests/test_cleanba_impala.py) ----
-def should_get_params(iteration: int, concurrency: bool) -> bool:
+def should_get_params(actor_iteration: int, concurrency: bool) -> bool:
     """Fig. 1 (right), line 7: the actor gets new params before every rollout, except at iteration 2 with
     concurrency, so that it rolls out D_2 with pi_1 while the learner trains pi_1 on D_1."""
-    return not (concurrency and iteration == 2)
+    return not (concurrency and actor_iteration == 2)
 
 
-def noise_seed(seed: int, rank: int, update: int, step: int, stream: int = 0) -> int:
+def noise_seed(seed: int, rank: int, iteration: int, step: int, stream: int = 0) -> int:
     """Seed of the sampling noise of a learner process's envs at one rollout step (stream 0) or of its minibatch
-    shuffling (stream 1): a function of the seed and the update alone, so independent of timing and resuming."""
-    return int(np.random.SeedSequence([seed, rank, update, step, stream]).generate_state(1)[0])
+    shuffling (stream 1): a function of the seed and the iteration alone, so independent of timing and resuming."""
+    return int(np.random.SeedSequence([seed, rank, iteration, step, stream]).generate_state(1)[0])
 
 
 def sample_actions(logits: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
@@ -302,16 +280,7 @@ def logprob_entropy(logits: torch.Tensor, actions: torch.Tensor):
 
 
 def vtrace(
-    values,
-    next_values,
-    rewards,
-    bootstrap_cut,
-    dones,
-    log_rhos,
-    gamma: float,
-    lambda_: float = 1.0,
-    clip_rho_threshold: float = 1.0,
-    clip_pg_rho_threshold: float = 1.0,
+    values, next_values, rewards, no_bootstrap, dones, log_rhos, gamma, lambda_=1.0, rho_bar=1.0, pg_rho_bar=1.0
 ):
     """V-trace targets and policy-gradient advantages (Espeholt et al. 2018, Sec. 4.1; rlax's vtrace) over (T, N).
 
@@ -319,7 +288,7 @@ def vtrace(
       values[t]       = V(x_t);  next_values[t] = V(x'_t): values[t + 1] inside the rollout (after an episode end that
                         is the stale reset row, whose observation is the episode's true last one), V(o_T) for the last
       rewards[t]      = r_t, the reward the env returned for a_t
-      bootstrap_cut[t]= a_t ended the episode and x'_t is not bootstrapped (a termination, unless 'always')
+      no_bootstrap[t] = a_t ended the episode and x'_t is not bootstrapped (a termination, unless 'always')
       dones[t]        = a_t ended the episode: row t + 1 is another episode, so the trace is cut there
       log_rhos[t]     = log pi(a_t|x_t) - log mu(a_t|x_t), learner over behaviour (actor) policy
     With rho_t = exp(log_rhos[t]) and c_t = lambda min(1, rho_t):
@@ -333,9 +302,9 @@ def vtrace(
     """
     with torch.no_grad():
         rhos = log_rhos.exp()
-        discounts = gamma * (1.0 - bootstrap_cut.to(values.dtype))
+        discounts = gamma * (1.0 - no_bootstrap.to(values.dtype))
         traces = gamma * (1.0 - dones.to(values.dtype)) * lambda_ * rhos.clamp(max=1.0)
-        deltas = rhos.clamp(max=clip_rho_threshold) * (rewards + discounts * next_values - values)
+        deltas = rhos.clamp(max=rho_bar) * (rewards + discounts * next_values - values)
         errors = torch.zeros_like(values)
         accumulated = torch.zeros_like(values[0])
         for t in reversed(range(values.shape[0])):
@@ -345,7 +314,7 @@ def vtrace(
         vs_next = torch.cat([vs[1:], next_values[-1:]], dim=0)
         values_next = torch.cat([values[1:], next_values[-1:]], dim=0)
         bootstrap = torch.where(dones, next_values, lambda_ * vs_next + (1.0 - lambda_) * values_next)
-        pg_advantages = rhos.clamp(max=clip_pg_rho_threshold) * (rewards + discounts * bootstrap - values)
+        pg_advantages = rhos.clamp(max=pg_rho_bar) * (rewards + discounts * bootstrap - values)
     return vs, pg_advantages
 
 
@@ -361,19 +330,10 @@ def impala_loss(agent: nn.Module, batch: dict, args: Args):
     logprob, entropy = logprob_entropy(logits, batch["actions"])
     log_rhos = logprob.detach() - batch["logprobs"]
     dones = batch["terminations"] | batch["truncations"]
-    bootstrap_cut = batch["terminations"] if args.bootstrap_at_done == "truncated" else torch.zeros_like(dones)
-    vs, pg_advantages = vtrace(
-        values[:T].detach(),
-        values[1:].detach(),
-        batch["rewards"],
-        bootstrap_cut,
-        dones,
-        log_rhos,
-        args.gamma,
-        args.vtrace_lambda,
-        args.clip_rho_threshold,
-        args.clip_pg_rho_threshold,
-    )
+    no_bootstrap = batch["terminations"] if args.bootstrap_at_done == "truncated" else torch.zeros_like(dones)
+    coefficients = (args.gamma, args.vtrace_lambda, args.clip_rho_threshold, args.clip_pg_rho_threshold)
+    fixed = values.detach()  # the targets and advantages carry no gradient
+    vs, pg_advantages = vtrace(fixed[:T], fixed[1:], batch["rewards"], no_bootstrap, dones, log_rhos, *coefficients)
     valid = batch["valid"].float()  # next-step reset rows carry no transition
     policy_loss = (-logprob * pg_advantages * valid).sum()
     value_loss = (0.5 * (vs - values[:T]).square() * valid).sum()
@@ -400,6 +360,17 @@ def layer_init(layer: nn.Linear, std: float = math.sqrt(2), bias_const: float = 
     return layer
 
 
+def tanh_mlp(inputs: int, outputs: int, std: float) -> nn.Sequential:
+    """Two 64-unit tanh layers and a linear output layer of orthogonal gain `std` (CleanRL's classic control)."""
+    return nn.Sequential(
+        layer_init(nn.Linear(inputs, 64)),
+        nn.Tanh(),
+        layer_init(nn.Linear(64, 64)),
+        nn.Tanh(),
+        layer_init(nn.Linear(64, outputs), std=std),
+    )
+
+
 class ResidualBlock(nn.Module):
     def __init__(self, channels: int):
         super().__init__()
@@ -410,27 +381,22 @@ class ResidualBlock(nn.Module):
         return x + self.conv1(F.relu(self.conv0(F.relu(x))))
 
 
-class ConvSequence(nn.Module):
+def conv_sequence(in_channels: int, out_channels: int) -> nn.Sequential:
     """IMPALA ResNet stage: conv 3x3 -> max-pool 3x3 stride 2 -> two residual blocks (84 -> 42 -> 21 -> 11)."""
-
-    def __init__(self, in_channels: int, out_channels: int):
-        super().__init__()
-        self.conv = nn.Conv2d(in_channels, out_channels, 3, padding=1)
-        self.pool = nn.MaxPool2d(3, stride=2, padding=1)
-        self.res0 = ResidualBlock(out_channels)
-        self.res1 = ResidualBlock(out_channels)
-
-    def forward(self, x):
-        return self.res1(self.res0(self.pool(self.conv(x))))
+    conv = nn.Conv2d(in_channels, out_channels, 3, padding=1)
+    pool = nn.MaxPool2d(3, stride=2, padding=1)
+    return nn.Sequential(conv, pool, ResidualBlock(out_channels), ResidualBlock(out_channels))
 
 
 class Agent(nn.Module):
     """Policy and value heads on a shared torso. Atari: the IMPALA ResNet (Espeholt et al. 2018; Sec. 5), stages of
     16/32/32 channels and a 256-unit dense layer on (B, 4, 84, 84) uint8 frames; ToyChain: 2 x 64 ReLU on the one-hot
-    block index. Heads: orthogonal gain 0.01 (policy) and 1 (value)."""
+    block index. Heads: orthogonal gain 0.01 (policy) and 1 (value). Classic control: two 2 x 64 tanh networks on the
+    observation, no shared torso (CleanRL's ppo.py)."""
 
     def __init__(self, args: Args):
         super().__init__()
+        self.obs_scale = 255.0 if env_family(args.env_id) == "atari" else 1.0  # Atari: uint8 frames
         if args.env_id == TOY_ENV_ID:
             self.num_blocks, num_actions, hidden = args.toy.num_blocks, args.toy.num_actions, 64
             self.torso = nn.Sequential(
@@ -439,25 +405,33 @@ class Agent(nn.Module):
                 layer_init(nn.Linear(hidden, hidden)),
                 nn.ReLU(),
             )
+        elif args.env_id in CLASSIC_ENVS:  # no shared torso: two networks, as CleanRL's ppo.py
+            obs_size, num_actions = CLASSIC_ENVS[args.env_id]
+            self.num_blocks = 0
+            self.torso = nn.Identity()
         else:
             self.num_blocks, num_actions, hidden = 0, 18, 256  # the full action space (Sec. 5)
             self.torso = nn.Sequential(
-                ConvSequence(4, 16),
-                ConvSequence(16, 32),
-                ConvSequence(32, 32),
+                conv_sequence(4, 16),
+                conv_sequence(16, 32),
+                conv_sequence(32, 32),
                 nn.ReLU(),
                 nn.Flatten(),
                 layer_init(nn.Linear(32 * 11 * 11, hidden)),
                 nn.ReLU(),
             )
-        self.actor = layer_init(nn.Linear(hidden, num_actions), std=0.01)
-        self.critic = layer_init(nn.Linear(hidden, 1), std=1.0)
+        if args.env_id in CLASSIC_ENVS:
+            self.actor = tanh_mlp(obs_size, num_actions, std=0.01)
+            self.critic = tanh_mlp(obs_size, 1, std=1.0)
+        else:
+            self.actor = layer_init(nn.Linear(hidden, num_actions), std=0.01)
+            self.critic = layer_init(nn.Linear(hidden, 1), std=1.0)
 
     def forward(self, obs: torch.Tensor):
         if self.num_blocks:
             hidden = self.torso(F.one_hot(obs.long(), self.num_blocks).float())
         else:
-            hidden = self.torso(obs.float() / 255.0)
+            hidden = self.torso(obs.float() / self.obs_scale)
         return self.actor(hidden), self.critic(hidden)[:, 0]
 
 
@@ -487,10 +461,11 @@ class Episodes:
         self.stale = torch.zeros(num_envs, dtype=torch.bool)  # this env's next step only resets it
         self.sums = dict(count=0.0, returns=0.0, lengths=0.0, successes=0.0)
 
-    def step(self, info: dict, done: torch.Tensor, counted: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """Accounts one env step; adds the episodes that ended (where `counted`) to the sums; returns which ended."""
+    def step(self, reward, info: dict, done: torch.Tensor, counted: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Accounts one env step; adds the episodes that ended (where `counted`) to the sums; returns which ended.
+        The raw reward is info["reward"] where the env clips the reward it returns (Atari), else the reward."""
         valid = ~self.stale
-        self.returns += torch.as_tensor(info["reward"]).double() * valid
+        self.returns += torch.as_tensor(info["reward"] if "reward" in info else reward).double() * valid
         self.lengths += valid.float()
         ended = done & valid
         summed = ended if counted is None else ended & counted
@@ -513,34 +488,25 @@ class ActorThread(threading.Thread):
     """One actor thread: its own EnvPool (envs_per_thread envs), its own copy of the network on its device, its own
     params queue and rollout queue of size 1 (Fig. 1 right)."""
 
-    def __init__(
-        self,
-        args: Args,
-        index: int,
-        device: torch.device,
-        rank: int,
-        start_update: int,
-        template: nn.Module,
-        stop: threading.Event,
-    ):
+    def __init__(self, args: Args, index: int, device, rank: int, start_iteration: int, template: nn.Module, stop):
         super().__init__(daemon=True, name=f"actor-{index}")
         self.args, self.index, self.device, self.rank = args, index, device, rank
-        self.start_update, self.stop = start_update, stop
+        self.start_iteration, self.stop = start_iteration, stop
         self.params_queue: queue.Queue = queue.Queue(maxsize=1)
         self.rollout_queue: queue.Queue = queue.Queue(maxsize=1)
         self.error: Optional[BaseException] = None
         self.first_env = index * args.envs_per_thread
-        seeds = env_seeds(args.seed, rank, self.first_env, args.envs_per_thread, start_update)
+        seeds = env_seeds(args.seed, rank, self.first_env, args.envs_per_thread, start_iteration)
         self.envs = make_env(args, args.envs_per_thread, seeds)
         self.agent = copy.deepcopy(template).to(device)
         self.generator = torch.Generator(device=device)  # re-seeded at every step (noise_seed)
 
     @torch.no_grad()
-    def policy(self, obs: torch.Tensor, update: int, step: int):
+    def policy(self, obs: torch.Tensor, iteration: int, step: int):
         """Actions and their log-probabilities under the actor's policy mu; the noise rows are those of its envs.
         One blocking device-to-host copy per env step, and the thread's one generator re-seeded (issue 25)."""
         logits, _ = self.agent(obs.to(self.device))
-        self.generator.manual_seed(noise_seed(self.args.seed, self.rank, update, step))
+        self.generator.manual_seed(noise_seed(self.args.seed, self.rank, iteration, step))
         uniform = torch.rand((self.args.local_num_envs, logits.shape[-1]), generator=self.generator, device=self.device)
         action = sample_actions(logits, uniform[self.first_env : self.first_env + logits.shape[0]])
         logprob, _ = logprob_entropy(logits, action)
@@ -565,18 +531,19 @@ class ActorThread(threading.Thread):
         obs = torch.tensor(envs.recv()[0])
         episodes = Episodes(args.envs_per_thread)
         policy_version = 0
-        for iteration in range(1, args.num_updates - self.start_update + 2):
-            update = self.start_update + iteration - 1  # the learner update that will train on this rollout
+        for actor_iteration in range(1, args.num_iterations - self.start_iteration + 2):
+            iteration = self.start_iteration + actor_iteration - 1  # the learner iteration that will train on it
             start = time.perf_counter()
-            if should_get_params(iteration, args.concurrency):
+            if should_get_params(actor_iteration, args.concurrency):
                 policy_version, params = blocking(self.params_queue.get, alive)
                 self.agent.load_state_dict(params)
             params_queue_get_time = time.perf_counter() - start
+            rollout_start = time.perf_counter()
 
             storage = {key: [] for key in ROLLOUT_KEYS}
             episodes.sums = {key: 0.0 for key in episodes.sums}
             for step in range(args.num_steps):
-                action, logprob = self.policy(obs, update, step)
+                action, logprob = self.policy(obs, iteration, step)
                 envs.send(action.numpy(), env_ids)  # the envs step in EnvPool's threads while the row is stored
                 storage["obs"].append(obs)
                 storage["actions"].append(action)
@@ -588,12 +555,13 @@ class ActorThread(threading.Thread):
                 storage["rewards"].append(torch.tensor(reward, dtype=torch.float32))
                 storage["terminations"].append(terminated)
                 storage["truncations"].append(truncated)
-                episodes.step(info, terminated | truncated)
+                episodes.step(reward, info, terminated | truncated)
             rollout = {key: torch.stack(rows) for key, rows in storage.items()}
             rollout["next_obs"] = obs  # o_T: the learner's V(o_T) bootstraps the last row
-            rollout.update(
-                policy_version=policy_version, episodes=episodes.sums, params_queue_get_time=params_queue_get_time
-            )
+            rollout["policy_version"] = policy_version
+            rollout["episodes"] = episodes.sums
+            rollout["params_queue_get_time"] = params_queue_get_time
+            rollout["rollout_time"] = time.perf_counter() - rollout_start
             blocking(partial(self.rollout_queue.put, rollout), alive)
 
 
@@ -616,12 +584,12 @@ class Learner:
             agent.parameters(), lr=args.learning_rate, alpha=args.rmsprop_alpha, eps=args.rmsprop_eps
         )
 
-    def update(self, batch: dict, update: int) -> dict:
+    def update(self, batch: dict, iteration: int) -> dict:
         """num_minibatches RMSprop steps, each on a group of whole env sequences (one pass, no shuffling, as Cleanba).
         batch: (T, local_num_envs) tensors on the learner device, next_obs (local_num_envs, ...)."""
         args = self.args
-        # Table 3: the learning rate decays linearly to 0; update u (1-based) uses lr0 * (1 - (u - 1) / num_updates)
-        lr = args.learning_rate * (1.0 - (update - 1.0) / args.num_updates if args.anneal_lr else 1.0)
+        # Table 3: the learning rate decays linearly to 0; iteration i (1-based) uses lr0 (1 - (i - 1) / num_iterations)
+        lr = args.learning_rate * (1.0 - (iteration - 1.0) / args.num_iterations if args.anneal_lr else 1.0)
         self.optimizer.param_groups[0]["lr"] = lr
         envs_per_minibatch = args.local_num_envs // args.num_minibatches
         totals = {name: 0.0 for name in (*self.STATS, "count", "grad_norm")}
@@ -662,14 +630,8 @@ class Logger:
         if args.track:
             import wandb
 
-            wandb.init(
-                project=args.wandb_project_name,
-                entity=args.wandb_entity,
-                sync_tensorboard=True,
-                config=asdict(args),
-                name=run_name,
-                save_code=True,
-            )
+            settings = dict(sync_tensorboard=True, config=asdict(args), name=run_name, save_code=True)
+            wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, **settings)
         self.writer = SummaryWriter(str(run_dir))
         self.jsonl = open(run_dir / "updates.jsonl", "a")
         self.last: dict[str, float] = {}
@@ -686,14 +648,14 @@ class Logger:
         self.jsonl.close()
 
 
-def save_checkpoint(path: Path, agent, optimizer, update: int, global_step: int) -> None:
-    """Model, optimizer, update and global step (all randomness derives from the seed and the update number),
-    written to a temporary file and renamed, so that a crash never leaves a half-written checkpoint."""
+def save_checkpoint(path: Path, agent, optimizer, iteration: int, global_step: int) -> None:
+    """Model, optimizer, iteration and global step (all randomness derives from the seed and the iteration), written
+    to a temporary file and renamed, so that a crash never leaves a half-written checkpoint."""
     state = {
-        "agent": agent.state_dict(),
+        "model": agent.state_dict(),
         "optimizer": optimizer.state_dict(),
-        "update": update,
         "global_step": global_step,
+        "iteration": iteration,
     }
     torch.save(state, path.with_name(path.name + ".tmp"))
     os.replace(path.with_name(path.name + ".tmp"), path)
@@ -714,8 +676,8 @@ def evaluate(args: Args, agent: nn.Module, device: torch.device) -> dict:
         logits, _ = agent(torch.tensor(obs).to(device))
         action = sample_actions(logits, torch.rand(logits.shape, generator=generator, device=device))
         envs.send(action.cpu().numpy(), np.arange(n, dtype=np.int32))
-        obs, _, terminated, truncated, info = envs.recv()
-        finished |= episodes.step(info, torch.tensor(terminated | truncated), counted=~finished)
+        obs, reward, terminated, truncated, info = envs.recv()
+        finished |= episodes.step(reward, info, torch.tensor(terminated | truncated), counted=~finished)
     envs.close()
     out = {"eval/return": episodes.sums["returns"] / n, "eval/episode_len": episodes.sums["lengths"] / n}
     if args.env_id == TOY_ENV_ID:
@@ -723,7 +685,88 @@ def evaluate(args: Args, agent: nn.Module, device: torch.device) -> dict:
     return out
 
 
-# ---- Main: the learner loop in the main thread (Fig. 1 right: `def learner()`), actor threads beside it ----
+# ---- Training: the learner loop in the main thread (Fig. 1 right: `def learner()`), actor threads beside it ----
+def publish_params(agent: nn.Module, actors: list[ActorThread], version: int) -> None:
+    """Fig. 1 right: param_Q.put(params) for every actor thread; a snapshot per actor device, as the optimizer keeps
+    changing the learner's own tensors."""
+    snapshots = {}
+    for actor in actors:
+        if actor.device not in snapshots:
+            snapshots[actor.device] = {k: v.detach().to(actor.device, copy=True) for k, v in agent.state_dict().items()}
+            if actor.device.type == "cuda":
+                torch.cuda.synchronize(actor.device)
+        blocking(partial(actor.params_queue.put, (version, snapshots[actor.device])), actor.is_alive)
+
+
+def train(args: Args, learner: Learner, actors: list, logger, run_dir, start_iteration: int, global_step: int) -> dict:
+    """Starts the actor threads and runs iterations start_iteration .. num_iterations (iteration i turns pi_i into
+    pi_{i+1}). Ctrl-C or a failed actor thread ends it where it is. Returns {"iteration", "global_step"} of the last
+    finished iteration, "interrupted" and, if an actor thread failed, its error as "actor_error"."""
+    agent, device, rank = learner.agent, learner.device, learner.rank
+    finished = start_iteration - 1
+    try:
+        publish_params(agent, actors, start_iteration)  # pi_start to every actor before it starts
+        for actor in actors:
+            actor.start()
+        train_start, start_step = time.time(), global_step
+        for iteration in range(start_iteration, args.num_iterations + 1):
+            # 1. Rollouts: rollout_Q.get() from every actor thread
+            start = time.perf_counter()
+            rollouts = [blocking(actor.rollout_queue.get, actor.is_alive) for actor in actors]
+            rollout_queue_get_time = time.perf_counter() - start
+            batch = {key: torch.cat([r[key].to(device) for r in rollouts], dim=1) for key in ROLLOUT_KEYS}
+            batch["next_obs"] = torch.cat([r["next_obs"].to(device) for r in rollouts])
+
+            # 2. Update, then param_Q.put(): pi_{iteration + 1}
+            start = time.perf_counter()
+            losses = learner.update(batch, iteration)
+            update_time = time.perf_counter() - start
+            global_step += args.batch_size
+            finished = iteration
+            if iteration < args.num_iterations:
+                publish_params(agent, actors, iteration + 1)
+            if args.debug_learner_delay > 0:
+                time.sleep(args.debug_learner_delay)  # Sec. 3: a slow learner changes the wall clock, nothing else
+
+            # 3. Log and checkpoint
+            keys = ("count", "returns", "lengths", "successes")
+            episodes = torch.tensor([[r["episodes"][k] for k in keys] for r in rollouts], dtype=torch.float64)
+            count, returns, lengths, successes = all_reduce_sum(episodes.sum(0).to(device), args.world_size).tolist()
+            if rank != 0:
+                continue
+            data_version = rollouts[0]["policy_version"]
+            row = {f"losses/{name}": value for name, value in losses.items() if name != "learning_rate"}
+            row["cleanba/rho_mean"] = row.pop("losses/rho_mean")  # how far behind the behaviour policy is
+            row["cleanba/rho_clipfrac"] = row.pop("losses/rho_clipfrac")
+            row.update(
+                {
+                    "charts/learning_rate": losses["learning_rate"],
+                    "charts/SPS": (global_step - start_step) / (time.time() - train_start),
+                    "cleanba/data_policy_version": data_version,
+                    "cleanba/learner_policy_version": iteration,
+                    "cleanba/policy_lag": iteration - data_version,
+                    # Sec. 4.2: rollout_Q.get() longer than param_Q.get(): the actors are the bottleneck
+                    "cleanba/rollout_queue_get_time": rollout_queue_get_time,
+                    "cleanba/params_queue_get_time": float(np.mean([r["params_queue_get_time"] for r in rollouts])),
+                    "time/rollout": float(np.mean([r["rollout_time"] for r in rollouts])),
+                    "time/update": update_time,
+                }
+            )
+            if count > 0:
+                row.update({"charts/episodic_return": returns / count, "charts/episodic_length": lengths / count})
+                if args.env_id == TOY_ENV_ID:
+                    row["charts/success_rate"] = successes / count
+            logger.scalars(row, global_step)
+            if args.save_model and iteration % args.checkpoint_freq == 0:
+                save_checkpoint(run_dir / f"ckpt_{global_step}.pt", agent, learner.optimizer, iteration, global_step)
+    except Stopped:  # an actor thread died: the caller ends the run with its error
+        error = next((actor.error for actor in actors if actor.error is not None), None)
+        return {"iteration": finished, "global_step": global_step, "interrupted": False, "actor_error": error}
+    except KeyboardInterrupt:
+        return {"iteration": finished, "global_step": global_step, "interrupted": True}
+    return {"iteration": finished, "global_step": global_step, "interrupted": False}
+
+
 def main(args: Args) -> dict:
     rank, world_size = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -745,13 +788,13 @@ def main(args: Args) -> dict:
 
     agent = Agent(args).to(learner_device)
     learner = Learner(args, agent, learner_device, rank)
-    start_update, global_step = 1, 0
+    start_iteration, global_step = 1, 0
     if args.checkpoint:
         state = torch.load(args.checkpoint, map_location="cpu", weights_only=True)
-        agent.load_state_dict(state["agent"])
+        agent.load_state_dict(state["model"])
         learner.optimizer.load_state_dict(state["optimizer"])
-        start_update, global_step = state["update"] + 1, state["global_step"]
-        print(f"resuming from {args.checkpoint} at update {start_update}, global step {global_step}")
+        start_iteration, global_step = state["iteration"] + 1, state["global_step"]
+        print(f"resuming from {args.checkpoint} at iteration {start_iteration}, global step {global_step}")
     if world_size > 1:  # every learner starts from rank 0's parameters
         for param in agent.parameters():
             dist.broadcast(param.data, src=0)
@@ -763,7 +806,7 @@ def main(args: Args) -> dict:
         run_dir.mkdir(parents=True)
         (run_dir / "config.json").write_text(json.dumps(asdict(args), indent=2))
         logger = Logger(run_dir, args, run_name)
-    summary = {"global_step": global_step, "update": start_update - 1, "world_size": world_size, "interrupted": False}
+    progress = {"iteration": start_iteration - 1, "global_step": global_step, "interrupted": False}
     start_time, start_step = time.time(), global_step
     stop = threading.Event()
     actors = []
@@ -772,107 +815,37 @@ def main(args: Args) -> dict:
             for device_index, device in enumerate(actor_devices):
                 for j in range(args.num_actor_threads):
                     index = device_index * args.num_actor_threads + j
-                    actors.append(ActorThread(args, index, device, rank, start_update, agent, stop))
-            train(args, learner, actors, logger, run_dir, rank, start_update, global_step, summary)
+                    actors.append(ActorThread(args, index, device, rank, start_iteration, agent, stop))
+            progress = train(args, learner, actors, logger, run_dir, start_iteration, global_step)
+            if "actor_error" in progress:
+                error = progress.pop("actor_error")
+                raise RuntimeError(f"an actor thread failed: {error!r}") from error
+            if rank == 0 and args.save_model and progress["iteration"] >= start_iteration:
+                final = run_dir / "final_ckpt.pt"
+                save_checkpoint(final, agent, learner.optimizer, progress["iteration"], progress["global_step"])
+            if progress["interrupted"]:
+                raise KeyboardInterrupt
         if rank == 0 and args.num_eval_episodes > 0:
-            logger.scalars(evaluate(args, agent, learner_device), summary["global_step"])
+            start = time.perf_counter()
+            results = evaluate(args, agent, learner_device)
+            logger.scalars({**results, "time/eval": time.perf_counter() - start}, progress["global_step"])
     except KeyboardInterrupt:
-        summary["interrupted"] = True
-        if rank == 0 and args.save_model and summary["update"] >= start_update:
-            save_checkpoint(
-                run_dir / "final_ckpt.pt", agent, learner.optimizer, summary["update"], summary["global_step"]
-            )
+        progress["interrupted"] = True
         raise
     finally:
         stop.set()
         for actor in actors:
             actor.join(timeout=10)
+        wall_time = time.time() - start_time
+        summary = {**progress, "world_size": world_size, "wall_time_s": wall_time}
+        summary["sps"] = (progress["global_step"] - start_step) / wall_time
         if rank == 0:
-            wall_time = time.time() - start_time
-            summary.update(wall_time_s=wall_time, sps=(summary["global_step"] - start_step) / wall_time, **logger.last)
+            summary.update(logger.last)
             (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
             logger.close()
         if world_size > 1 and dist.is_initialized():
             dist.destroy_process_group()
     return summary
-
-
-def publish_params(agent: nn.Module, actors: list[ActorThread], version: int) -> None:
-    """Fig. 1 right: param_Q.put(params) for every actor thread; a snapshot per actor device, as the optimizer keeps
-    changing the learner's own tensors."""
-    snapshots = {}
-    for actor in actors:
-        if actor.device not in snapshots:
-            snapshots[actor.device] = {k: v.detach().to(actor.device, copy=True) for k, v in agent.state_dict().items()}
-            if actor.device.type == "cuda":
-                torch.cuda.synchronize(actor.device)
-        blocking(partial(actor.params_queue.put, (version, snapshots[actor.device])), actor.is_alive)
-
-
-def train(
-    args: Args,
-    learner: Learner,
-    actors: list[ActorThread],
-    logger: Optional[Logger],
-    run_dir: Optional[Path],
-    rank: int,
-    start_update: int,
-    global_step: int,
-    summary: dict,
-) -> None:
-    agent, device = learner.agent, learner.device
-    try:
-        publish_params(agent, actors, start_update)  # pi_start to every actor before it starts
-        for actor in actors:
-            actor.start()
-        train_start, start_step = time.time(), global_step
-        for update in range(start_update, args.num_updates + 1):  # update i turns pi_i into pi_{i+1}
-            start = time.perf_counter()
-            rollouts = [blocking(actor.rollout_queue.get, actor.is_alive) for actor in actors]  # rollout_Q.get()
-            rollout_queue_get_time = time.perf_counter() - start
-            batch = {key: torch.cat([r[key].to(device) for r in rollouts], dim=1) for key in ROLLOUT_KEYS}
-            batch["next_obs"] = torch.cat([r["next_obs"].to(device) for r in rollouts])
-            stats = learner.update(batch, update)
-            global_step += args.batch_size
-            if update < args.num_updates:
-                publish_params(agent, actors, update + 1)  # param_Q.put(): pi_{update+1}
-            if args.debug_learner_delay > 0:
-                time.sleep(args.debug_learner_delay)  # Sec. 3: a slow learner changes the wall clock, nothing else
-
-            keys = ("count", "returns", "lengths", "successes")
-            episodes = torch.tensor([[r["episodes"][k] for k in keys] for r in rollouts], dtype=torch.float64)
-            count, returns, lengths, successes = all_reduce_sum(episodes.sum(0).to(device), args.world_size).tolist()
-            summary["update"], summary["global_step"] = update, global_step
-            if rank != 0:
-                continue
-            data_version = rollouts[0]["policy_version"]
-            row = {f"losses/{name}": value for name, value in stats.items() if name != "learning_rate"}
-            row["cleanba/rho_mean"] = row.pop("losses/rho_mean")  # how far behind the behaviour policy is
-            row["cleanba/rho_clipfrac"] = row.pop("losses/rho_clipfrac")
-            row.update(
-                {
-                    "charts/learning_rate": stats["learning_rate"],
-                    "charts/SPS": (global_step - start_step) / (time.time() - train_start),
-                    "cleanba/data_policy_version": data_version,
-                    "cleanba/learner_policy_version": update,
-                    "cleanba/policy_lag": update - data_version,
-                    # Sec. 4.2: rollout_Q.get() longer than param_Q.get(): the actors are the bottleneck
-                    "cleanba/rollout_queue_get_time": rollout_queue_get_time,
-                    "cleanba/params_queue_get_time": float(np.mean([r["params_queue_get_time"] for r in rollouts])),
-                }
-            )
-            if count > 0:
-                row.update({"charts/episodic_return": returns / count, "charts/episodic_length": lengths / count})
-                if args.env_id == TOY_ENV_ID:
-                    row["charts/success_rate"] = successes / count
-            logger.scalars(row, global_step)
-            if args.save_model and update % args.checkpoint_freq == 0:
-                save_checkpoint(run_dir / f"ckpt_{global_step}.pt", agent, learner.optimizer, update, global_step)
-    except Stopped:  # an actor thread died: end the run with its error
-        error = next((actor.error for actor in actors if actor.error is not None), None)
-        raise RuntimeError(f"an actor thread failed: {error!r}") from error
-    if rank == 0 and args.save_model:
-        save_checkpoint(run_dir / "final_ckpt.pt", agent, learner.optimizer, args.num_updates, global_step)
 
 
 if __name__ == "__main__":

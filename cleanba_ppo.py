@@ -1,4 +1,4 @@
-"""Cleanba PPO: PPO on the Cleanba actor/learner architecture, in PyTorch (EnvPool Atari and the toy chain).
+"""Cleanba PPO: PPO on the Cleanba actor/learner architecture, in PyTorch (EnvPool Atari and classic control).
 
 Paper: "Cleanba: A Reproducible and Efficient Distributed Reinforcement Learning Platform",
 Shengyi Huang, Jiayi Weng, Rujikorn Charakorn, Min Lin, Zhongwen Xu, Santiago Ontanon (ICLR 2024), arXiv:2310.00036.
@@ -26,6 +26,7 @@ one, whose value is bootstrapped at a truncation (at every end with --bootstrap-
 
 Examples
   python cleanba_ppo.py --env-id ToyChain-v0                                 # seconds on a CPU
+  python cleanba_ppo.py --env-id CartPole-v1                                 # CleanRL's ppo.py settings, CPU minutes
   python cleanba_ppo.py --env-id Breakout-v5 --actor-device-ids 0            # Table 2, 50M steps on GPU 0
   python cleanba_ppo.py --env-id Breakout-v5 --concurrency                   # Cleanba's architecture
   torchrun --nproc_per_node 2 cleanba_ppo.py --env-id Breakout-v5 --local-num-envs 64   # 2 learners, same batch
@@ -34,6 +35,7 @@ Examples
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import math
 import os
@@ -54,7 +56,7 @@ import torch.nn.functional as F
 import tyro
 from torch.utils.tensorboard import SummaryWriter
 
-from toy_chain_env import ToyChainConfig, ToyChainVectorEnv
+from toy_chain_env import ToyChainConfig, ToyChainPool
 
 
 @dataclass
@@ -76,28 +78,30 @@ class Args:
     wandb_entity: Optional[str] = None
     """wandb entity (team)"""
     save_model: bool = False
-    """write checkpoints (ckpt_{global_step}.pt every --checkpoint-freq updates, final_ckpt.pt at the end)"""
+    """write checkpoints (ckpt_{global_step}.pt every --checkpoint-freq iterations, final_ckpt.pt at the end)"""
     checkpoint_freq: int = 500
-    """with --save-model, write ckpt_{global_step}.pt every this many updates"""
+    """with --save-model, write ckpt_{global_step}.pt every this many iterations"""
     checkpoint: Optional[str] = None
-    """a checkpoint to resume training from (model, optimizer, update), or to evaluate with --evaluate"""
+    """a checkpoint to resume training from (model, optimizer, iteration), or to evaluate with --evaluate"""
     evaluate: bool = False
     """only evaluate the policy of --checkpoint, then exit"""
     num_eval_episodes: int = 10
     """episodes of the final evaluation (one per eval env; 0: none) and of --evaluate"""
 
     env_id: str = "Breakout-v5"
-    """an EnvPool Atari task id (Breakout-v5, Pong-v5, ...) or ToyChain-v0"""
+    """an EnvPool Atari task (Breakout-v5, Pong-v5, ...), an EnvPool classic-control task (CartPole-v1, Acrobot-v1)
+    or ToyChain-v0"""
     max_episode_steps: int = 27000
-    """Atari: episode time limit in agent steps, 27,000 = 108,000 frames (Sec. 5; a truncation)"""
+    """Atari: episode time limit in agent steps, 27,000 = 108,000 frames (Sec. 5; a truncation); classic control
+    keeps its task's own limit (CartPole-v1, Acrobot-v1: 500 steps, a truncation)"""
     bootstrap_at_done: Literal["always", "truncated"] = "truncated"
     """truncated: a time limit bootstraps V(last observation), a termination 0; always: every episode end bootstraps"""
     toy: ToyChainConfig = field(default_factory=ToyChainConfig)
     """ToyChain-v0 settings (always next-step autoreset, as EnvPool)"""
 
     local_num_envs: Optional[int] = None
-    """envs per learner process, split evenly over its actor threads (default: 128 Atari, 32 ToyChain). The original
-    Cleanba's --local-num-envs counts envs per ACTOR THREAD: ours = theirs x num_actor_threads x actor devices"""
+    """envs per learner process, split evenly over its actor threads (default: 128 Atari, 4 classic, 32 ToyChain). The
+    original Cleanba's --local-num-envs counts envs per ACTOR THREAD: ours = theirs x num_actor_threads x devices"""
     num_actor_threads: int = 2
     """actor threads per actor device, each with its own EnvPool and queues (hardware, not a hyperparameter)"""
     actor_device_ids: Optional[list[int]] = None
@@ -108,13 +112,13 @@ class Args:
     """seconds the learner sleeps after each update (Sec. 3): a slower learner must give exactly the same run"""
 
     total_timesteps: Optional[int] = None
-    """env steps of all processes together (default: 50M Atari, Table 2; 64,000 ToyChain)"""
+    """env steps of all processes together (default: 50M Atari, Table 2; 500k classic; 64,000 ToyChain)"""
     learning_rate: float = 2.5e-4
     """Adam learning rate (Table 2)"""
     anneal_lr: bool = True
     """linearly decay the learning rate to 0 (Table 2)"""
     num_steps: Optional[int] = None
-    """rollout length per env and update (default: 128 Atari, Table 2; 10 ToyChain)"""
+    """rollout length per env and update (default: 128 Atari, Table 2; 128 classic; 10 ToyChain)"""
     gamma: float = 0.99
     """discount factor (Table 2)"""
     gae_lambda: float = 0.95
@@ -125,8 +129,8 @@ class Args:
     """epochs over each batch (Table 2)"""
     norm_adv: bool = True
     """normalize advantages per minibatch (App. A Alg. 1), over the whole minibatch of all learners"""
-    clip_coef: float = 0.1
-    """PPO clipping coefficient (Table 2)"""
+    clip_coef: Optional[float] = None
+    """PPO clipping coefficient (default: 0.1 Atari, Table 2, and ToyChain; 0.2 classic, as CleanRL's ppo.py)"""
     ent_coef: float = 0.01
     """entropy coefficient (Table 2)"""
     vf_coef: float = 0.5
@@ -144,14 +148,17 @@ class Args:
     local_minibatch_size: tyro.conf.Suppress[int] = 0
     batch_size: tyro.conf.Suppress[int] = 0
     minibatch_size: tyro.conf.Suppress[int] = 0
-    num_updates: tyro.conf.Suppress[int] = 0
+    num_iterations: tyro.conf.Suppress[int] = 0
 
 
 TOY_ENV_ID = "ToyChain-v0"
-# App. B Table 2 (Atari) and small settings for the toy chain; any flag overrides them.
+CLASSIC_ENVS = {"CartPole-v1": (4, 2), "Acrobot-v1": (6, 3)}  # EnvPool classic control: observation size, actions
+# App. B Table 2 (Atari), CleanRL's ppo.py settings for classic control (4 envs x 128 steps, 500k steps, clip 0.2; the
+# rest are Table 2's values too) and small settings for the toy chain; any flag overrides them.
 PRESETS = {
-    "atari": dict(local_num_envs=128, num_steps=128, total_timesteps=50_000_000),
-    "toy": dict(local_num_envs=32, num_steps=10, total_timesteps=64_000),
+    "atari": dict(local_num_envs=128, num_steps=128, total_timesteps=50_000_000, clip_coef=0.1),
+    "classic": dict(local_num_envs=4, num_steps=128, total_timesteps=500_000, clip_coef=0.2),
+    "toy": dict(local_num_envs=32, num_steps=10, total_timesteps=64_000, clip_coef=0.1),
 }
 
 
@@ -159,20 +166,32 @@ class ArgsError(ValueError):
     """Bad command-line input, reported before any environment or thread starts."""
 
 
+def env_family(env_id: str) -> Optional[str]:
+    """'toy', 'classic' or 'atari' (an EnvPool Atari task id); None for anything else."""
+    if env_id == TOY_ENV_ID:
+        return "toy"
+    if env_id in CLASSIC_ENVS:
+        return "classic"
+    from envpool.registration import registry
+
+    return "atari" if env_id in registry.specs and registry.specs[env_id][0] == "envpool.atari" else None
+
+
 def resolve_args(args: Args, world_size: int = 1) -> Args:
     """Fills the presets and the App. A sizes into a copy of `args`; raises ArgsError for the usual mistakes.
 
     local_batch_size = local_num_envs x num_steps, batch_size = world_size x local_batch_size, and the minibatches
     are those divided by num_minibatches. Actor threads and devices do not appear: they are hardware (Sec. 4.1)."""
-    args = copy.deepcopy(args)
-    if args.env_id != TOY_ENV_ID:
-        from envpool.registration import registry
-
-        if args.env_id not in registry.specs or registry.specs[args.env_id][0] != "envpool.atari":
-            raise ArgsError(f"--env-id {args.env_id!r} is not an EnvPool Atari task (Breakout-v5...) or ToyChain-v0")
-    elif args.toy.autoreset_mode != "next_step":
+    args = dataclasses.replace(args)
+    family = env_family(args.env_id)
+    if family is None:
+        raise ArgsError(
+            f"--env-id {args.env_id!r} is none of: an EnvPool Atari task (Breakout-v5, Pong-v5, ...), an EnvPool "
+            f"classic-control task ({', '.join(CLASSIC_ENVS)}), {TOY_ENV_ID}"
+        )
+    if family == "toy" and args.toy.autoreset_mode != "next_step":
         raise ArgsError("--toy.autoreset-mode: this script consumes next-step autoreset (EnvPool's); use next_step")
-    for name, value in PRESETS["toy" if args.env_id == TOY_ENV_ID else "atari"].items():
+    for name, value in PRESETS[family].items():
         if getattr(args, name) is None:
             setattr(args, name, value)
     threads = args.num_actor_threads * len(args.actor_device_ids or [0])
@@ -193,8 +212,8 @@ def resolve_args(args: Args, world_size: int = 1) -> Args:
         )
     args.local_minibatch_size = args.local_batch_size // args.num_minibatches
     args.minibatch_size = args.local_minibatch_size * world_size
-    args.num_updates = args.total_timesteps // args.batch_size
-    if args.num_updates < 1 and not args.evaluate:
+    args.num_iterations = args.total_timesteps // args.batch_size
+    if args.num_iterations < 1 and not args.evaluate:
         raise ArgsError(f"--total-timesteps {args.total_timesteps} is less than one batch ({args.batch_size})")
     if args.evaluate and not args.checkpoint:
         raise ArgsError("--evaluate needs --checkpoint PATH")
@@ -203,41 +222,12 @@ def resolve_args(args: Args, world_size: int = 1) -> Args:
     return args
 
 
-# ---- Environments: EnvPool Atari, and ToyChain-v0 behind EnvPool's send/recv API (both next-step autoreset) ----
-class ToyChainPool:
-    """ToyChain-v0 with EnvPool's async_reset/send/recv: recv returns numpy (obs, reward, terminated, truncated, info),
-    info["reward"] being the raw reward as in EnvPool, info["success"] ToyChain's success flag."""
-
-    def __init__(self, config: ToyChainConfig, num_envs: int, seed: int):
-        self.env = ToyChainVectorEnv(num_envs, config, device="cpu")
-        self.seed = seed
-        self.actions = None
-
-    def async_reset(self) -> None:
-        self.actions = None
-
-    def send(self, actions: np.ndarray, env_ids=None) -> None:
-        self.actions = actions
-
-    def recv(self):
-        if self.actions is None:
-            obs, _ = self.env.reset(seed=self.seed)
-            no = torch.zeros(self.env.num_envs, dtype=torch.bool)
-            reward, terminated, truncated, info = torch.zeros(self.env.num_envs), no, no, {"success": no}
-        else:
-            obs, reward, terminated, truncated, info = self.env.step(torch.as_tensor(self.actions))
-        info = {"reward": reward.numpy(), "success": info["success"].numpy()}
-        return obs.numpy(), reward.numpy(), terminated.numpy(), truncated.numpy(), info
-
-    def close(self) -> None:
-        self.env.close()
-
-
-def env_seeds(seed: int, rank: int, first_env: int, num_envs: int, start_update: int) -> list[int]:
+# ---- Environments: EnvPool Atari and classic control, ToyChain-v0 behind EnvPool's API (all next-step autoreset) ----
+def env_seeds(seed: int, rank: int, first_env: int, num_envs: int, start_iteration: int) -> list[int]:
     """One seed per env from its global index, so that an env gets the same seed whatever the number of actor
-    threads it is split over; resuming at a later update draws new ones."""
+    threads it is split over; resuming at a later iteration draws new ones."""
     return [
-        int(np.random.SeedSequence([seed, rank, first_env + i, start_update]).generate_state(1)[0] >> 1)
+        int(np.random.SeedSequence([seed, rank, first_env + i, start_iteration]).generate_state(1)[0] >> 1)
         for i in range(num_envs)
     ]
 
@@ -247,39 +237,27 @@ def make_env(args: Args, num_envs: int, seeds: list[int]):
         return ToyChainPool(args.toy, num_envs, seeds[0])
     import envpool
 
+    pool = dict(env_type="gymnasium", num_envs=num_envs, batch_size=num_envs, seed=seeds)
+    if args.env_id in CLASSIC_ENVS:  # the task's own time limit (a truncation); a fallen pole is a termination
+        return envpool.make(args.env_id, **pool)
     # Sec. 5 (Machado et al. 2018): sticky actions 0.25, full action space, no life-loss signal, 84x84 grey, 4 stacked
     # frames, frame skip 4; rewards clipped for learning (info["reward"] keeps the raw game score).
-    return envpool.make(
-        args.env_id,
-        env_type="gymnasium",
-        num_envs=num_envs,
-        batch_size=num_envs,
-        seed=seeds,
-        max_episode_steps=args.max_episode_steps,
-        repeat_action_probability=0.25,
-        full_action_space=True,
-        episodic_life=False,
-        noop_max=1,
-        reward_clip=True,
-        stack_num=4,
-        frame_skip=4,
-        img_height=84,
-        img_width=84,
-        gray_scale=True,
-    )
+    protocol = dict(repeat_action_probability=0.25, full_action_space=True, episodic_life=False, noop_max=1)
+    frames = dict(reward_clip=True, stack_num=4, frame_skip=4, img_height=84, img_width=84, gray_scale=True)
+    return envpool.make(args.env_id, **pool, max_episode_steps=args.max_episode_steps, **protocol, **frames)
 
 
 # ---- Pure functions (importable, tested in tests/test_cleanba_ppo.py) ----
-def should_get_params(iteration: int, concurrency: bool) -> bool:
+def should_get_params(actor_iteration: int, concurrency: bool) -> bool:
     """Fig. 1 (right), line 7: the actor gets new params before every rollout, except at iteration 2 with
     concurrency, so that it rolls out D_2 with pi_1 while the learner trains pi_1 on D_1."""
-    return not (concurrency and iteration == 2)
+    return not (concurrency and actor_iteration == 2)
 
 
-def noise_seed(seed: int, rank: int, update: int, step: int, stream: int = 0) -> int:
+def noise_seed(seed: int, rank: int, iteration: int, step: int, stream: int = 0) -> int:
     """Seed of the sampling noise of a learner process's envs at one rollout step (stream 0) or of its minibatch
-    shuffling (stream 1): a function of the seed and the update alone, so independent of timing and resuming."""
-    return int(np.random.SeedSequence([seed, rank, update, step, stream]).generate_state(1)[0])
+    shuffling (stream 1): a function of the seed and the iteration alone, so independent of timing and resuming."""
+    return int(np.random.SeedSequence([seed, rank, iteration, step, stream]).generate_state(1)[0])
 
 
 def sample_actions(logits: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
@@ -295,17 +273,17 @@ def logprob_entropy(logits: torch.Tensor, actions: torch.Tensor):
     return logprob, entropy
 
 
-def compute_gae(rewards, values, last_value, bootstrap_cut, dones, gamma: float, gae_lambda: float):
+def compute_gae(rewards, values, last_value, no_bootstrap, dones, gamma: float, gae_lambda: float):
     """Generalized advantage estimation over a (T, N) rollout whose row t is the transition (o_t, a_t, r_t).
 
     next value of row t = values[t + 1] (next-step autoreset: after an episode end that row is the stale one, whose
     observation is the episode's true last one), last_value = V(o_T) for the last row.
-    delta_t = r_t + gamma * (1 - bootstrap_cut_t) * next_value_t - values[t]   (cut: a termination, unless 'always')
+    delta_t = r_t + gamma * (1 - no_bootstrap_t) * next_value_t - values[t]   (cut: a termination, unless 'always')
     A_t     = delta_t + gamma * lambda * (1 - done_t) * A_{t+1}
     Returns (advantages, returns = advantages + values).
     """
     next_values = torch.cat([values[1:], last_value.unsqueeze(0)], dim=0)
-    deltas = rewards + gamma * (1.0 - bootstrap_cut.float()) * next_values - values
+    deltas = rewards + gamma * (1.0 - no_bootstrap.float()) * next_values - values
     advantages = torch.zeros_like(rewards)
     lastgaelam = torch.zeros_like(rewards[0])
     for t in reversed(range(rewards.shape[0])):
@@ -314,11 +292,12 @@ def compute_gae(rewards, values, last_value, bootstrap_cut, dones, gamma: float,
     return advantages, advantages + values
 
 
-def ppo_loss_terms(newlogprob, oldlogprob, entropy, newvalue, advantages, returns, clip_coef: float) -> dict:
+def ppo_loss_terms(newlogprob, entropy, newvalue, minibatch: dict, clip_coef: float) -> dict:
     """Per-sample PPO terms (App. A): clipped surrogate (as a loss), 0.5 x squared value error (no value clipping),
     entropy, and the diagnostics approx_kl = (ratio - 1) - log ratio and clipfrac. The ratio is taken against the
-    behaviour policy that collected the data (the actor's log-probabilities), as Cleanba does."""
-    logratio = newlogprob - oldlogprob
+    behaviour policy that collected the data (minibatch["logprobs"], the actor's), as Cleanba does."""
+    advantages, returns = minibatch["advantages"], minibatch["returns"]
+    logratio = newlogprob - minibatch["logprobs"]
     ratio = logratio.exp()
     pg_loss = torch.max(-advantages * ratio, -advantages * ratio.clamp(1.0 - clip_coef, 1.0 + clip_coef))
     return {
@@ -345,15 +324,7 @@ def ppo_loss(agent: nn.Module, minibatch: dict, args: Args, count: float):
     row (valid False: its action was ignored by the env) weighs 0. Returns (loss, the per-sample terms)."""
     logits, newvalue = agent(minibatch["obs"])
     newlogprob, entropy = logprob_entropy(logits, minibatch["actions"])
-    terms = ppo_loss_terms(
-        newlogprob,
-        minibatch["logprobs"],
-        entropy,
-        newvalue,
-        minibatch["advantages"],
-        minibatch["returns"],
-        args.clip_coef,
-    )
+    terms = ppo_loss_terms(newlogprob, entropy, newvalue, minibatch, args.clip_coef)
     weight = minibatch["valid"].float() / max(count, 1.0)
     loss = (
         (terms["policy_loss"] - args.ent_coef * terms["entropy"] + args.vf_coef * terms["value_loss"]) * weight
@@ -368,6 +339,17 @@ def layer_init(layer: nn.Linear, std: float = math.sqrt(2), bias_const: float = 
     return layer
 
 
+def tanh_mlp(inputs: int, outputs: int, std: float) -> nn.Sequential:
+    """Two 64-unit tanh layers and a linear output layer of orthogonal gain `std` (CleanRL's classic control)."""
+    return nn.Sequential(
+        layer_init(nn.Linear(inputs, 64)),
+        nn.Tanh(),
+        layer_init(nn.Linear(64, 64)),
+        nn.Tanh(),
+        layer_init(nn.Linear(64, outputs), std=std),
+    )
+
+
 class ResidualBlock(nn.Module):
     def __init__(self, channels: int):
         super().__init__()
@@ -378,27 +360,22 @@ class ResidualBlock(nn.Module):
         return x + self.conv1(F.relu(self.conv0(F.relu(x))))
 
 
-class ConvSequence(nn.Module):
+def conv_sequence(in_channels: int, out_channels: int) -> nn.Sequential:
     """IMPALA ResNet stage: conv 3x3 -> max-pool 3x3 stride 2 -> two residual blocks (84 -> 42 -> 21 -> 11)."""
-
-    def __init__(self, in_channels: int, out_channels: int):
-        super().__init__()
-        self.conv = nn.Conv2d(in_channels, out_channels, 3, padding=1)
-        self.pool = nn.MaxPool2d(3, stride=2, padding=1)
-        self.res0 = ResidualBlock(out_channels)
-        self.res1 = ResidualBlock(out_channels)
-
-    def forward(self, x):
-        return self.res1(self.res0(self.pool(self.conv(x))))
+    conv = nn.Conv2d(in_channels, out_channels, 3, padding=1)
+    pool = nn.MaxPool2d(3, stride=2, padding=1)
+    return nn.Sequential(conv, pool, ResidualBlock(out_channels), ResidualBlock(out_channels))
 
 
 class Agent(nn.Module):
     """Policy and value heads on a shared torso. Atari: the IMPALA ResNet (Espeholt et al. 2018; Sec. 5), stages of
     16/32/32 channels and a 256-unit dense layer on (B, 4, 84, 84) uint8 frames; ToyChain: 2 x 64 ReLU on the one-hot
-    block index. Heads: orthogonal gain 0.01 (policy) and 1 (value)."""
+    block index. Heads: orthogonal gain 0.01 (policy) and 1 (value). Classic control: two 2 x 64 tanh networks on the
+    observation, no shared torso (CleanRL's ppo.py)."""
 
     def __init__(self, args: Args):
         super().__init__()
+        self.obs_scale = 255.0 if env_family(args.env_id) == "atari" else 1.0  # Atari: uint8 frames
         if args.env_id == TOY_ENV_ID:
             self.num_blocks, num_actions, hidden = args.toy.num_blocks, args.toy.num_actions, 64
             self.torso = nn.Sequential(
@@ -407,25 +384,33 @@ class Agent(nn.Module):
                 layer_init(nn.Linear(hidden, hidden)),
                 nn.ReLU(),
             )
+        elif args.env_id in CLASSIC_ENVS:  # no shared torso: two networks, as CleanRL's ppo.py
+            obs_size, num_actions = CLASSIC_ENVS[args.env_id]
+            self.num_blocks = 0
+            self.torso = nn.Identity()
         else:
             self.num_blocks, num_actions, hidden = 0, 18, 256  # the full action space (Sec. 5)
             self.torso = nn.Sequential(
-                ConvSequence(4, 16),
-                ConvSequence(16, 32),
-                ConvSequence(32, 32),
+                conv_sequence(4, 16),
+                conv_sequence(16, 32),
+                conv_sequence(32, 32),
                 nn.ReLU(),
                 nn.Flatten(),
                 layer_init(nn.Linear(32 * 11 * 11, hidden)),
                 nn.ReLU(),
             )
-        self.actor = layer_init(nn.Linear(hidden, num_actions), std=0.01)
-        self.critic = layer_init(nn.Linear(hidden, 1), std=1.0)
+        if args.env_id in CLASSIC_ENVS:
+            self.actor = tanh_mlp(obs_size, num_actions, std=0.01)
+            self.critic = tanh_mlp(obs_size, 1, std=1.0)
+        else:
+            self.actor = layer_init(nn.Linear(hidden, num_actions), std=0.01)
+            self.critic = layer_init(nn.Linear(hidden, 1), std=1.0)
 
     def forward(self, obs: torch.Tensor):
         if self.num_blocks:
             hidden = self.torso(F.one_hot(obs.long(), self.num_blocks).float())
         else:
-            hidden = self.torso(obs.float() / 255.0)
+            hidden = self.torso(obs.float() / self.obs_scale)
         return self.actor(hidden), self.critic(hidden)[:, 0]
 
 
@@ -455,10 +440,11 @@ class Episodes:
         self.stale = torch.zeros(num_envs, dtype=torch.bool)  # this env's next step only resets it
         self.sums = dict(count=0.0, returns=0.0, lengths=0.0, successes=0.0)
 
-    def step(self, info: dict, done: torch.Tensor, counted: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """Accounts one env step; adds the episodes that ended (where `counted`) to the sums; returns which ended."""
+    def step(self, reward, info: dict, done: torch.Tensor, counted: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Accounts one env step; adds the episodes that ended (where `counted`) to the sums; returns which ended.
+        The raw reward is info["reward"] where the env clips the reward it returns (Atari), else the reward."""
         valid = ~self.stale
-        self.returns += torch.as_tensor(info["reward"]).double() * valid
+        self.returns += torch.as_tensor(info["reward"] if "reward" in info else reward).double() * valid
         self.lengths += valid.float()
         ended = done & valid
         summed = ended if counted is None else ended & counted
@@ -481,34 +467,25 @@ class ActorThread(threading.Thread):
     """One actor thread: its own EnvPool (envs_per_thread envs), its own copy of the network on its device, its own
     params queue and rollout queue of size 1 (Fig. 1 right)."""
 
-    def __init__(
-        self,
-        args: Args,
-        index: int,
-        device: torch.device,
-        rank: int,
-        start_update: int,
-        template: nn.Module,
-        stop: threading.Event,
-    ):
+    def __init__(self, args: Args, index: int, device, rank: int, start_iteration: int, template: nn.Module, stop):
         super().__init__(daemon=True, name=f"actor-{index}")
         self.args, self.index, self.device, self.rank = args, index, device, rank
-        self.start_update, self.stop = start_update, stop
+        self.start_iteration, self.stop = start_iteration, stop
         self.params_queue: queue.Queue = queue.Queue(maxsize=1)
         self.rollout_queue: queue.Queue = queue.Queue(maxsize=1)
         self.error: Optional[BaseException] = None
         self.first_env = index * args.envs_per_thread
-        seeds = env_seeds(args.seed, rank, self.first_env, args.envs_per_thread, start_update)
+        seeds = env_seeds(args.seed, rank, self.first_env, args.envs_per_thread, start_iteration)
         self.envs = make_env(args, args.envs_per_thread, seeds)
         self.agent = copy.deepcopy(template).to(device)
         self.generator = torch.Generator(device=device)  # re-seeded at every step (noise_seed)
 
     @torch.no_grad()
-    def policy(self, obs: torch.Tensor, update: int, step: int):
+    def policy(self, obs: torch.Tensor, iteration: int, step: int):
         """Actions, log-probabilities and values for this thread's envs; the noise rows are those of its envs.
         One blocking device-to-host copy per env step, and the thread's one generator re-seeded (issue 25)."""
         logits, value = self.agent(obs.to(self.device))
-        self.generator.manual_seed(noise_seed(self.args.seed, self.rank, update, step))
+        self.generator.manual_seed(noise_seed(self.args.seed, self.rank, iteration, step))
         uniform = torch.rand((self.args.local_num_envs, logits.shape[-1]), generator=self.generator, device=self.device)
         action = sample_actions(logits, uniform[self.first_env : self.first_env + logits.shape[0]])
         logprob, _ = logprob_entropy(logits, action)
@@ -533,18 +510,19 @@ class ActorThread(threading.Thread):
         obs = torch.tensor(envs.recv()[0])
         episodes = Episodes(args.envs_per_thread)
         policy_version = 0
-        for iteration in range(1, args.num_updates - self.start_update + 2):
-            update = self.start_update + iteration - 1  # the learner update that will train on this rollout
+        for actor_iteration in range(1, args.num_iterations - self.start_iteration + 2):
+            iteration = self.start_iteration + actor_iteration - 1  # the learner iteration that will train on it
             start = time.perf_counter()
-            if should_get_params(iteration, args.concurrency):
+            if should_get_params(actor_iteration, args.concurrency):
                 policy_version, params = blocking(self.params_queue.get, alive)
                 self.agent.load_state_dict(params)
             params_queue_get_time = time.perf_counter() - start
+            rollout_start = time.perf_counter()
 
             storage = {key: [] for key in ROLLOUT_KEYS}
             episodes.sums = {key: 0.0 for key in episodes.sums}
             for step in range(args.num_steps):
-                action, logprob, value = self.policy(obs, update, step)
+                action, logprob, value = self.policy(obs, iteration, step)
                 envs.send(action.numpy(), env_ids)  # the envs step in EnvPool's threads while the row is stored
                 storage["obs"].append(obs)
                 storage["actions"].append(action)
@@ -557,12 +535,13 @@ class ActorThread(threading.Thread):
                 storage["rewards"].append(torch.tensor(reward, dtype=torch.float32))
                 storage["terminations"].append(terminated)
                 storage["truncations"].append(truncated)
-                episodes.step(info, terminated | truncated)
+                episodes.step(reward, info, terminated | truncated)
             rollout = {key: torch.stack(rows) for key, rows in storage.items()}
-            rollout["last_value"] = self.policy(obs, update, args.num_steps)[2]  # V(o_T), bootstrap of the last row
-            rollout.update(
-                policy_version=policy_version, episodes=episodes.sums, params_queue_get_time=params_queue_get_time
-            )
+            rollout["last_value"] = self.policy(obs, iteration, args.num_steps)[2]  # V(o_T): bootstraps the last row
+            rollout["policy_version"] = policy_version
+            rollout["episodes"] = episodes.sums
+            rollout["params_queue_get_time"] = params_queue_get_time
+            rollout["rollout_time"] = time.perf_counter() - rollout_start
             blocking(partial(self.rollout_queue.put, rollout), alive)
 
 
@@ -582,22 +561,22 @@ class Learner:
         self.args, self.agent, self.device, self.rank = args, agent, device, rank
         self.optimizer = torch.optim.Adam(agent.parameters(), lr=args.learning_rate, eps=1e-5)  # Table 2
 
-    def update(self, batch: dict, update: int) -> dict:
+    def update(self, batch: dict, iteration: int) -> dict:
         """GAE, then update_epochs x num_minibatches Adam steps on the clipped PPO loss (App. A, Alg. 1).
         batch: (T, local_num_envs) tensors on the learner device."""
         args = self.args
-        # Table 2: the learning rate decays linearly to 0; update u (1-based) uses lr0 * (1 - (u - 1) / num_updates)
-        lr = args.learning_rate * (1.0 - (update - 1.0) / args.num_updates if args.anneal_lr else 1.0)
+        # Table 2: the learning rate decays linearly to 0; iteration i (1-based) uses lr0 (1 - (i - 1) / num_iterations)
+        lr = args.learning_rate * (1.0 - (iteration - 1.0) / args.num_iterations if args.anneal_lr else 1.0)
         self.optimizer.param_groups[0]["lr"] = lr
         dones = batch["terminations"] | batch["truncations"]
-        bootstrap_cut = batch["terminations"] if args.bootstrap_at_done == "truncated" else torch.zeros_like(dones)
+        no_bootstrap = batch["terminations"] if args.bootstrap_at_done == "truncated" else torch.zeros_like(dones)
         advantages, returns = compute_gae(
-            batch["rewards"], batch["values"], batch["last_value"], bootstrap_cut, dones, args.gamma, args.gae_lambda
+            batch["rewards"], batch["values"], batch["last_value"], no_bootstrap, dones, args.gamma, args.gae_lambda
         )
         flat = {key: batch[key].flatten(0, 1) for key in ("obs", "actions", "logprobs", "valid")}
         flat.update(advantages=advantages.flatten(), returns=returns.flatten())
 
-        generator = torch.Generator().manual_seed(noise_seed(args.seed, self.rank, update, 0, stream=1))
+        generator = torch.Generator().manual_seed(noise_seed(args.seed, self.rank, iteration, 0, stream=1))
         totals = {name: 0.0 for name in (*self.STATS, "count")}
         kl_exceeded = False
         for epoch in range(args.update_epochs):
@@ -608,33 +587,25 @@ class Learner:
                 for name, value in sums.items():
                     totals[name] += value
                 # every learner sees the same global approx KL, so all stop together
-                approx_kl = sums["approx_kl"] / max(sums["count"], 1.0)
-                kl_exceeded = args.target_kl is not None and approx_kl > args.target_kl
+                kl_exceeded = args.target_kl is not None and sums["approx_kl"] > args.target_kl * sums["count"]
                 if kl_exceeded:
                     break
             if kl_exceeded:
                 break
         out = {name: float(totals[name] / max(totals["count"], 1.0)) for name in self.STATS}
-        returns, valid, values = flat["returns"], flat["valid"], batch["values"].flatten()
-        moments = torch.stack(
-            [
-                ((returns - values).square() * valid).sum(),
-                (returns * valid).sum(),
-                (returns.square() * valid).sum(),
-                valid.sum(),
-            ]
-        ).double()
-        error_sq, total, total_sq, count = all_reduce_sum(moments, args.world_size).tolist()
+        valid = flat["valid"]
+        returns, values = flat["returns"][valid], batch["values"].flatten()[valid]
+        moments = [(returns - values).square().sum(), returns.sum(), returns.square().sum(), valid.sum()]
+        error_sq, total, total_sq, count = all_reduce_sum(torch.stack(moments).double(), args.world_size).tolist()
         var_returns = (total_sq - total * total / max(count, 1.0)) / max(count, 1.0)
         out["explained_variance"] = 1.0 - (error_sq / max(count, 1.0)) / max(var_returns, 1e-8)
         out["learning_rate"] = lr
         return out
 
     def minibatch_step(self, minibatch: dict) -> dict:
-        """One Adam step on one minibatch (obs, actions, logprobs, advantages, returns, valid). The loss is the mean over
-        the valid samples of the global minibatch (all learners): each learner adds up its samples' terms divided by the
-        global count, and the all-reduce SUMS the learners' gradients, so the step is that of one learner holding the
-        whole minibatch (App. A). Returns the global sums of the logged terms (float64 tensors) and the global count."""
+        """One Adam step on one minibatch. The all-reduce SUMS the learners' gradients of ppo_loss (a mean over the
+        global minibatch), so the step is that of one learner holding the whole minibatch (App. A).
+        Returns the global sums of the logged terms (float64 tensors) and the global count of valid samples."""
         args = self.args
         valid, advantages = minibatch["valid"], minibatch["advantages"]
         moments = torch.stack([valid.sum(), (advantages * valid).sum(), (advantages.square() * valid).sum()]).double()
@@ -662,14 +633,8 @@ class Logger:
         if args.track:
             import wandb
 
-            wandb.init(
-                project=args.wandb_project_name,
-                entity=args.wandb_entity,
-                sync_tensorboard=True,
-                config=asdict(args),
-                name=run_name,
-                save_code=True,
-            )
+            settings = dict(sync_tensorboard=True, config=asdict(args), name=run_name, save_code=True)
+            wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, **settings)
         self.writer = SummaryWriter(str(run_dir))
         self.jsonl = open(run_dir / "updates.jsonl", "a")
         self.last: dict[str, float] = {}
@@ -686,14 +651,14 @@ class Logger:
         self.jsonl.close()
 
 
-def save_checkpoint(path: Path, agent, optimizer, update: int, global_step: int) -> None:
-    """Model, optimizer, update and global step (all randomness derives from the seed and the update number),
-    written to a temporary file and renamed, so that a crash never leaves a half-written checkpoint."""
+def save_checkpoint(path: Path, agent, optimizer, iteration: int, global_step: int) -> None:
+    """Model, optimizer, iteration and global step (all randomness derives from the seed and the iteration), written
+    to a temporary file and renamed, so that a crash never leaves a half-written checkpoint."""
     state = {
-        "agent": agent.state_dict(),
+        "model": agent.state_dict(),
         "optimizer": optimizer.state_dict(),
-        "update": update,
         "global_step": global_step,
+        "iteration": iteration,
     }
     torch.save(state, path.with_name(path.name + ".tmp"))
     os.replace(path.with_name(path.name + ".tmp"), path)
@@ -714,8 +679,8 @@ def evaluate(args: Args, agent: nn.Module, device: torch.device) -> dict:
         logits, _ = agent(torch.tensor(obs).to(device))
         action = sample_actions(logits, torch.rand(logits.shape, generator=generator, device=device))
         envs.send(action.cpu().numpy(), np.arange(n, dtype=np.int32))
-        obs, _, terminated, truncated, info = envs.recv()
-        finished |= episodes.step(info, torch.tensor(terminated | truncated), counted=~finished)
+        obs, reward, terminated, truncated, info = envs.recv()
+        finished |= episodes.step(reward, info, torch.tensor(terminated | truncated), counted=~finished)
     envs.close()
     out = {"eval/return": episodes.sums["returns"] / n, "eval/episode_len": episodes.sums["lengths"] / n}
     if args.env_id == TOY_ENV_ID:
@@ -723,7 +688,86 @@ def evaluate(args: Args, agent: nn.Module, device: torch.device) -> dict:
     return out
 
 
-# ---- Main: the learner loop in the main thread (Fig. 1 right: `def learner()`), actor threads beside it ----
+# ---- Training: the learner loop in the main thread (Fig. 1 right: `def learner()`), actor threads beside it ----
+def publish_params(agent: nn.Module, actors: list[ActorThread], version: int) -> None:
+    """Fig. 1 right: param_Q.put(params) for every actor thread; a snapshot per actor device, as the optimizer keeps
+    changing the learner's own tensors."""
+    snapshots = {}
+    for actor in actors:
+        if actor.device not in snapshots:
+            snapshots[actor.device] = {k: v.detach().to(actor.device, copy=True) for k, v in agent.state_dict().items()}
+            if actor.device.type == "cuda":
+                torch.cuda.synchronize(actor.device)
+        blocking(partial(actor.params_queue.put, (version, snapshots[actor.device])), actor.is_alive)
+
+
+def train(args: Args, learner: Learner, actors: list, logger, run_dir, start_iteration: int, global_step: int) -> dict:
+    """Starts the actor threads and runs iterations start_iteration .. num_iterations (iteration i turns pi_i into
+    pi_{i+1}). Ctrl-C or a failed actor thread ends it where it is. Returns {"iteration", "global_step"} of the last
+    finished iteration, "interrupted" and, if an actor thread failed, its error as "actor_error"."""
+    agent, device, rank = learner.agent, learner.device, learner.rank
+    finished = start_iteration - 1
+    try:
+        publish_params(agent, actors, start_iteration)  # pi_start to every actor before it starts
+        for actor in actors:
+            actor.start()
+        train_start, start_step = time.time(), global_step
+        for iteration in range(start_iteration, args.num_iterations + 1):
+            # 1. Rollouts: rollout_Q.get() from every actor thread
+            start = time.perf_counter()
+            rollouts = [blocking(actor.rollout_queue.get, actor.is_alive) for actor in actors]
+            rollout_queue_get_time = time.perf_counter() - start
+            batch = {key: torch.cat([r[key].to(device) for r in rollouts], dim=1) for key in ROLLOUT_KEYS}
+            batch["last_value"] = torch.cat([r["last_value"].to(device) for r in rollouts])
+
+            # 2. Update, then param_Q.put(): pi_{iteration + 1}
+            start = time.perf_counter()
+            losses = learner.update(batch, iteration)
+            update_time = time.perf_counter() - start
+            global_step += args.batch_size
+            finished = iteration
+            if iteration < args.num_iterations:
+                publish_params(agent, actors, iteration + 1)
+            if args.debug_learner_delay > 0:
+                time.sleep(args.debug_learner_delay)  # Sec. 3: a slow learner changes the wall clock, nothing else
+
+            # 3. Log and checkpoint
+            keys = ("count", "returns", "lengths", "successes")
+            episodes = torch.tensor([[r["episodes"][k] for k in keys] for r in rollouts], dtype=torch.float64)
+            count, returns, lengths, successes = all_reduce_sum(episodes.sum(0).to(device), args.world_size).tolist()
+            if rank != 0:
+                continue
+            data_version = rollouts[0]["policy_version"]
+            row = {f"losses/{name}": value for name, value in losses.items() if name != "learning_rate"}
+            row.update(
+                {
+                    "charts/learning_rate": losses["learning_rate"],
+                    "charts/SPS": (global_step - start_step) / (time.time() - train_start),
+                    "cleanba/data_policy_version": data_version,
+                    "cleanba/learner_policy_version": iteration,
+                    "cleanba/policy_lag": iteration - data_version,
+                    # Sec. 4.2: rollout_Q.get() longer than param_Q.get(): the actors are the bottleneck
+                    "cleanba/rollout_queue_get_time": rollout_queue_get_time,
+                    "cleanba/params_queue_get_time": float(np.mean([r["params_queue_get_time"] for r in rollouts])),
+                    "time/rollout": float(np.mean([r["rollout_time"] for r in rollouts])),
+                    "time/update": update_time,
+                }
+            )
+            if count > 0:
+                row.update({"charts/episodic_return": returns / count, "charts/episodic_length": lengths / count})
+                if args.env_id == TOY_ENV_ID:
+                    row["charts/success_rate"] = successes / count
+            logger.scalars(row, global_step)
+            if args.save_model and iteration % args.checkpoint_freq == 0:
+                save_checkpoint(run_dir / f"ckpt_{global_step}.pt", agent, learner.optimizer, iteration, global_step)
+    except Stopped:  # an actor thread died: the caller ends the run with its error
+        error = next((actor.error for actor in actors if actor.error is not None), None)
+        return {"iteration": finished, "global_step": global_step, "interrupted": False, "actor_error": error}
+    except KeyboardInterrupt:
+        return {"iteration": finished, "global_step": global_step, "interrupted": True}
+    return {"iteration": finished, "global_step": global_step, "interrupted": False}
+
+
 def main(args: Args) -> dict:
     rank, world_size = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -745,13 +789,13 @@ def main(args: Args) -> dict:
 
     agent = Agent(args).to(learner_device)
     learner = Learner(args, agent, learner_device, rank)
-    start_update, global_step = 1, 0
+    start_iteration, global_step = 1, 0
     if args.checkpoint:
         state = torch.load(args.checkpoint, map_location="cpu", weights_only=True)
-        agent.load_state_dict(state["agent"])
+        agent.load_state_dict(state["model"])
         learner.optimizer.load_state_dict(state["optimizer"])
-        start_update, global_step = state["update"] + 1, state["global_step"]
-        print(f"resuming from {args.checkpoint} at update {start_update}, global step {global_step}")
+        start_iteration, global_step = state["iteration"] + 1, state["global_step"]
+        print(f"resuming from {args.checkpoint} at iteration {start_iteration}, global step {global_step}")
     if world_size > 1:  # every learner starts from rank 0's parameters
         for param in agent.parameters():
             dist.broadcast(param.data, src=0)
@@ -763,7 +807,7 @@ def main(args: Args) -> dict:
         run_dir.mkdir(parents=True)
         (run_dir / "config.json").write_text(json.dumps(asdict(args), indent=2))
         logger = Logger(run_dir, args, run_name)
-    summary = {"global_step": global_step, "update": start_update - 1, "world_size": world_size, "interrupted": False}
+    progress = {"iteration": start_iteration - 1, "global_step": global_step, "interrupted": False}
     start_time, start_step = time.time(), global_step
     stop = threading.Event()
     actors = []
@@ -772,105 +816,37 @@ def main(args: Args) -> dict:
             for device_index, device in enumerate(actor_devices):
                 for j in range(args.num_actor_threads):
                     index = device_index * args.num_actor_threads + j
-                    actors.append(ActorThread(args, index, device, rank, start_update, agent, stop))
-            train(args, learner, actors, logger, run_dir, rank, start_update, global_step, summary)
+                    actors.append(ActorThread(args, index, device, rank, start_iteration, agent, stop))
+            progress = train(args, learner, actors, logger, run_dir, start_iteration, global_step)
+            if "actor_error" in progress:
+                error = progress.pop("actor_error")
+                raise RuntimeError(f"an actor thread failed: {error!r}") from error
+            if rank == 0 and args.save_model and progress["iteration"] >= start_iteration:
+                final = run_dir / "final_ckpt.pt"
+                save_checkpoint(final, agent, learner.optimizer, progress["iteration"], progress["global_step"])
+            if progress["interrupted"]:
+                raise KeyboardInterrupt
         if rank == 0 and args.num_eval_episodes > 0:
-            logger.scalars(evaluate(args, agent, learner_device), summary["global_step"])
+            start = time.perf_counter()
+            results = evaluate(args, agent, learner_device)
+            logger.scalars({**results, "time/eval": time.perf_counter() - start}, progress["global_step"])
     except KeyboardInterrupt:
-        summary["interrupted"] = True
-        if rank == 0 and args.save_model and summary["update"] >= start_update:
-            save_checkpoint(
-                run_dir / "final_ckpt.pt", agent, learner.optimizer, summary["update"], summary["global_step"]
-            )
+        progress["interrupted"] = True
         raise
     finally:
         stop.set()
         for actor in actors:
             actor.join(timeout=10)
+        wall_time = time.time() - start_time
+        summary = {**progress, "world_size": world_size, "wall_time_s": wall_time}
+        summary["sps"] = (progress["global_step"] - start_step) / wall_time
         if rank == 0:
-            wall_time = time.time() - start_time
-            summary.update(wall_time_s=wall_time, sps=(summary["global_step"] - start_step) / wall_time, **logger.last)
+            summary.update(logger.last)
             (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
             logger.close()
         if world_size > 1 and dist.is_initialized():
             dist.destroy_process_group()
     return summary
-
-
-def publish_params(agent: nn.Module, actors: list[ActorThread], version: int) -> None:
-    """Fig. 1 right: param_Q.put(params) for every actor thread; a snapshot per actor device, as the optimizer keeps
-    changing the learner's own tensors."""
-    snapshots = {}
-    for actor in actors:
-        if actor.device not in snapshots:
-            snapshots[actor.device] = {k: v.detach().to(actor.device, copy=True) for k, v in agent.state_dict().items()}
-            if actor.device.type == "cuda":
-                torch.cuda.synchronize(actor.device)
-        blocking(partial(actor.params_queue.put, (version, snapshots[actor.device])), actor.is_alive)
-
-
-def train(
-    args: Args,
-    learner: Learner,
-    actors: list[ActorThread],
-    logger: Optional[Logger],
-    run_dir: Optional[Path],
-    rank: int,
-    start_update: int,
-    global_step: int,
-    summary: dict,
-) -> None:
-    agent, device = learner.agent, learner.device
-    try:
-        publish_params(agent, actors, start_update)  # pi_start to every actor before it starts
-        for actor in actors:
-            actor.start()
-        train_start, start_step = time.time(), global_step
-        for update in range(start_update, args.num_updates + 1):  # update i turns pi_i into pi_{i+1}
-            start = time.perf_counter()
-            rollouts = [blocking(actor.rollout_queue.get, actor.is_alive) for actor in actors]  # rollout_Q.get()
-            rollout_queue_get_time = time.perf_counter() - start
-            batch = {key: torch.cat([r[key].to(device) for r in rollouts], dim=1) for key in ROLLOUT_KEYS}
-            batch["last_value"] = torch.cat([r["last_value"].to(device) for r in rollouts])
-            stats = learner.update(batch, update)
-            global_step += args.batch_size
-            if update < args.num_updates:
-                publish_params(agent, actors, update + 1)  # param_Q.put(): pi_{update+1}
-            if args.debug_learner_delay > 0:
-                time.sleep(args.debug_learner_delay)  # Sec. 3: a slow learner changes the wall clock, nothing else
-
-            keys = ("count", "returns", "lengths", "successes")
-            episodes = torch.tensor([[r["episodes"][k] for k in keys] for r in rollouts], dtype=torch.float64)
-            count, returns, lengths, successes = all_reduce_sum(episodes.sum(0).to(device), args.world_size).tolist()
-            summary["update"], summary["global_step"] = update, global_step
-            if rank != 0:
-                continue
-            data_version = rollouts[0]["policy_version"]
-            row = {f"losses/{name}": value for name, value in stats.items() if name != "learning_rate"}
-            row.update(
-                {
-                    "charts/learning_rate": stats["learning_rate"],
-                    "charts/SPS": (global_step - start_step) / (time.time() - train_start),
-                    "cleanba/data_policy_version": data_version,
-                    "cleanba/learner_policy_version": update,
-                    "cleanba/policy_lag": update - data_version,
-                    # Sec. 4.2: rollout_Q.get() longer than param_Q.get(): the actors are the bottleneck
-                    "cleanba/rollout_queue_get_time": rollout_queue_get_time,
-                    "cleanba/params_queue_get_time": float(np.mean([r["params_queue_get_time"] for r in rollouts])),
-                }
-            )
-            if count > 0:
-                row.update({"charts/episodic_return": returns / count, "charts/episodic_length": lengths / count})
-                if args.env_id == TOY_ENV_ID:
-                    row["charts/success_rate"] = successes / count
-            logger.scalars(row, global_step)
-            if args.save_model and update % args.checkpoint_freq == 0:
-                save_checkpoint(run_dir / f"ckpt_{global_step}.pt", agent, learner.optimizer, update, global_step)
-    except Stopped:  # an actor thread died: end the run with its error
-        error = next((actor.error for actor in actors if actor.error is not None), None)
-        raise RuntimeError(f"an actor thread failed: {error!r}") from error
-    if rank == 0 and args.save_model:
-        save_checkpoint(run_dir / "final_ckpt.pt", agent, learner.optimizer, args.num_updates, global_step)
 
 
 if __name__ == "__main__":

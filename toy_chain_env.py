@@ -291,6 +291,36 @@ class ToyChainVectorEnv(VectorEnv):
         pass
 
 
+class ToyChainPool:
+    """ToyChain-v0 behind EnvPool's async_reset/send/recv API, in EnvPool's next-step autoreset mode (the Cleanba
+    scripts' adapter): recv returns numpy (obs, reward, terminated, truncated, info), info["reward"] being the raw
+    reward as in EnvPool Atari, info["success"] ToyChain's success flag."""
+
+    def __init__(self, config: ToyChainConfig, num_envs: int, seed: int):
+        self.env = ToyChainVectorEnv(num_envs, config, device="cpu")
+        self.seed = seed
+        self.actions = None
+
+    def async_reset(self) -> None:
+        self.actions = None
+
+    def send(self, actions: np.ndarray, env_ids=None) -> None:
+        self.actions = actions
+
+    def recv(self):
+        if self.actions is None:
+            obs, _ = self.env.reset(seed=self.seed)
+            no = torch.zeros(self.env.num_envs, dtype=torch.bool)
+            reward, terminated, truncated, info = torch.zeros(self.env.num_envs), no, no, {"success": no}
+        else:
+            obs, reward, terminated, truncated, info = self.env.step(torch.as_tensor(self.actions))
+        info = {"reward": reward.numpy(), "success": info["success"].numpy()}
+        return obs.numpy(), reward.numpy(), terminated.numpy(), truncated.numpy(), info
+
+    def close(self) -> None:
+        self.env.close()
+
+
 if "ToyChain-v0" not in gym.registry:
     gym.register(id="ToyChain-v0", vector_entry_point=ToyChainVectorEnv)
 

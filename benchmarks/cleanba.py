@@ -157,7 +157,10 @@ def curve(rows: list[dict]) -> tuple[list[int], list[float]]:
 
 
 def deterministic_part(rows: list[dict]) -> list[dict]:
-    return [{k: v for k, v in r.items() if k not in TIMING_KEYS + ("charts/SPS",)} for r in rows]
+    return [
+        {k: v for k, v in r.items() if k not in TIMING_KEYS + ("charts/SPS",) and not k.startswith("time/")}
+        for r in rows
+    ]
 
 
 def reproducibility(opts: Options) -> dict:

@@ -18,6 +18,8 @@ from test_cleanba_ppo import (
     ATARI_PROTOCOL,
     check_a_failing_actor_ends_the_run_with_its_error,
     check_ctrl_c_writes_the_summary_and_a_checkpoint,
+    check_envpool_cartpole_truncates_at_500_and_terminates_a_fallen_pole,
+    check_learns_cartpole,
     check_one_and_two_learners_make_the_same_step,
     check_the_actor_acts_with_the_params_it_receives,
     check_the_actor_marks_the_next_step_reset_rows,
@@ -45,7 +47,13 @@ TOY = [
     "--local-num-envs",
     "8",
 ]
-TIMERS = ("charts/SPS", "cleanba/rollout_queue_get_time", "cleanba/params_queue_get_time")
+TIMERS = (
+    "charts/SPS",
+    "cleanba/rollout_queue_get_time",
+    "cleanba/params_queue_get_time",
+    "time/rollout",
+    "time/update",
+)
 GAMMA = 0.9
 
 
@@ -251,11 +259,31 @@ def test_resolve_args_fills_table_3():
         1.0,
     )
     assert (a.gamma, a.ent_coef, a.vf_coef, a.anneal_lr) == (0.99, 0.01, 0.5, True)
-    assert a.concurrency and (a.batch_size, a.minibatch_size, a.num_updates) == (2560, 640, 19531)
+    assert a.concurrency and (a.batch_size, a.minibatch_size, a.num_iterations) == (2560, 640, 19531)
     learner = ci.Learner(a, ci.Agent(a), torch.device("cpu"), rank=0)
     group = learner.optimizer.param_groups[0]
     assert isinstance(learner.optimizer, torch.optim.RMSprop)
     assert (group["eps"], group["alpha"], group["momentum"], group["centered"]) == (0.01, 0.99, 0, False)
+
+
+def test_envpool_cartpole_truncates_at_500_and_terminates_a_fallen_pole():
+    check_envpool_cartpole_truncates_at_500_and_terminates_a_fallen_pole(ci)
+
+
+def test_classic_control_presets_and_every_flag_overrides_them():
+    cartpole = ci.resolve_args(ci.Args(env_id="CartPole-v1"))
+    assert (cartpole.local_num_envs, cartpole.num_steps, cartpole.total_timesteps, cartpole.learning_rate) == (
+        16,
+        20,
+        500_000,
+        6e-4,
+    )
+    custom = ci.resolve_args(ci.Args(env_id="Acrobot-v1", local_num_envs=8, num_steps=10, total_timesteps=1000))
+    assert (custom.local_num_envs, custom.num_steps, custom.num_iterations) == (8, 10, 12)
+    logits, value = ci.Agent(custom)(torch.zeros(5, 6))
+    assert logits.shape == (5, 3) and value.shape == (5,)
+    with pytest.raises(ci.ArgsError, match="classic-control task"):
+        ci.resolve_args(ci.Args(env_id="Pendulum-v1"))
 
 
 def test_minibatches_of_whole_sequences_are_checked():
@@ -328,7 +356,7 @@ def test_toy_chain_run_trains_on_the_data_version_of_table_1(tmp_path, concurren
     ]
     run_script(args + (["--no-cuda"] if device == "cpu" else []), tmp_path)
     summary, rows, run_dir = read_run(tmp_path)
-    assert summary["global_step"] == 800 and summary["update"] == 20 and summary["sps"] > 0
+    assert summary["global_step"] == 800 and summary["iteration"] == 20 and summary["sps"] > 0
     # Table 1: update i trains on data of pi_i (synchronous) or, from update 2 on, of pi_{i-1} (Cleanba's)
     expected = [max(i - 1, 1) for i in range(1, 21)] if concurrency else list(range(1, 21))
     assert [r["cleanba/data_policy_version"] for r in rows] == expected
@@ -422,6 +450,16 @@ def test_envpool_atari_protocol():
         pool.close()
 
 
+def test_learns_cartpole_through_envpool(tmp_path):
+    """Issue 27: the script learns CartPole-v1 through EnvPool, each seed as a user runs it (the classic preset: 16 envs x
+    20 steps, 500k steps, about 60-80 s per seed on 2 cores). Asserted: the median over seeds 1-3 of the best
+    10-iteration mean return is above 400. Measured for seeds 1-5: 500 for every seed, first above 400 after 48k-129k
+    steps. Not asserted: the return at the end, which IMPALA does not hold here: eval/return after training 297.0,
+    318.4, 227.5, 253.6, 255.1 (seeds 1-5)."""
+    median, returns = check_learns_cartpole(tmp_path, SCRIPT, [])
+    assert median > 400, returns
+
+
 def test_torchrun_two_learners_with_gloo(tmp_path):
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
     run_script(TOY + ["--total-timesteps", "800", "--no-cuda", "--num-minibatches", "2"], tmp_path, launcher=launcher)
@@ -444,7 +482,7 @@ def test_save_model_then_evaluate_then_resume(tmp_path):
         "final_ckpt.pt",
     ]
     ckpt = torch.load(os.path.join(run_dir, "final_ckpt.pt"), weights_only=True)
-    assert ckpt["update"] == 10 and ckpt["global_step"] == 400 and ckpt["optimizer"]["state"]  # RMSprop's averages
+    assert ckpt["iteration"] == 10 and ckpt["global_step"] == 400 and ckpt["optimizer"]["state"]  # RMSprop's averages
 
     run_script(
         TOY + ["--evaluate", "--checkpoint", os.path.join(run_dir, "final_ckpt.pt"), "--no-cuda"], tmp_path / "second"

@@ -1,0 +1,252 @@
+"""cleanba_ppo.py and cleanba_impala.py on EnvPool classic control (CartPole-v1, Acrobot-v1), run as a user runs them
+(subprocesses), with CleanRL's published ppo.py numbers beside ours.
+
+Two claims are checked:
+  learning         median final return over seeds and env steps until the return first reaches 475 (CartPole-v1) or
+                   -100 (Acrobot-v1), per script, task and architecture (synchronous, concurrent); the final return of
+                   a run is the mean charts/episodic_return over its last 5% of iterations.
+  reproducibility  Cleanba Sec. 3 and Table 1: the same seed gives the same learning curve with 1 or 2 actor threads
+                   and with the learner slowed down (--debug-learner-delay); the largest difference of the per-iteration
+                   return and losses between those runs (0 = bit-identical).
+Each run uses the script's classic-control preset (cleanba_ppo.py: CleanRL's ppo.py settings, 4 envs x 128 steps;
+cleanba_impala.py: 16 envs x 20 steps), 500k steps. CleanRL's ppo.py numbers: docs/rl-algorithms/ppo.md in
+vwxyzjn/cleanrl (average episodic return of 3 seeds at 500k steps: CartPole-v1 488.75 +- 18.40, Acrobot-v1 -82.48 +-
+5.93).
+
+Writes benchmarks/results/cleanba_classic.md, cleanba_classic.json and cleanba_classic.png (return against env steps and
+against wall-clock time). --quick runs every code path once with 1 seed and 20k steps and writes *_quick.* files (a
+check of the benchmark itself, not a result).
+
+  python benchmarks/cleanba_classic.py             # 2 scripts x 2 tasks x 2 architectures x 2 thread counts x 3 seeds,
+                                                   # plus the slow-learner runs: about 70 minutes on 2 CPU cores
+  python benchmarks/cleanba_classic.py --quick     # a few minutes
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import tyro
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results"
+SCRIPTS = {"ppo": ROOT / "cleanba_ppo.py", "impala": ROOT / "cleanba_impala.py"}
+TASKS = {"CartPole-v1": 475.0, "Acrobot-v1": -100.0}  # the task's solved threshold (gymnasium's reward_threshold)
+# CleanRL's ppo.py, docs/rl-algorithms/ppo.md (vwxyzjn/cleanrl): average episodic return, 3 seeds, 500k steps
+CLEANRL_PPO = {"CartPole-v1": (488.75, 18.40), "Acrobot-v1": (-82.48, 5.93)}
+ARCHITECTURES = {"synchronous": "--no-concurrency", "concurrent": "--concurrency"}
+COMPARED = ("charts/episodic_return", "losses/policy_loss", "losses/value_loss", "losses/entropy")
+
+
+@dataclass
+class Options:
+    seeds: int = 3
+    """seeds 1..seeds of every configuration"""
+    total_timesteps: int = 500_000
+    """env steps of every run (the presets' value)"""
+    learner_delay: float = 0.02
+    """seconds of --debug-learner-delay in the slow-learner runs (seed 1, 2 actor threads)"""
+    quick: bool = False
+    """1 seed and 20k steps, results written to *_quick.* (checks the benchmark runs, measures nothing)"""
+    output: str = str(RESULTS)
+    """where the results go"""
+    replot: bool = False
+    """only rewrite the table and the figure from the saved json"""
+
+
+def run(script: Path, args: list[str]) -> dict:
+    """One run of a script; returns its per-iteration rows, summary and wall time."""
+    with tempfile.TemporaryDirectory() as out:
+        start = time.time()
+        proc = subprocess.run(
+            [sys.executable, str(script), "--output-dir", out, "--no-cuda", *args],
+            capture_output=True,
+            text=True,
+            cwd=ROOT,
+            env=dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1"),
+        )
+        if proc.returncode != 0:
+            raise RuntimeError(f"{script.name} {' '.join(args)} failed:\n{proc.stderr[-3000:]}")
+        run_dir = next(path for path in Path(out).iterdir() if path.is_dir())
+        summary = json.loads((run_dir / "summary.json").read_text())
+        lines = (run_dir / "updates.jsonl").read_text().splitlines()
+    rows = [json.loads(line) for line in lines]
+    return {
+        "rows": [row for row in rows if "cleanba/data_policy_version" in row],
+        "summary": summary,
+        "wall": time.time() - start,
+    }
+
+
+def run_key(algo: str, task: str, architecture: str, threads: int, seed: int, delay: float = 0.0) -> str:
+    return f"{algo}|{task}|{architecture}|{threads}|{seed}|{delay}"
+
+
+def run_all(options: Options) -> dict:
+    runs = {}
+    seeds = range(1, 2 if options.quick else options.seeds + 1)
+    for algo, script in SCRIPTS.items():
+        for task in TASKS:
+            for architecture, flag in ARCHITECTURES.items():
+                configs = [(threads, seed, 0.0) for threads in (1, 2) for seed in seeds] + [
+                    (2, 1, options.learner_delay)
+                ]
+                for threads, seed, delay in configs:
+                    args = ["--env-id", task, "--seed", str(seed), "--total-timesteps", str(options.total_timesteps)]
+                    args += [flag, "--num-actor-threads", str(threads), "--debug-learner-delay", str(delay)]
+                    key = run_key(algo, task, architecture, threads, seed, delay)
+                    runs[key] = run(script, args)
+                    print(
+                        f"{key}: eval/return {runs[key]['summary'].get('eval/return')}, {runs[key]['wall']:.0f} s",
+                        flush=True,
+                    )
+    return runs
+
+
+def returns_curve(rows: list[dict]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(env steps, seconds since the start, episodic return) of the iterations that ended episodes."""
+    rows = [row for row in rows if "charts/episodic_return" in row]
+    steps = np.array([row["global_step"] for row in rows], dtype=float)
+    seconds = steps / np.array([row["charts/SPS"] for row in rows])
+    return steps, seconds, np.array([row["charts/episodic_return"] for row in rows])
+
+
+def final_return(rows: list[dict]) -> float:
+    _, _, returns = returns_curve(rows)
+    return float(np.mean(returns[-max(1, len(returns) // 20) :]))
+
+
+def steps_to(rows: list[dict], threshold: float) -> float:
+    """Env steps until the return, averaged over 5 iterations, first reaches the threshold (nan: never)."""
+    steps, _, returns = returns_curve(rows)
+    smooth = np.convolve(returns, np.ones(5) / 5, mode="valid")
+    reached = np.nonzero(smooth >= threshold)[0]
+    return float(steps[reached[0] + 4]) if len(reached) else float("nan")
+
+
+def largest_difference(rows_a: list[dict], rows_b: list[dict]) -> float:
+    """The largest absolute difference of the compared per-iteration values of two runs (inf: different rows)."""
+    if len(rows_a) != len(rows_b):
+        return float("inf")
+    largest = 0.0
+    for row_a, row_b in zip(rows_a, rows_b):
+        for key in COMPARED:
+            if (key in row_a) != (key in row_b):
+                return float("inf")
+            if key in row_a:
+                largest = max(largest, abs(row_a[key] - row_b[key]))
+    return largest
+
+
+def report(runs: dict, options: Options, suffix: str) -> None:
+    seeds = sorted({int(key.split("|")[4]) for key in runs})
+    lines = [
+        "# Cleanba scripts on EnvPool classic control"
+        + (" (--quick: a check of the benchmark, not a result)" if options.quick else ""),
+        "",
+        f"Written by `benchmarks/cleanba_classic.py` on {platform.node()} ({platform.processor() or platform.machine()}), "
+        f"{os.cpu_count()} CPUs, seeds {seeds}, {options.total_timesteps} env steps per run. Final return: mean "
+        "charts/episodic_return over the last 5% of iterations; steps to threshold: first iteration whose 5-iteration "
+        "mean reaches it (475 CartPole-v1, -100 Acrobot-v1).",
+        "",
+        "## Learning (2 actor threads)",
+        "",
+        "| task | script | architecture | final return: median (per seed) | steps to threshold: median | CleanRL ppo.py (500k) |",
+        "|---|---|---|---|---|---|",
+    ]
+    for task, threshold in TASKS.items():
+        for algo in SCRIPTS:
+            for architecture in ARCHITECTURES:
+                chosen = [runs[run_key(algo, task, architecture, 2, seed)]["rows"] for seed in seeds]
+                finals = [final_return(rows) for rows in chosen]
+                reach = [steps_to(rows, threshold) for rows in chosen]
+                cleanrl = "{:.2f} +- {:.2f}".format(*CLEANRL_PPO[task])
+                per_seed = ", ".join(f"{value:.1f}" for value in finals)
+                lines.append(
+                    f"| {task} | cleanba_{algo}.py | {architecture} | {np.median(finals):.1f} ({per_seed}) | "
+                    f"{np.nanmedian(reach) if not np.isnan(reach).all() else float('nan'):.0f} | {cleanrl} |"
+                )
+    lines += [
+        "",
+        "## Reproducibility (Sec. 3, Table 1): largest per-iteration difference of return and losses",
+        "",
+        "| task | script | architecture | 1 vs 2 actor threads (each seed) | slow learner vs not (seed 1) |",
+        "|---|---|---|---|---|",
+    ]
+    for task in TASKS:
+        for algo in SCRIPTS:
+            for architecture in ARCHITECTURES:
+                threads = [
+                    largest_difference(
+                        runs[run_key(algo, task, architecture, 1, seed)]["rows"],
+                        runs[run_key(algo, task, architecture, 2, seed)]["rows"],
+                    )
+                    for seed in seeds
+                ]
+                slow = largest_difference(
+                    runs[run_key(algo, task, architecture, 2, 1)]["rows"],
+                    runs[run_key(algo, task, architecture, 2, 1, options.learner_delay)]["rows"],
+                )
+                lines.append(
+                    f"| {task} | cleanba_{algo}.py | {architecture} | {', '.join(f'{d:.3g}' for d in threads)} | {slow:.3g} |"
+                )
+    (Path(options.output) / f"cleanba_classic{suffix}.md").write_text("\n".join(lines) + "\n")
+    plot(runs, options, seeds, suffix)
+
+
+def plot(runs: dict, options: Options, seeds: list[int], suffix: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(2, len(TASKS), figsize=(6 * len(TASKS), 8))
+    for column, task in enumerate(TASKS):
+        for algo in SCRIPTS:
+            for architecture, style in zip(ARCHITECTURES, ("-", "--")):
+                for seed in seeds:
+                    steps, seconds, returns = returns_curve(runs[run_key(algo, task, architecture, 2, seed)]["rows"])
+                    label = f"cleanba_{algo}.py, {architecture}" if seed == seeds[0] else None
+                    color = "C0" if algo == "ppo" else "C1"
+                    axes[0, column].plot(steps, returns, style, color=color, alpha=0.6, label=label)
+                    axes[1, column].plot(seconds, returns, style, color=color, alpha=0.6, label=label)
+        mean, spread = CLEANRL_PPO[task]
+        for row in range(2):
+            axes[row, column].axhline(
+                mean, color="k", linestyle=":", label=f"CleanRL ppo.py at 500k: {mean} +- {spread}"
+            )
+            axes[row, column].set_ylabel("episodic return")
+            axes[row, column].set_title(f"{task} (seeds {seeds}, 2 actor threads)")
+        axes[0, column].set_xlabel("env steps")
+        axes[1, column].set_xlabel("wall-clock seconds (2 CPU cores)")
+        axes[0, column].legend(fontsize=7)
+    figure.tight_layout()
+    figure.savefig(Path(options.output) / f"cleanba_classic{suffix}.png", dpi=110)
+
+
+def main(options: Options) -> None:
+    if options.quick:
+        options.total_timesteps = 20_000
+    suffix = "_quick" if options.quick else ""
+    Path(options.output).mkdir(parents=True, exist_ok=True)
+    saved = Path(options.output) / f"cleanba_classic{suffix}.json"
+    if options.replot:
+        runs = json.loads(saved.read_text())
+    else:
+        runs = run_all(options)
+        saved.write_text(json.dumps(runs))
+    report(runs, options, suffix)
+    print(f"wrote {Path(options.output) / f'cleanba_classic{suffix}.md'} and .png")
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Options))
