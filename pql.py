@@ -33,11 +33,7 @@ time limit bootstraps Q'(true final observation) and a termination bootstraps 0;
 default, whose successes terminate with positive reward); the original treats time-outs as terminal. Autoreset
 (autoreset_modes.txt): same-step only, as ManiSkill; the true last observation is info["final_obs"].
 Evaluation runs in the Actor and the learners soon wait for it (summary.json's eval_time_s says for how long).
-
-Examples
-  python pql.py --env-id ToyChainContinuous-v0 --ddpg-n            # the paper's DDPG(n) baseline, on the toy chain
-  python pql.py --env-id PickCube-v1                               # GPU: 4096 envs, all three processes on one GPU
-  python pql.py --env-id PickCube-v1 --num-envs 2 --total-timesteps 2000 --no-cuda   # CPU simulation
+Examples: README.md.
 """
 
 from __future__ import annotations
@@ -155,8 +151,6 @@ class Args:
 
     eval_freq: Optional[int] = None
     """evaluate every this many Actor steps (default: 200 GPU simulation, 50 CPU simulation, 25 toy chain)"""
-    debug_crash: Optional[Literal["v_learner", "p_learner"]] = None
-    """make this learner process raise an error after 20 of its updates (checks that a failure ends the run)"""
 
     # filled in by resolve_args
     num_actor_steps: tyro.conf.Suppress[int] = 0
@@ -212,10 +206,7 @@ def resolve_args(args: Args) -> Args:
         from mani_skill.utils.registration import REGISTERED_ENVS
 
         if args.env_id not in REGISTERED_ENVS:
-            raise ArgsError(
-                f"--env-id {args.env_id!r} is not {TOY_ENV_ID} or a registered ManiSkill3 task "
-                f"(e.g. PickCube-v1, PushCube-v1, StackCube-v1)"
-            )
+            raise ArgsError(f"--env-id {args.env_id!r} is not {TOY_ENV_ID} or a registered ManiSkill3 task")
     default_device = "cuda" if args.cuda and torch.cuda.is_available() else "cpu"
     args.actor_device = args.actor_device or default_device
     args.v_learner_device = args.v_learner_device or args.actor_device
@@ -226,11 +217,8 @@ def resolve_args(args: Args) -> Args:
     args.sim_backend = "torch" if is_toy else (gpu_backend if actor_device.type == "cuda" else "physx_cpu")
     preset = TOY_PRESET if is_toy else (MANISKILL_GPU if actor_device.type == "cuda" else MANISKILL_CPU)
     if preset is MANISKILL_CPU:
-        print(
-            f"note: without CUDA, {args.env_id} runs a short trial on CPU simulation "
-            f"({MANISKILL_CPU['num_envs']} envs, {MANISKILL_CPU['total_timesteps']:,} steps); the paper's preset "
-            f"needs a CUDA GPU; flags override it"
-        )
+        trial = f"{MANISKILL_CPU['num_envs']} envs, {MANISKILL_CPU['total_timesteps']:,} steps"
+        print(f"note: without CUDA, {args.env_id} runs a short trial on CPU simulation ({trial}); flags override it")
     for name, value in preset.items():
         if getattr(args, name) is None:
             setattr(args, name, value)
@@ -240,25 +228,19 @@ def resolve_args(args: Args) -> Args:
         except ValueError as e:
             raise ArgsError(str(e)) from e
         if args.toy.autoreset_mode != "same_step":
-            raise ArgsError(
-                "--toy.autoreset-mode: pql.py consumes same-step autoreset (as ManiSkill); "
-                "use --toy.autoreset-mode same_step"
-            )
+            raise ArgsError("--toy.autoreset-mode: pql.py consumes same-step autoreset (as ManiSkill); use same_step")
         args.resolved_horizon = args.toy.horizon
     else:
         args.resolved_horizon = args.horizon or gym.spec(args.env_id).max_episode_steps
         icd_files = glob.glob("/usr/share/vulkan/icd.d/*.json") + glob.glob("/etc/vulkan/icd.d/*.json")
         if sys.platform == "linux" and not (icd_files or os.environ.get("VK_ICD_FILENAMES")):
             raise ArgsError(
-                "ManiSkill3 needs a Vulkan driver even for state-only simulation, and none is installed; "
-                "on Debian/Ubuntu run: bash .ci/install_system.sh"
+                "ManiSkill3 needs a Vulkan driver, even for state-only simulation: bash .ci/install_system.sh"
             )
     args.num_actor_steps = args.total_timesteps // args.num_envs
     if not args.evaluate and args.num_actor_steps <= args.warm_up_steps + args.nstep:
-        raise ArgsError(
-            f"--total-timesteps {args.total_timesteps} gives {args.num_actor_steps} Actor steps of "
-            f"{args.num_envs} envs: not more than --warm-up-steps + --nstep, nothing would be learned"
-        )
+        steps = f"{args.num_actor_steps} Actor steps of {args.num_envs} envs <= --warm-up-steps + --nstep"
+        raise ArgsError(f"--total-timesteps {args.total_timesteps}: {steps}, nothing would be learned")
     if args.evaluate and not args.checkpoint:
         raise ArgsError("--evaluate needs --checkpoint PATH")
     if args.checkpoint and not os.path.isfile(args.checkpoint):
@@ -273,7 +255,6 @@ def make_maniskill_env(env_id: str, num_envs: int, backend: str, horizon: int):
     from mani_skill.utils.wrappers.flatten import FlattenActionSpaceWrapper
     from mani_skill.utils.wrappers.gymnasium import CPUGymWrapper
 
-    # the task's default controller
     env = gym.make(env_id, num_envs=num_envs, obs_mode="state", sim_backend=backend, max_episode_steps=horizon)
     if isinstance(env.action_space, gym.spaces.Dict):
         env = FlattenActionSpaceWrapper(env)
@@ -284,9 +265,8 @@ def make_maniskill_env(env_id: str, num_envs: int, backend: str, horizon: int):
 
 
 class ManiSkillVecEnv(gym.vector.VectorEnv):
-    """A ManiSkill3 task as a same-step autoreset vector env of torch tensors on `device`: physx_cuda runs one
-    batched env in this process, physx_cpu one env per worker process (AsyncVectorEnv, autoreset off). Training
-    envs reset when truncated or terminated; evaluation envs only at the horizon (ManiSkill's evaluation protocol)."""
+    """A ManiSkill3 task as a same-step autoreset vector env of torch tensors (physx_cpu: one worker process per env).
+    Training envs reset when truncated or terminated; evaluation envs only at the horizon (ManiSkill's protocol)."""
 
     metadata = {"autoreset_mode": gym.vector.AutoresetMode.SAME_STEP}
 
@@ -378,12 +358,9 @@ def nstep_targets(rewards: torch.Tensor, no_bootstrap: torch.Tensor, dones: torc
 
 
 class NStepAssembler:
-    """Builds n-step transitions of N parallel envs from a sliding window of their last n steps (Table B.1: n = 3),
-    as the Actor does before it hands them over (Alg. 1). push() takes one vector step: s_t, a_t, the (scaled)
-    reward, the terminated / truncated flags and the *true* next observation (info["final_obs"] where an env reset in
-    this step). Once the window holds n steps it returns the transitions that start n - 1 steps earlier: dict(obs,
-    action, reward (the n-step return), next_obs, discount), each with a leading dimension N; before that, None.
-    bootstrap_at_done "truncated": terminations bootstrap 0; "always": every episode end bootstraps."""
+    """n-step transitions of N parallel envs from a sliding window of their last n steps (Table B.1: n = 3), built by
+    the Actor (Alg. 1). push() takes one vector step with the *true* next observation; once the window holds n steps
+    it returns dict(obs, action, reward (the n-step return), next_obs, discount) of the step n - 1 earlier."""
 
     def __init__(self, nstep: int, gamma: float, bootstrap_at_done: str):
         self.nstep, self.gamma, self.bootstrap_at_done = nstep, gamma, bootstrap_at_done
@@ -484,8 +461,7 @@ def transition_shapes(obs_dim: int, act_dim: int) -> dict:
 
 
 class ReplayBuffer:
-    """A ring buffer of preallocated tensors on one device, sampled uniformly (Sec. 3.1: each learner keeps its own,
-    on its GPU). `shapes` maps field names to the shape of one float32 entry."""
+    """A ring buffer of preallocated float32 tensors (`shapes`: of one entry) on one device, sampled uniformly."""
 
     def __init__(self, capacity: int, shapes: dict, device: torch.device):
         self.capacity, self.device, self.pos, self.size = capacity, device, 0, 0
@@ -572,14 +548,12 @@ def initial_networks(args: Args, obs_dim: int, act_dim: int, device) -> tuple[Po
             policy.load_state_dict(state["model"]["policy"])
             critic.load_state_dict(state["model"]["critic"])
         except RuntimeError as e:
-            raise ArgsError(
-                f"--checkpoint {args.checkpoint} does not fit these networks (was it trained with "
-                f"another --env-id or --distributional?): {e}"
-            ) from e
+            fix = "was it trained with another --env-id or --distributional?"
+            raise ArgsError(f"--checkpoint {args.checkpoint} does not fit these networks ({fix}): {e}") from e
     return policy.to(device), critic.to(device), state
 
 
-# ---- The learners (Alg. 2, Alg. 3): the same classes run in their own processes or, with --ddpg-n / --sequential, here ---
+# ---- The learners (Alg. 2, Alg. 3): the same classes run in their own processes or, with --ddpg-n / --sequential, here
 class VLearner:
     """Sec. 3.1 V-learner: a replay buffer of n-step transitions, Q1, Q2 with target networks, and a lagged copy of
     the policy that plays the target policy (Sec. 3.2, third point: no separate target policy)."""
@@ -697,19 +671,12 @@ def network_for_the_others(role: str, learner) -> dict:
 # ---- Moving data and networks between the processes (Sec. 3.1: "Data Transfer", "Network Transfer") ------------------
 class SlotRing:
     """A one-way channel between two processes: `num_slots` preallocated slots (dicts of tensors) in shared memory
-    (CPU) or CUDA memory shared by CUDA IPC, plus two counters. The writer fills slot `written % num_slots` and counts
-    it written; the reader copies what it needs out of the new slots and counts them read. A slot is written only
-    when the reader is done with it (has_room), so there is no lock, nothing is pickled and a process that stops at
-    any moment leaves no transfer half done for the other.
-
-    On CUDA the host never waits for the GPU: each slot has two interprocess CUDA events (shared by their IPC handles
-    when the ring is passed to the other process). The writer's stream waits for the slot's `read` event before it
-    overwrites the slot and records `written` after; the reader's stream waits for `written` before it reads and
-    records `read` after. An event is recorded before the counter that announces it moves, and not again before the
-    other side has enqueued its wait (the slot is not reused before); a slot skipped by newest_only waits for nothing
-    new. PyTorch orders copies between two devices with the current streams of both (Copy.cu). Checked against the
-    CUDA runtime's documentation (cudaStreamWaitEvent, cudaIpcGetEventHandle) and PyTorch's source (the event
-    reduction of torch.multiprocessing, Copy.cu); not run: no GPU was available to this work."""
+    (CPU) or CUDA memory shared by CUDA IPC, and two counters (written, read). A slot is written only when the reader
+    is done with it (has_room): no lock, nothing pickled, no transfer left half done by a process that stops.
+    On CUDA the host never waits for the GPU: the writer's stream waits for a slot's interprocess `read` event before
+    it overwrites the slot and records `written` after; the reader's stream waits for `written` and records `read`.
+    An event is recorded before the counter that announces it moves. Checked against the CUDA runtime's documentation
+    (cudaStreamWaitEvent, cudaIpcGetEventHandle) and PyTorch's source (Copy.cu); not run: no GPU was available."""
 
     def __init__(self, shapes: dict, device, num_slots: int):
         self.device, self.num_slots = torch.device(device), num_slots
@@ -762,9 +729,8 @@ def shared_field(index: int, kind: type = int) -> property:
 
 
 class SharedCounters:
-    """What the three processes share besides the slots, in shared memory (float64, exact for counts below 2^53): the
-    counts of the ratio control (Sec. 3.2: Actor learning steps A, V-updates V, P-updates P), checkpoint requests of
-    the Actor and the requests each learner has served, and each learner's last loss for the Actor's log."""
+    """Shared memory (float64) for the counts of the ratio control (Sec. 3.2), checkpoint requests and the requests
+    each learner has served, and each learner's last loss for the Actor's log."""
 
     actor_steps = shared_field(0)
     v_updates = shared_field(1)
@@ -794,11 +760,9 @@ POLL_S = 2e-4
 
 
 def learner_process(role, args, sizes, inbox, outbox, counters, stop, run_dir, threads) -> None:
-    """The V-learner or P-learner process (Alg. 2, 3), learner `role` on (obs_dim, act_dim, capacity) = `sizes`: take
-    the Actor's messages from `inbox` (SlotRing), send back its network through `outbox`, serve checkpoint requests,
-    and update whenever the speed ratios allow it (Sec. 3.2), else wait. It ignores Ctrl-C (the Actor stops it through
-    the event `stop`); an error stops the run, its traceback written to {role}_error.txt in `run_dir` for the Actor to
-    report; it exits when the Actor is gone."""
+    """The V-learner or P-learner process (Alg. 2, 3): takes the Actor's messages, sends back its network, serves
+    checkpoint requests and updates whenever the ratios allow (Sec. 3.2). Stopped by the event `stop` (not Ctrl-C); an
+    error goes to {role}_error.txt in `run_dir` and stops the run; it exits when the Actor is gone."""
     try:
         torch.set_num_threads(threads)
         torch.backends.cudnn.deterministic = args.torch_deterministic
@@ -818,8 +782,6 @@ def learner_process(role, args, sizes, inbox, outbox, counters, stop, run_dir, t
             if may_update(role, counters, args) and learner.buffer.size > 0:
                 loss = learner.update()
                 counters.add(updates)
-                if args.debug_crash == role and getattr(counters, updates) >= 20:
-                    raise RuntimeError(f"--debug-crash {role}: the {ROLES[role]} fails on purpose")
                 continue
             if getattr(counters, updates) > 0:  # idle: its last loss for the Actor's log (no GPU sync per update)
                 setattr(counters, f"{role}_loss", (loss[0] if role == "v_learner" else loss).item())
@@ -855,19 +817,16 @@ def start_learners(args, ctx, supervisor, counters, sizes, numels: dict, threads
     # SIGINT blocked while they start: the learners inherit the blocked signal (they never see Ctrl-C), the Actor
     # gets it when it unblocks
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
-    for process in supervisor.processes.values():
-        process.start()
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     for role, process in supervisor.processes.items():
+        process.start()
         print(f"{ROLES[role]} started: pid {process.pid}", flush=True)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     return to_learner, from_learner
 
 
 class SerialLearners:
-    """The baselines of Sec. 4.1, both learners in the Actor's process, updated after each env step: --ddpg-n is the
-    paper's DDPG(n) as the original code runs it (live networks: one policy and one critic, no lag, no copies; k_v x
-    (critic update, actor update on the same batch)); --sequential is PQL's schedule (p:v ratio, lagged target policy,
-    copied Q functions) run serially."""
+    """Sec. 4.1's baselines in the Actor's process: --ddpg-n, DDPG(n) as the original code runs it (one live policy and
+    critic; k_v x (critic update, actor update on the same batch)); --sequential, PQL's schedule run serially."""
 
     def __init__(self, args: Args, sizes: tuple[int, int, int]):
         self.args, (obs_dim, act_dim, capacity) = args, sizes
@@ -903,10 +862,9 @@ class SerialLearners:
                 break
 
 
-# ---- The Actor's safe points, evaluation, checkpoints ------------------------------------------------------------------
+# ---- The Actor's safe points, evaluation, checkpoints --------------------------------------------------------------
 class Supervisor:
-    """The Actor's safe points: Ctrl-C / SIGTERM (`stop_requested`, appended to by the signal handlers) and the learner
-    processes, which set the event `stop` when they fail (a failing learner writes its traceback, then sets it)."""
+    """The Actor's safe points: Ctrl-C / SIGTERM (`stop_requested`) and failed learners (they set the event `stop`)."""
 
     def __init__(self, run_dir: Path, stop_requested: list, stop):
         self.run_dir, self.stop_requested, self.stop = run_dir, stop_requested, stop
@@ -945,11 +903,9 @@ def to_env_action(action: torch.Tensor, bounds: tuple[torch.Tensor, torch.Tensor
 
 
 @torch.no_grad()
-def evaluate(policy: Policy, eval_envs, obs_rms: RunningMeanStd, bounds, horizon: int, seed: int, check) -> dict:
-    """One H-step episode of every eval env with the deterministic policy (no exploration noise; ManiSkill's protocol:
-    a termination does not end an evaluation episode), calling check() at every step (Ctrl-C ends an evaluation too).
-    Means over the eval envs of the return (unscaled) and of success at any step (success_once) and at the last step
-    (success_at_end), and the seconds it took (synchronized by .item())."""
+def evaluate(policy: Policy, eval_envs, obs_rms: RunningMeanStd, bounds, horizon: int, check, seed: int) -> dict:
+    """One H-step episode of every eval env with the deterministic policy (ManiSkill's protocol: a termination does
+    not end it), calling check() at every step. Means of the unscaled return, success_once and success_at_end."""
     start = time.time()
     obs, _ = eval_envs.reset(seed=seed)
     ret, success_once = 0.0, False
@@ -967,10 +923,8 @@ def evaluate(policy: Policy, eval_envs, obs_rms: RunningMeanStd, bounds, horizon
 
 
 def save_checkpoint(path: Path, args, supervisor, counters, serial, obs_rms, global_step, iteration) -> None:
-    """CONVENTIONS.md's layout: {"model": {policy, critic, critic_target}, "optimizer": {policy, critic}, "global_step",
-    "iteration" (Actor steps), "obs_rms", "args"}; not the replay buffers (up to 2 x 5M entries): a resumed run refills
-    them. The learner processes write their parts to files when asked (`serial`: SerialLearners, here). Written to a
-    temporary file, then renamed."""
+    """CONVENTIONS.md's layout (model: policy, critic, critic_target; optimizer: policy, critic), without the replay
+    buffers: a resumed run refills them. The learner processes write their parts to files when asked."""
     if serial is None:
         counters.add("checkpoint_requests")
         request = counters.checkpoint_requests
@@ -1001,10 +955,8 @@ def check_buffer_memory(args: Args, obs_dim: int, act_dim: int, capacity: int) -
     for device, bytes_needed in needed.items():
         free = torch.cuda.mem_get_info(device)[0] if torch.device(device).type == "cuda" else free_on_cpu
         if bytes_needed > free:
-            raise ArgsError(
-                f"--buffer-size {args.buffer_size}: the replay buffers need {bytes_needed / 2**30:.1f} "
-                f"GiB on {device}, {free / 2**30:.1f} GiB free; use a smaller --buffer-size"
-            )
+            memory = f"{bytes_needed / 2**30:.1f} GiB on {device}, {free / 2**30:.1f} GiB free"
+            raise ArgsError(f"--buffer-size {args.buffer_size}: the buffers need {memory}; use a smaller --buffer-size")
 
 
 # ---- The Actor (Alg. 1): the main process ----------------------------------------------------------------------------
@@ -1018,6 +970,7 @@ def main(args: Args) -> dict:
     run_dir = Path(args.output_dir, run_name)
     run_dir.mkdir(parents=True, exist_ok=False)
     (run_dir / "config.json").write_text(json.dumps(asdict(args), indent=2))
+    final_ckpt = run_dir / "final_ckpt.pt"
     parallel = not (args.ddpg_n or args.sequential)
     cores = len(os.sched_getaffinity(0))
     threads = max(1, cores // 3) if parallel else cores  # torch threads per process: the cores split among them
@@ -1050,7 +1003,6 @@ def main(args: Args) -> dict:
     supervisor = Supervisor(run_dir, stop_requested, ctx.Event())
     iteration = global_step = start_step = 0  # Actor steps and env steps taken; env steps before this run
     start_time = time.time()
-    learners_ready = False
     try:
         # ---- build: envs, networks, the learners ------------------------------------------------------------------
         eval_envs = make_env(args, args.num_eval_envs, device, evaluation=True)
@@ -1064,9 +1016,7 @@ def main(args: Args) -> dict:
         if ckpt is not None:
             iteration, global_step, start_step = ckpt["iteration"], ckpt["global_step"], ckpt["global_step"]
             obs_rms.mean, obs_rms.var, obs_rms.count = (ckpt["obs_rms"][k].to(device) for k in ("mean", "var", "count"))
-        evaluation = partial(
-            evaluate, policy, eval_envs, obs_rms, bounds, args.resolved_horizon, check=supervisor.check
-        )
+        evaluation = partial(evaluate, policy, eval_envs, obs_rms, bounds, args.resolved_horizon, supervisor.check)
         if args.evaluate:
             log(evaluation(seed=args.seed + 10_000 + iteration))
             print(" ".join(f"{k}={v:.4f}" for k, v in last.items() if k.startswith("eval/")))
@@ -1083,14 +1033,13 @@ def main(args: Args) -> dict:
             to_learner, from_learner = start_learners(args, ctx, supervisor, counters, sizes, numels, threads)
         else:
             serial = SerialLearners(args, sizes)
-        learners_ready = True
 
-        N = args.num_envs
-        sigmas = mixed_exploration_sigmas(N, args.sigma_min, args.sigma_max, device)  # Sec. 3.3
+        num_envs = args.num_envs
+        sigmas = mixed_exploration_sigmas(num_envs, args.sigma_min, args.sigma_max, device)  # Sec. 3.3
         assembler = NStepAssembler(args.nstep, args.gamma, args.bootstrap_at_done)
         raw_obs, _ = envs.reset(seed=args.seed + iteration)
-        ep_return, ep_len = torch.zeros(N, device=device), torch.zeros(N, dtype=torch.long, device=device)
-        success_once = torch.zeros(N, dtype=torch.bool, device=device)
+        ep_return, ep_len = torch.zeros(num_envs, device=device), torch.zeros(num_envs, dtype=torch.long, device=device)
+        success_once = torch.zeros(num_envs, dtype=torch.bool, device=device)
         episodes = torch.zeros(4, device=device)  # count, return, length, success of the episodes since the last log
         warm_up_end = first_step + max(args.warm_up_steps, args.nstep - 1)  # learning starts after the warm-up
         timers = {"time/rollout": 0.0, "time/update": 0.0}  # seconds since the last log
@@ -1122,12 +1071,12 @@ def main(args: Args) -> dict:
             step_start = time.time()
             with torch.no_grad():
                 if iteration < warm_up_end and ckpt is None:  # Table B.1 warm-up: uniform random actions
-                    action = torch.rand((N, act_dim), device=device) * 2.0 - 1.0
+                    action = torch.rand((num_envs, act_dim), device=device) * 2.0 - 1.0
                 else:
                     action = explore(policy(obs_rms.normalize(raw_obs)), sigmas)
             next_raw, reward, terminated, truncated, info = envs.step(to_env_action(action, bounds))
             # the true next observation: where an env reset in this step (same-step autoreset), info["final_obs"]
-            true_next = torch.where(info["_final_obs"][:, None], info["final_obs"].reshape(N, -1), next_raw)
+            true_next = torch.where(info["_final_obs"][:, None], info["final_obs"].reshape(num_envs, -1), next_raw)
             transitions = assembler.push(raw_obs, action, reward * args.reward_scale, terminated, truncated, true_next)
             if args.norm_obs:
                 obs_rms.update(next_raw)
@@ -1168,7 +1117,7 @@ def main(args: Args) -> dict:
             ep_return, ep_len = ep_return * ~done, ep_len * ~done
             success_once &= ~done
             iteration += 1
-            global_step += N
+            global_step += num_envs
             if iteration % LOG_EVERY == 0:
                 count, returns, lengths, successes = episodes.tolist()  # (on CUDA: synchronizes before the timers)
                 sps = (global_step - start_step) / (time.time() - start_time)  # since the start
@@ -1198,15 +1147,12 @@ def main(args: Args) -> dict:
         summary["eval_time_s"] += metrics["time/eval"]
         log(metrics)
         if args.save_model:
-            final = run_dir / "final_ckpt.pt"
-            save_checkpoint(final, args, supervisor, counters, serial, obs_rms, global_step, iteration)
+            save_checkpoint(final_ckpt, args, supervisor, counters, serial, obs_rms, global_step, iteration)
     except KeyboardInterrupt:
         summary["interrupted"] = True
         print("interrupted: writing summary.json" + (" and a checkpoint" if args.save_model else ""), flush=True)
-        if args.save_model and learners_ready:  # (a learner that cannot answer: ProcessFailed or TimeoutError, exit 1)
-            final = run_dir / "final_ckpt.pt"
-            save_checkpoint(final, args, supervisor, counters, serial, obs_rms, global_step, iteration)
-
+        if args.save_model and (serial or supervisor.processes):  # (a learner that cannot answer: exit 1)
+            save_checkpoint(final_ckpt, args, supervisor, counters, serial, obs_rms, global_step, iteration)
     finally:
         wall = time.time() - start_time
         summary.update(global_step=global_step, iteration=iteration, wall_time_s=wall)

@@ -507,10 +507,10 @@ TOY_SMALL = [
 ]
 
 
-def start_script(args, tmp_path):
+def start_script(args, tmp_path, script=SCRIPT):
     """python pql.py ... in its own process group (so that a test that fails can kill all it started)."""
     return subprocess.Popen(
-        [sys.executable, SCRIPT, "--output-dir", str(tmp_path), *args],
+        [sys.executable, script, "--output-dir", str(tmp_path), *args],
         cwd=ROOT,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -539,8 +539,8 @@ def finish(proc, timeout):
         kill_group(proc)  # nothing it started may outlive the test
 
 
-def run_script(args, tmp_path, timeout=600, check=True):
-    proc = start_script(args, tmp_path)
+def run_script(args, tmp_path, timeout=600, check=True, script=SCRIPT):
+    proc = start_script(args, tmp_path, script)
     stdout, stderr = finish(proc, timeout)
     if check:
         assert proc.returncode == 0, stdout[-3000:] + stderr[-3000:]
@@ -967,16 +967,47 @@ def test_save_model_then_evaluate_then_resume(tmp_path):
     assert proc.returncode == 2 and "does not fit these networks" in proc.stderr and "--distributional" in proc.stderr
 
 
+# pql.py with one learner's update() failing after 20 updates. A spawned process imports the main script (this one)
+# first, so the patch holds in the learner processes too.
+CRASHING_LEARNER = """
+import sys
+
+sys.path.insert(0, {root!r})
+import pql
+import tyro
+
+working_update = pql.{cls}.update
+
+
+def crashing_update(self, *args):
+    self.updates_done = getattr(self, "updates_done", 0) + 1
+    if self.updates_done > 20:
+        raise RuntimeError("the {cls} fails on purpose")
+    return working_update(self, *args)
+
+
+pql.{cls}.update = crashing_update
+if __name__ == "__main__":
+    try:
+        pql.main(tyro.cli(pql.Args))
+    except pql.ProcessFailed as error:
+        print(f"error: {{error}}", file=sys.stderr)
+        sys.exit(1)
+"""
+
+
 @pytest.mark.parametrize("role", ["v_learner", "p_learner"])
 def test_a_crashing_learner_ends_the_run_with_its_traceback(tmp_path, role):
-    proc = run_script(
-        TOY_SMALL + ["--total-timesteps", str(32 * 10**4), "--debug-crash", role], tmp_path, check=False, timeout=300
-    )  # it fails after 20 updates; a hang runs into the timeout
-    assert proc.returncode == 1, proc.stderr[-2000:]
+    cls = {"v_learner": "VLearner", "p_learner": "PLearner"}[role]
+    script = tmp_path / "crashing_pql.py"
+    script.write_text(CRASHING_LEARNER.format(root=ROOT, cls=cls))
+    runs = tmp_path / "runs"
+    proc = run_script(TOY_SMALL + ["--total-timesteps", str(32 * 10**4)], runs, check=False, timeout=300, script=script)
+    assert proc.returncode == 1, proc.stderr[-2000:]  # (a hang runs into the timeout)
     name = {"v_learner": "V-learner", "p_learner": "P-learner"}[role]
     assert f"error: the {name} process failed" in proc.stderr
-    assert "Traceback" in proc.stderr and f"RuntimeError: --debug-crash {role}" in proc.stderr
-    assert read_summary(only_run_dir(tmp_path))["interrupted"] is False  # summary.json is written on failure too
+    assert "Traceback" in proc.stderr and f"RuntimeError: the {cls} fails on purpose" in proc.stderr
+    assert read_summary(only_run_dir(runs))["interrupted"] is False  # summary.json is written on failure too
     for pid in learner_pids(proc.stdout).values():
         assert not pid_alive(pid)
 
