@@ -594,7 +594,7 @@ class Learner:
                 break
         out = {name: float(totals[name] / max(totals["count"], 1.0)) for name in self.STATS}
         valid = flat["valid"]
-        returns, values = flat["returns"][valid], batch["values"].flatten()[valid]
+        returns, values = flat["returns"] * valid, batch["values"].flatten() * valid  # 0 on the reset rows
         moments = [(returns - values).square().sum(), returns.sum(), returns.square().sum(), valid.sum()]
         error_sq, total, total_sq, count = all_reduce_sum(torch.stack(moments).double(), args.world_size).tolist()
         var_returns = (total_sq - total * total / max(count, 1.0)) / max(count, 1.0)
