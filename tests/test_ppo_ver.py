@@ -270,7 +270,7 @@ def ppo_update_inputs(learned_ent_coef):
     batch = dict(
         obs=obs,
         actions=actions,
-        logprobs=logprob + 0.3 * x,
+        logprobs=logprob + 0.3 * x - 0.1,  # ratios exp(0.1 - 0.3 x): some clipped, old_approx_kl != 0
         values=value + 0.1 * x,
         advantages=torch.randn(n),
         returns=value + torch.randn(n),
