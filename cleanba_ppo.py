@@ -134,7 +134,10 @@ class Args:
     ent_coef: float = 0.01
     """entropy coefficient (Table 2)"""
     vf_coef: float = 0.5
-    """value-loss coefficient (Table 2; no value clipping)"""
+    """value-loss coefficient (Table 2)"""
+    clip_vloss: Optional[bool] = None
+    """clip the value loss around the actor's values by clip_coef (default: False Atari, Table 2, and ToyChain; True
+    classic, as CleanRL's ppo.py)"""
     max_grad_norm: float = 0.5
     """global gradient-norm clip (Table 2)"""
     target_kl: Optional[float] = None
@@ -153,12 +156,12 @@ class Args:
 
 TOY_ENV_ID = "ToyChain-v0"
 CLASSIC_ENVS = {"CartPole-v1": (4, 2), "Acrobot-v1": (6, 3)}  # EnvPool classic control: observation size, actions
-# App. B Table 2 (Atari), CleanRL's ppo.py settings for classic control (4 envs x 128 steps, 500k steps, clip 0.2; the
-# rest are Table 2's values too) and small settings for the toy chain; any flag overrides them.
+# App. B Table 2 (Atari), CleanRL's ppo.py settings for classic control (4 envs x 128 steps, 500k steps, clip 0.2, value
+# clipping; the rest are Table 2's values too) and small settings for the toy chain; any flag overrides them.
 PRESETS = {
-    "atari": dict(local_num_envs=128, num_steps=128, total_timesteps=50_000_000, clip_coef=0.1),
-    "classic": dict(local_num_envs=4, num_steps=128, total_timesteps=500_000, clip_coef=0.2),
-    "toy": dict(local_num_envs=32, num_steps=10, total_timesteps=64_000, clip_coef=0.1),
+    "atari": dict(local_num_envs=128, num_steps=128, total_timesteps=50_000_000, clip_coef=0.1, clip_vloss=False),
+    "classic": dict(local_num_envs=4, num_steps=128, total_timesteps=500_000, clip_coef=0.2, clip_vloss=True),
+    "toy": dict(local_num_envs=32, num_steps=10, total_timesteps=64_000, clip_coef=0.1, clip_vloss=False),
 }
 
 
@@ -292,17 +295,21 @@ def compute_gae(rewards, values, last_value, no_bootstrap, dones, gamma: float, 
     return advantages, advantages + values
 
 
-def ppo_loss_terms(newlogprob, entropy, newvalue, minibatch: dict, clip_coef: float) -> dict:
-    """Per-sample PPO terms (App. A): clipped surrogate (as a loss), 0.5 x squared value error (no value clipping),
-    entropy, and the diagnostics approx_kl = (ratio - 1) - log ratio and clipfrac. The ratio is taken against the
-    behaviour policy that collected the data (minibatch["logprobs"], the actor's), as Cleanba does."""
+def ppo_loss_terms(newlogprob, entropy, newvalue, minibatch: dict, clip_coef: float, clip_vloss: bool = False) -> dict:
+    """Per-sample PPO terms (App. A): clipped surrogate (as a loss), 0.5 x squared value error (clipped if
+    clip_vloss), entropy, and the diagnostics approx_kl = (ratio - 1) - log ratio and clipfrac. The ratio is taken
+    against the behaviour policy that collected the data (minibatch["logprobs"], the actor's), as Cleanba does."""
     advantages, returns = minibatch["advantages"], minibatch["returns"]
     logratio = newlogprob - minibatch["logprobs"]
     ratio = logratio.exp()
     pg_loss = torch.max(-advantages * ratio, -advantages * ratio.clamp(1.0 - clip_coef, 1.0 + clip_coef))
+    value_error = (newvalue - returns).abs()
+    if clip_vloss:  # CleanRL's ppo.py: the larger error of V and of V kept within clip_coef of the actor's value
+        clipped = minibatch["values"] + (newvalue - minibatch["values"]).clamp(-clip_coef, clip_coef)
+        value_error = torch.max(value_error, (clipped - returns).abs())
     return {
         "policy_loss": pg_loss,
-        "value_loss": 0.5 * (newvalue - returns).square(),
+        "value_loss": 0.5 * value_error.square(),
         "entropy": entropy,
         "old_approx_kl": -logratio.detach(),
         "approx_kl": ((ratio - 1.0) - logratio).detach(),
@@ -324,11 +331,9 @@ def ppo_loss(agent: nn.Module, minibatch: dict, args: Args, count: float):
     row (valid False: its action was ignored by the env) weighs 0. Returns (loss, the per-sample terms)."""
     logits, newvalue = agent(minibatch["obs"])
     newlogprob, entropy = logprob_entropy(logits, minibatch["actions"])
-    terms = ppo_loss_terms(newlogprob, entropy, newvalue, minibatch, args.clip_coef)
-    weight = minibatch["valid"].float() / max(count, 1.0)
-    loss = (
-        (terms["policy_loss"] - args.ent_coef * terms["entropy"] + args.vf_coef * terms["value_loss"]) * weight
-    ).sum()
+    terms = ppo_loss_terms(newlogprob, entropy, newvalue, minibatch, args.clip_coef, args.clip_vloss)
+    per_sample = terms["policy_loss"] - args.ent_coef * terms["entropy"] + args.vf_coef * terms["value_loss"]
+    loss = (per_sample * (minibatch["valid"].float() / max(count, 1.0))).sum()
     return loss, terms
 
 
@@ -388,6 +393,8 @@ class Agent(nn.Module):
             obs_size, num_actions = CLASSIC_ENVS[args.env_id]
             self.num_blocks = 0
             self.torso = nn.Identity()
+            self.actor = tanh_mlp(obs_size, num_actions, std=0.01)
+            self.critic = tanh_mlp(obs_size, 1, std=1.0)
         else:
             self.num_blocks, num_actions, hidden = 0, 18, 256  # the full action space (Sec. 5)
             self.torso = nn.Sequential(
@@ -399,10 +406,7 @@ class Agent(nn.Module):
                 layer_init(nn.Linear(32 * 11 * 11, hidden)),
                 nn.ReLU(),
             )
-        if args.env_id in CLASSIC_ENVS:
-            self.actor = tanh_mlp(obs_size, num_actions, std=0.01)
-            self.critic = tanh_mlp(obs_size, 1, std=1.0)
-        else:
+        if args.env_id not in CLASSIC_ENVS:  # the policy and value heads on the shared torso
             self.actor = layer_init(nn.Linear(hidden, num_actions), std=0.01)
             self.critic = layer_init(nn.Linear(hidden, 1), std=1.0)
 
@@ -573,7 +577,7 @@ class Learner:
         advantages, returns = compute_gae(
             batch["rewards"], batch["values"], batch["last_value"], no_bootstrap, dones, args.gamma, args.gae_lambda
         )
-        flat = {key: batch[key].flatten(0, 1) for key in ("obs", "actions", "logprobs", "valid")}
+        flat = {key: batch[key].flatten(0, 1) for key in ("obs", "actions", "logprobs", "values", "valid")}
         flat.update(advantages=advantages.flatten(), returns=returns.flatten())
 
         generator = torch.Generator().manual_seed(noise_seed(args.seed, self.rank, iteration, 0, stream=1))
@@ -654,12 +658,8 @@ class Logger:
 def save_checkpoint(path: Path, agent, optimizer, iteration: int, global_step: int) -> None:
     """Model, optimizer, iteration and global step (all randomness derives from the seed and the iteration), written
     to a temporary file and renamed, so that a crash never leaves a half-written checkpoint."""
-    state = {
-        "model": agent.state_dict(),
-        "optimizer": optimizer.state_dict(),
-        "global_step": global_step,
-        "iteration": iteration,
-    }
+    state = dict(model=agent.state_dict(), optimizer=optimizer.state_dict(), global_step=global_step)
+    state["iteration"] = iteration
     torch.save(state, path.with_name(path.name + ".tmp"))
     os.replace(path.with_name(path.name + ".tmp"), path)
 

@@ -10,8 +10,8 @@ Two claims are checked:
                    return and losses between those runs (0 = bit-identical).
 Each run uses the script's classic-control preset (cleanba_ppo.py: CleanRL's ppo.py settings, 4 envs x 128 steps;
 cleanba_impala.py: 16 envs x 20 steps), 500k steps. CleanRL's ppo.py numbers: docs/rl-algorithms/ppo.md in
-vwxyzjn/cleanrl (average episodic return of 3 seeds at 500k steps: CartPole-v1 488.75 +- 18.40, Acrobot-v1 -82.48 +-
-5.93).
+vwxyzjn/cleanrl since its commit 35896b1f (2023; unchanged at fe8d8a03, 2026): average episodic return of 3 seeds,
+500k steps, CartPole-v1 490.04 +- 6.12, Acrobot-v1 -86.36 +- 1.32.
 
 Writes benchmarks/results/cleanba_classic.md, cleanba_classic.json and cleanba_classic.png (return against env steps and
 against wall-clock time). --quick runs every code path once with 1 seed and 20k steps and writes *_quick.* files (a
@@ -41,8 +41,8 @@ ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 SCRIPTS = {"ppo": ROOT / "cleanba_ppo.py", "impala": ROOT / "cleanba_impala.py"}
 TASKS = {"CartPole-v1": 475.0, "Acrobot-v1": -100.0}  # the task's solved threshold (gymnasium's reward_threshold)
-# CleanRL's ppo.py, docs/rl-algorithms/ppo.md (vwxyzjn/cleanrl): average episodic return, 3 seeds, 500k steps
-CLEANRL_PPO = {"CartPole-v1": (488.75, 18.40), "Acrobot-v1": (-82.48, 5.93)}
+# CleanRL's ppo.py, docs/rl-algorithms/ppo.md (vwxyzjn/cleanrl at fe8d8a03): average episodic return, 3 seeds, 500k steps
+CLEANRL_PPO = {"CartPole-v1": (490.04, 6.12), "Acrobot-v1": (-86.36, 1.32)}
 ARCHITECTURES = {"synchronous": "--no-concurrency", "concurrent": "--concurrency"}
 COMPARED = ("charts/episodic_return", "losses/policy_loss", "losses/value_loss", "losses/entropy")
 

@@ -119,6 +119,26 @@ def test_ppo_loss_terms_hand_worked():
     assert t["clipfrac"].tolist() == [1.0, 1.0]
 
 
+def test_value_loss_clipping_hand_worked():
+    # CleanRL's ppo.py (clip_vloss): 0.5 max((V - R)^2, (V_old + clip(V - V_old, -c, c) - R)^2), c = 0.1, V = 0.5.
+    # Row 0: V_old 0, R 1: clipped V 0.1, error 0.9 > 0.5, loss 0.405, no gradient (moved past the clip to its target)
+    # Row 1: V_old 0.8, R 0: clipped V 0.7, error 0.7 > 0.5, loss 0.245, no gradient
+    # Row 2: V_old 0, R 0: clipped V 0.1, error 0.1 < 0.5 (moved away from its target), loss 0.125, gradient V - R = 0.5
+    newvalue = torch.tensor([0.5, 0.5, 0.5], requires_grad=True)
+    minibatch = dict(
+        logprobs=torch.zeros(3),
+        advantages=torch.ones(3),
+        returns=torch.tensor([1.0, 0.0, 0.0]),
+        values=torch.tensor([0.0, 0.8, 0.0]),
+    )
+    terms = cp.ppo_loss_terms(torch.zeros(3), torch.ones(3), newvalue, minibatch, clip_coef=0.1, clip_vloss=True)
+    np.testing.assert_allclose(terms["value_loss"].detach().numpy(), [0.405, 0.245, 0.125], rtol=1e-6)
+    terms["value_loss"].sum().backward()
+    np.testing.assert_allclose(newvalue.grad.numpy(), [0.0, 0.0, 0.5], atol=1e-7)
+    unclipped = cp.ppo_loss_terms(torch.zeros(3), torch.ones(3), newvalue, minibatch, clip_coef=0.1)
+    np.testing.assert_allclose(unclipped["value_loss"].detach().numpy(), [0.125, 0.125, 0.125], rtol=1e-6)
+
+
 def test_normalize_advantages_uses_the_valid_entries_only():
     adv, valid = torch.tensor([1.0, 2.0, 3.0, 100.0]), torch.tensor([True, True, True, False])
     v = adv[valid]
@@ -215,7 +235,9 @@ def test_classic_control_presets_are_cleanrl_ppo_and_every_flag_overrides_them()
         4,
     )
     assert (cartpole.clip_coef, cartpole.ent_coef, cartpole.gamma, cartpole.gae_lambda) == (0.2, 0.01, 0.99, 0.95)
-    assert cp.resolve_args(cp.Args(env_id="Breakout-v5")).clip_coef == 0.1  # Table 2
+    assert cartpole.clip_vloss  # CleanRL's ppo.py clips the value loss; Table 2 does not
+    table_2 = cp.resolve_args(cp.Args(env_id="Breakout-v5"))
+    assert (table_2.clip_coef, table_2.clip_vloss) == (0.1, False)
     custom = cp.resolve_args(cp.Args(env_id="Acrobot-v1", local_num_envs=16, num_steps=32, clip_coef=0.1))
     assert (custom.local_num_envs, custom.num_steps, custom.clip_coef, custom.batch_size) == (16, 32, 0.1, 512)
     logits, value = cp.Agent(custom)(torch.zeros(5, 6))
