@@ -456,8 +456,8 @@ def test_learns_cartpole_through_envpool(tmp_path):
     10-iteration mean return is above 400. Measured for seeds 1-5: 500 for every seed, first above 400 after 48k-129k
     steps. Not asserted: the return at the end, which IMPALA does not hold here: eval/return after training 297.0,
     318.4, 227.5, 253.6, 255.1 (seeds 1-5)."""
-    median, returns = check_learns_cartpole(tmp_path, SCRIPT, [])
-    assert median > 400, returns
+    _, peaks = check_learns_cartpole(tmp_path, SCRIPT, [])
+    assert np.median(peaks) > 400, peaks
 
 
 def test_torchrun_two_learners_with_gloo(tmp_path):

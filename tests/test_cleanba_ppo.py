@@ -657,30 +657,29 @@ def test_logged_returns_are_raw_game_scores(tmp_path):
 
 
 def check_learns_cartpole(tmp_path, script, extra):
-    """Shared with test_cleanba_impala.py: seeds 1-3 of the script on EnvPool's CartPole-v1, each run as a user runs it
-    (500k steps). Returns the median over the seeds of the best 10-iteration mean of charts/episodic_return (the
-    return the run learned to), and the per-seed values."""
-    peaks = []
+    """Shared with test_cleanba_impala.py: seeds 1-3 of the script on EnvPool's CartPole-v1, each run as a user runs it.
+    Returns, per seed, the final return (eval/return after training: the mean score of 10 episodes of the trained
+    policy) and the return learned (the best 10-iteration mean of charts/episodic_return)."""
+    finals, peaks = [], []
     for seed in (1, 2, 3):
         args = ["--env-id", "CartPole-v1", "--seed", str(seed), "--no-cuda", *extra]
         run_script(args, tmp_path / str(seed), timeout=900, script=script)
-        returns = [
-            row["charts/episodic_return"]
-            for row in read_run(tmp_path / str(seed))[1]
-            if "charts/episodic_return" in row
-        ]
+        summary, rows, _ = read_run(tmp_path / str(seed))
+        returns = [row["charts/episodic_return"] for row in rows if "charts/episodic_return" in row]
+        finals.append(summary["eval/return"])
         peaks.append(float(np.convolve(returns, np.ones(10) / 10, mode="valid").max()))
-    return float(np.median(peaks)), peaks
+    return finals, peaks
 
 
 def test_learns_cartpole_through_envpool(tmp_path):
-    """Issue 27: the script learns CartPole-v1 through EnvPool, each seed as a user runs it: the classic preset
-    (CleanRL's ppo.py settings, 500k steps) with its 512-step batch as 16 envs x 32 steps, about 75 s per seed on 2
-    cores. Asserted: the median over seeds 1-3 of the best 10-iteration mean return is above 400. Measured for seeds
-    1-5: 500 for every seed, first above 400 after 38k-167k steps. Not asserted: the return at the end, which PPO does
-    not hold here: eval/return after training 500.0, 129.7, 225.0, 429.2, 223.3 (seeds 1-5)."""
-    median, returns = check_learns_cartpole(tmp_path, SCRIPT, ["--local-num-envs", "16", "--num-steps", "32"])
-    assert median > 400, returns
+    """Issue 27: the script learns CartPole-v1 through EnvPool and holds it, each seed as a user runs it: the classic
+    preset (CleanRL's ppo.py settings with its value clipping, 500k steps) with its 512-step batch as 16 envs x 32
+    steps, about 100 s per seed on 2 loaded cores. Asserted: the median over seeds 1-3 of the final return (eval/return
+    after training) is above 400. Measured for seeds 1-5: eval/return 435.4, 500.0, 500.0, 500.0, 500.0 (mean
+    return of the last 5% of iterations 471.7, 500, 500, 500, 500). Without value clipping (--clip-vloss False) the
+    same runs reached 500 and fell back: eval/return 500.0, 129.7, 225.0, 429.2, 223.3."""
+    finals, _ = check_learns_cartpole(tmp_path, SCRIPT, ["--local-num-envs", "16", "--num-steps", "32"])
+    assert np.median(finals) > 400, finals
 
 
 def test_torchrun_two_learners_with_gloo(tmp_path):
