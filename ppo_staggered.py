@@ -598,9 +598,9 @@ def make_agent(envs) -> nn.Module:
 
 
 class StopSignals:
-    """DDP: Ctrl-C or SIGTERM (torchrun passes Ctrl-C on to every rank once more, and ends the ranks with SIGTERM when
-    one dies) raises KeyboardInterrupt once before training. In training it is only noted: the ranks read the notes
-    of all ranks before each iteration and stop there together, none left waiting in a collective for another."""
+    """DDP: Ctrl-C or SIGTERM (torchrun passes Ctrl-C on to every rank, and ends the ranks with SIGTERM when one dies)
+    raises KeyboardInterrupt once before training. In training it is only noted: the ranks read the notes of all
+    ranks before each iteration and stop there together, none left waiting in a collective for another."""
 
     def __init__(self):
         self.requested = self.training = False
