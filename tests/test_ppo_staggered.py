@@ -1,6 +1,8 @@
 """ppo_staggered.py: GAE and bootstrapping, reset bookkeeping (stale steps, reset gates), the stagger schedule,
 networks, presets and argument checks; then the training loop as users run it, on a small ManiSkill-like env
-(early success terminations), on ToyChain, and on ManiSkill3's CPU simulation."""
+(early success terminations), on ToyChain, and on ManiSkill3's CPU simulation; and under torchrun (gloo): the update
+of 2 ranks x 64 envs against 1 rank x 128 envs, the observation statistics merged across ranks, a one-process
+checkpoint resumed on 2 ranks with identical weights, a killed rank, Ctrl-C."""
 
 import glob
 import json
