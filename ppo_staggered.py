@@ -16,6 +16,9 @@ episode is cut after U[1, H] steps, a time-limit truncation, with no advance and
 
 This is ManiSkill's PPO baseline (examples/baselines/ppo/ppo.py) with three differences, each marked
 "STAGGER" below: the advance before training, the reset gates with their loss mask, and the masked PPO losses.
+Under torchrun (marked "DDP"), every rank steps its own --num-envs envs on its own GPU and staggers them as above;
+each mean of the loss is over the trained-on steps of all ranks and the gradients are summed over the ranks, so that
+G ranks of N envs take the step of one rank of G x N envs (Sec. 5.4: staggering gains as N grows).
 
 Map from the paper to this file
   Sec. 3.3, App. B.1  stagger_groups, stagger_start_steps, "STAGGER: advance"     (groups, offsets j*S)
@@ -25,6 +28,7 @@ Map from the paper to this file
   App. B.3, Table 3   PRESETS[ManiSkill task ids], MANISKILL_COMMON, GaussianAgent
   App. C, Fig. 6      batch_temporal_stats, toy_diagnostics.npz                    (stagger/..., toy/...)
   App. E.0.1          stagger/value_mse, stagger/policy_kl, forgetting_matrix      (value error, KL, forgetting)
+  Sec. 5.4 (large N)  all_reduce_sum, RunningMeanStd.merge_ranks, "DDP"            (torchrun: ranks x N envs)
 Episode ends (CONVENTIONS.md): --bootstrap-at-done always (ManiSkill's default: V(final obs) at every end,
 successes included) or truncated (ToyChain and Gymnasium's default: 0 at a termination). Autoreset
 (autoreset_modes.txt): both modes are consumed. ToyChain lets you choose (--toy.autoreset-mode); ManiSkill and
@@ -35,6 +39,7 @@ Figures of the toy diagnostics: benchmarks/toy_sweeps.py.
   python ppo_staggered.py --env-id StackCube-v1                # Table 3 on a CUDA GPU; a short trial without one
   python ppo_staggered.py --env-id StackCube-v1 --no-stagger   # the naive baseline (immediate partial resets)
   python ppo_staggered.py --reset-scheme random-start          # legged_gym's random first-episode lengths
+  torchrun --nproc_per_node 2 ppo_staggered.py --env-id StackCube-v1   # 2 GPUs (NCCL; gloo with --no-cuda)
 """
 
 from __future__ import annotations
@@ -44,6 +49,7 @@ import json
 import math
 import os
 import random
+import signal
 import sys
 import time
 from dataclasses import asdict, dataclass, field, replace
@@ -54,6 +60,7 @@ from typing import Literal, Optional
 import gymnasium as gym
 import numpy as np
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import tyro
 from torch.utils.tensorboard import SummaryWriter
@@ -66,7 +73,7 @@ class Args:
     exp_name: str = os.path.basename(__file__)[: -len(".py")]
     """name of this experiment (part of the run directory name)"""
     seed: int = 1
-    """seed of python, numpy, torch and the environments"""
+    """seed of python, numpy, torch and the environments (rank r of torchrun: seed + r * N)"""
     torch_deterministic: bool = True
     """sets torch.backends.cudnn.deterministic"""
     cuda: bool = True
@@ -91,7 +98,7 @@ class Args:
     env_id: str = "ToyChain-v0"
     """ToyChain-v0, a ManiSkill3 task id (StackCube-v1, PushT-v1, ...) or a Gymnasium id with Box spaces"""
     num_envs: Optional[int] = None
-    """number of parallel training envs N (default: the task preset)"""
+    """number of parallel training envs N of each rank (default: the task preset)"""
     num_eval_envs: Optional[int] = None
     """number of parallel evaluation envs (default: the task preset)"""
     horizon: Optional[int] = None
@@ -100,7 +107,7 @@ class Args:
     """ToyChain-v0 settings (App. B.2)"""
 
     total_timesteps: Optional[int] = None
-    """training env steps (default: Table 2/3; a short trial for ManiSkill presets without CUDA)"""
+    """training env steps of all ranks (default: Table 2/3; a short trial for ManiSkill presets without CUDA)"""
     learning_rate: float = 3e-4
     """Adam learning rate (Tables 2 and 3)"""
     num_steps: Optional[int] = None
@@ -146,6 +153,7 @@ class Args:
     resolved_sim_backend: tyro.conf.Suppress[str] = ""
     num_stagger_groups: tyro.conf.Suppress[int] = 0
     stagger_step: tyro.conf.Suppress[int] = 0
+    world_size: tyro.conf.Suppress[int] = 1
 
 
 TOY_ENV_ID = "ToyChain-v0"
@@ -215,7 +223,8 @@ def resolve_args(args: Args) -> Args:
     elif kind == "gym":
         args.resolved_sim_backend, preset = "cpu", GYM_DEFAULTS
     else:
-        args.resolved_sim_backend = "physx_cuda" if args.cuda and torch.cuda.is_available() else "physx_cpu"
+        gpu = f"physx_cuda:{os.environ.get('LOCAL_RANK', '0')}"  # DDP: torchrun's rank on this machine, its GPU
+        args.resolved_sim_backend = gpu if args.cuda and torch.cuda.is_available() else "physx_cpu"
         preset = {**MANISKILL_COMMON, **PRESETS.get(args.env_id, MANISKILL_OTHER)}
         if args.resolved_sim_backend == "physx_cpu":
             print(
@@ -230,9 +239,7 @@ def resolve_args(args: Args) -> Args:
     if args.bootstrap_at_done is None:
         args.bootstrap_at_done = "always" if kind == "maniskill" else "truncated"
     if not args.stagger and args.reset_scheme == "random-start":
-        raise ArgsError(
-            "--no-stagger means --reset-scheme naive: pass one of --no-stagger, --reset-scheme random-start"
-        )
+        raise ArgsError("--no-stagger means --reset-scheme naive: pass --no-stagger or --reset-scheme random-start")
     args.reset_scheme = "naive" if not args.stagger else args.reset_scheme
     args.stagger = args.reset_scheme == "staggered"  # (config.json then records both consistently)
     if args.partial_reset_mode is None:
@@ -254,11 +261,15 @@ def resolve_args(args: Args) -> Args:
             f"the batch N*K = {args.batch_size} does not split into --num-minibatches {args.num_minibatches}"
         )
     args.minibatch_size = args.batch_size // args.num_minibatches
-    args.num_iterations = args.total_timesteps // args.batch_size
+    args.world_size = int(os.environ.get("WORLD_SIZE", "1"))  # DDP: torchrun's number of ranks
+    steps = args.batch_size * args.world_size
+    args.num_iterations = args.total_timesteps // steps
     if args.num_iterations < 1 and not args.evaluate:
-        raise ArgsError(f"--total-timesteps {args.total_timesteps} is less than one batch (N*K = {args.batch_size})")
+        raise ArgsError(f"--total-timesteps {args.total_timesteps} is less than one batch (N*K*ranks = {steps})")
     if args.evaluate and not args.checkpoint:
         raise ArgsError("--evaluate needs --checkpoint PATH")
+    if args.cudagraphs and args.world_size > 1:
+        raise ArgsError("--cudagraphs: not under torchrun (the graphs would not capture its all-reduces)")
     icd_files = glob.glob("/usr/share/vulkan/icd.d/*.json") + glob.glob("/etc/vulkan/icd.d/*.json")
     if (
         kind == "maniskill"
@@ -332,11 +343,8 @@ class PartialResetVecEnv(gym.vector.VectorEnv):
         self.action_space = gym.vector.utils.batch_space(self.single_action_space, num_envs)
 
     def tensor(self, x, dtype) -> torch.Tensor:
-        return (
-            torch.as_tensor(x if torch.is_tensor(x) else np.asarray(x), device=self.device, dtype=dtype)
-            .reshape(self.num_envs, -1)
-            .squeeze(-1)
-        )
+        x = torch.as_tensor(x if torch.is_tensor(x) else np.asarray(x), device=self.device, dtype=dtype)
+        return x.reshape(self.num_envs, -1).squeeze(-1)
 
     def reset(self, *, seed=None, options=None):
         mask = None if options is None else options.get("reset_mask")
@@ -349,9 +357,8 @@ class PartialResetVecEnv(gym.vector.VectorEnv):
         return torch.as_tensor(obs, device=self.device, dtype=torch.float32), {}
 
     def step(self, actions: torch.Tensor):
-        obs, reward, terminated, truncated, info = self.env.step(
-            actions if self.batched_maniskill else actions.cpu().numpy()
-        )
+        actions = actions if self.batched_maniskill else actions.cpu().numpy()
+        obs, reward, terminated, truncated, info = self.env.step(actions)
         obs = torch.as_tensor(obs, device=self.device, dtype=torch.float32)
         reward, truncated = self.tensor(reward, torch.float32), self.tensor(truncated, torch.bool)
         terminated = self.tensor(terminated if self.batched_maniskill else info["terminated"], torch.bool)
@@ -371,7 +378,7 @@ def make_env(args: Args, num_envs: int, device: torch.device, evaluation: bool, 
     """ToyChain-v0 (torch, on `device`), or a ManiSkill3 / Gymnasium task behind PartialResetVecEnv."""
     if args.env_id == TOY_ENV_ID:
         return gym.make_vec(TOY_ENV_ID, num_envs=num_envs, config=args.toy, device=device)
-    if args.resolved_sim_backend == "physx_cuda":
+    if args.resolved_sim_backend.startswith("physx_cuda"):
         env = make_maniskill_env(args, num_envs, evaluation, video_dir)
     else:
         fns = [
@@ -438,9 +445,17 @@ def compute_gae(rewards, values, next_values, no_bootstrap, dones, gamma: float,
     return advantages, advantages + values
 
 
-def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Mean of x over the entries where mask is True (0 if there are none)."""
-    return torch.where(mask, x, 0.0).sum() / mask.sum().clamp(min=1)
+def masked_mean(x: torch.Tensor, mask: torch.Tensor, count: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Mean of x over the entries where mask is True (0 if there are none). DDP: with `count`, the number of those
+    entries on all ranks, it is this rank's share of the mean over all ranks (all_reduce_sum adds the shares)."""
+    return torch.where(mask, x, 0.0).sum() / (mask.sum() if count is None else count).clamp(min=1)
+
+
+def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
+    """DDP: the sum over all ranks (in place; NCCL on GPUs, gloo on CPU); the tensor itself in a single process."""
+    if dist.is_initialized():
+        dist.all_reduce(tensor)
+    return tensor
 
 
 def batch_temporal_stats(episode_steps: torch.Tensor, valid: torch.Tensor, horizon: int, window: int) -> dict:
@@ -471,6 +486,7 @@ class RunningMeanStd:
         self.var = torch.ones(shape, device=device)
         self.count = torch.tensor(1e-4, device=device)
         self.enabled = enabled  # off for ToyChain, whose block index is embedded
+        self.merged = self.totals()  # DDP: the totals that all ranks share (the last merge's)
 
     def update(self, x: torch.Tensor) -> None:
         """Merges the batch's mean and variance into the running ones (during collection)."""
@@ -480,6 +496,19 @@ class RunningMeanStd:
             self.mean = self.mean + delta * n / total
             self.var = (self.var * self.count + batch_var * n + delta.square() * self.count * n / total) / total
             self.count = total
+
+    def totals(self) -> torch.Tensor:
+        """Count, sum and sum of squares of the observations so far (they add up over observations), in float64."""
+        count = self.count.double().expand(self.mean.shape)
+        return torch.stack([count, count * self.mean, count * (self.var + self.mean.square())])
+
+    def merge_ranks(self) -> None:
+        """DDP, at every update: the observations of every rank since the last merge join the shared statistics."""
+        if self.enabled and dist.is_initialized():
+            count, total, total_sq = all_reduce_sum(self.totals() - self.merged) + self.merged
+            self.mean, self.count = (total / count).float(), count.max().float()
+            self.var = (total_sq / count - (total / count).square()).clamp(min=0).float()
+            self.merged = self.totals()
 
     def normalize(self, x: torch.Tensor) -> torch.Tensor:
         """Observations as the agent sees them."""
@@ -568,6 +597,22 @@ def make_agent(envs) -> nn.Module:
     return GaussianAgent(int(np.prod(obs_space.shape)), int(np.prod(act_space.shape)))
 
 
+class StopSignals:
+    """DDP: Ctrl-C or SIGTERM (torchrun passes Ctrl-C on to every rank, and ends the ranks with SIGTERM when one dies)
+    raises KeyboardInterrupt once before training. In training it is only noted: the ranks read the notes of all
+    ranks before each iteration and stop there together, none left waiting in a collective for another."""
+
+    def __init__(self):
+        self.requested = self.training = False
+        signal.signal(signal.SIGINT, self.handle)
+        signal.signal(signal.SIGTERM, self.handle)
+
+    def handle(self, signum, frame) -> None:
+        first, self.requested = not self.requested, True
+        if first and not self.training:
+            raise KeyboardInterrupt
+
+
 def clock(device: torch.device) -> float:
     """Wall-clock time once the queued GPU work is done (CUDA runs asynchronously). On CUDA it is a device-wide host
     sync, so the loop reads it once per phase (time/rollout, time/update, time/eval), never per env step."""
@@ -601,6 +646,7 @@ def load_checkpoint(path: str, agent, optimizer, obs_rms: RunningMeanStd, device
     agent.load_state_dict(checkpoint["model"])
     optimizer.load_state_dict(checkpoint["optimizer"])
     obs_rms.mean, obs_rms.var, obs_rms.count = (checkpoint["obs_rms"][key] for key in ("mean", "var", "count"))
+    obs_rms.merged = obs_rms.totals()  # (every rank loads the same)
     return checkpoint["global_step"]
 
 
@@ -615,28 +661,31 @@ def policy_step(agent: nn.Module, obs: torch.Tensor):
 def ppo_loss(agent: nn.Module, minibatch: dict, args: Args) -> tuple[torch.Tensor, dict]:
     """The clipped PPO loss of one minibatch (ManiSkill's ppo.py: advantages normalized per minibatch, value loss
     unclipped) and its statistics, named. STAGGER: every mean is over the trained-on steps only (minibatch["valid"]:
-    not waiting for a reset gate, not a next-step reset step)."""
+    not waiting for a reset gate, not a next-step reset step). DDP: over those of every rank's share of the minibatch
+    (count): the loss and statistics are this rank's shares of the means over all ranks, summed by all_reduce_sum."""
     valid = minibatch["valid"]
+    count = all_reduce_sum(valid.sum())
     _, newlogprob, entropy, newvalue = agent.get_action_and_value(minibatch["obs"], minibatch["actions"])
     logratio = newlogprob - minibatch["logprobs"]
     ratio = logratio.exp()
     advantages = minibatch["advantages"]
-    mean = masked_mean(advantages, valid)
-    advantages = (advantages - mean) / (masked_mean((advantages - mean).square(), valid).sqrt() + 1e-8)
+    mean = all_reduce_sum(masked_mean(advantages, valid, count))
+    std = all_reduce_sum(masked_mean((advantages - mean).square(), valid, count)).sqrt()
+    advantages = (advantages - mean) / (std + 1e-8)
     pg_loss1 = -advantages * ratio
     pg_loss2 = -advantages * ratio.clamp(1 - args.clip_coef, 1 + args.clip_coef)
-    pg_loss = masked_mean(torch.max(pg_loss1, pg_loss2), valid)
-    v_loss = 0.5 * masked_mean((newvalue - minibatch["returns"]).square(), valid)
-    entropy_loss = masked_mean(entropy, valid)
+    pg_loss = masked_mean(torch.max(pg_loss1, pg_loss2), valid, count)
+    v_loss = 0.5 * masked_mean((newvalue - minibatch["returns"]).square(), valid, count)
+    entropy_loss = masked_mean(entropy, valid, count)
     loss = pg_loss - args.ent_coef * entropy_loss + args.vf_coef * v_loss
     with torch.no_grad():
         stats = {
             "policy_loss": pg_loss.detach(),
             "value_loss": v_loss.detach(),
             "entropy": entropy_loss.detach(),
-            "old_approx_kl": masked_mean(-logratio, valid),
-            "approx_kl": masked_mean((ratio - 1) - logratio, valid),
-            "clipfrac": masked_mean(((ratio - 1.0).abs() > args.clip_coef).float(), valid),
+            "old_approx_kl": masked_mean(-logratio, valid, count),
+            "approx_kl": masked_mean((ratio - 1) - logratio, valid, count),
+            "clipfrac": masked_mean(((ratio - 1.0).abs() > args.clip_coef).float(), valid, count),
         }
     return loss, stats
 
@@ -646,8 +695,31 @@ def minibatch_gradients(agent: nn.Module, optimizer, args: Args, minibatch: dict
     optimizer.zero_grad(set_to_none=False)
     loss, stats = ppo_loss(agent, minibatch, args)
     loss.backward()
+    for parameter in agent.parameters():  # DDP: summed (the losses are shares): one rank's gradient on all rows
+        all_reduce_sum(parameter.grad)
     nn.utils.clip_grad_norm_(agent.parameters(), args.max_grad_norm)
     return stats
+
+
+def ppo_update(gradients, optimizer, batch: dict, args: Args) -> dict:
+    """Epochs of shuffled minibatches, an Adam step on each (`gradients`: minibatch_gradients or its CUDA graph).
+    Returns the mean of each minibatch statistic, on the device (DDP: of all ranks)."""
+    totals, num_steps_taken = {}, 0  # sums of the minibatch statistics
+    for epoch in range(args.update_epochs):
+        permutation = torch.randperm(args.batch_size, device=batch["obs"].device)
+        for start in range(0, args.batch_size, args.minibatch_size):
+            indices = permutation[start : start + args.minibatch_size]
+            stats = gradients({key: values[indices] for key, values in batch.items()})
+            optimizer.step()
+            totals = {name: totals.get(name, 0.0) + value for name, value in stats.items()}
+            num_steps_taken += 1
+        # Table 3's target-KL early stop, on the epoch's last minibatch: once per epoch, as CleanRL's ppo.py.
+        # Departure: ManiSkill's ppo.py also checks before every minibatch step, a host sync each (128 per
+        # update with Table 3's preset); here the epoch that crosses the threshold still completes.
+        # DDP: the KL of all ranks decides, so that every rank stops at the same epoch.
+        if args.target_kl > 0 and bool(all_reduce_sum(stats["approx_kl"]) > args.target_kl):
+            break
+    return {name: all_reduce_sum(total) / num_steps_taken for name, total in totals.items()}
 
 
 @torch.no_grad()
@@ -670,11 +742,20 @@ def evaluate(agent: nn.Module, eval_envs, obs_rms: RunningMeanStd, horizon: int,
 # ---- Training --------------------------------------------------------------------------------------------------------
 def main(args: Args) -> dict:
     args = resolve_args(args)
+    # DDP: torchrun starts one process (rank) per GPU, with LOCAL_RANK its GPU; rank 0 alone writes, logs, evaluates
+    rank, local_rank = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
+    device = torch.device(f"cuda:{local_rank}" if args.cuda and torch.cuda.is_available() else "cpu")
+    stop = StopSignals() if args.world_size > 1 else None
+    if args.world_size > 1:
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     run_name = f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}"
     run_dir = Path(args.output_dir) / run_name
-    run_dir.mkdir(parents=True)
-    (run_dir / "config.json").write_text(json.dumps(asdict(args), indent=2))
-    if args.track:
+    if rank == 0:
+        run_dir.mkdir(parents=True)
+        (run_dir / "config.json").write_text(json.dumps(asdict(args), indent=2))
+    if args.track and rank == 0:
         import wandb
 
         wandb.init(
@@ -685,19 +766,19 @@ def main(args: Args) -> dict:
             name=run_name,
             save_code=True,
         )
-    writer = SummaryWriter(str(run_dir))
+    writer = SummaryWriter(str(run_dir)) if rank == 0 else None
     last: dict[str, float] = {}  # the last value of every scalar, for summary.json
 
     def log(name: str, value, step: int) -> None:
         writer.add_scalar(name, float(value), step)
         last[name] = float(value)
 
-    random.seed(args.seed)
-    np.random.seed(args.seed)
-    torch.manual_seed(args.seed)
-    torch.backends.cudnn.deterministic = args.torch_deterministic
-    device = torch.device("cuda" if args.cuda and torch.cuda.is_available() else "cpu")
     N, K, H = args.num_envs, args.num_steps, args.horizon
+    seed = args.seed + rank * N  # DDP: rank r's envs and actions (the weights are rank 0's, broadcast below)
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    torch.backends.cudnn.deterministic = args.torch_deterministic
     is_toy = args.env_id == TOY_ENV_ID
     summary: dict = {"run_dir": str(run_dir), "interrupted": False}
     envs = eval_envs = None  # made inside the try, so that a Ctrl-C while they start still writes summary.json
@@ -705,7 +786,7 @@ def main(args: Args) -> dict:
     try:
         # ---- build: envs, agent, optimizer, observation normalizer (and the checkpoint to resume or evaluate) ------
         envs = None if args.evaluate else make_env(args, N, device, evaluation=False)
-        video_dir = str(run_dir / "videos") if args.capture_video else None
+        video_dir = str(run_dir / "videos") if args.capture_video and rank == 0 else None
         eval_envs = make_env(args, args.num_eval_envs, device, evaluation=True, video_dir=video_dir)
         agent = make_agent(eval_envs).to(device)
         optimizer = torch.optim.Adam(agent.parameters(), lr=args.learning_rate, eps=1e-5)  # Table 3: Adam, eps 1e-5
@@ -713,15 +794,19 @@ def main(args: Args) -> dict:
         if args.checkpoint:
             global_step = start_step = load_checkpoint(args.checkpoint, agent, optimizer, obs_rms, device)
             print(f"resuming from {args.checkpoint} at global step {global_step}")
+        for tensor in agent.state_dict().values() if args.world_size > 1 else ():  # DDP: every rank starts from
+            dist.broadcast(tensor, src=0)  # rank 0's weights
         start_time = time.time()
 
         def log_evaluation(checkpoint_name: Optional[str]) -> None:
+            if rank > 0:  # DDP: rank 0 alone evaluates and saves
+                return
             eval_start = clock(device)
             for name, value in evaluate(agent, eval_envs, obs_rms, H, args.seed + global_step).items():
                 log(name, value, global_step)
             log("time/eval", clock(device) - eval_start, global_step)
             print(f"global_step={global_step} " + " ".join(f"{k}={v:.3f}" for k, v in last.items() if "eval/" in k))
-            completed = global_step // args.batch_size  # iterations (rollouts collected)
+            completed = global_step // (args.batch_size * args.world_size)  # iterations (rollouts collected)
             if args.save_model and checkpoint_name:
                 save_checkpoint(run_dir / checkpoint_name, agent, optimizer, obs_rms, global_step, completed)
 
@@ -751,11 +836,10 @@ def main(args: Args) -> dict:
         gate_mode = args.partial_reset_mode == "gate"
         starts = stagger_start_steps(args.num_stagger_groups, args.stagger_step)  # of each group
         env_starts = torch.tensor(starts, device=device)[stagger_groups(N, args.num_stagger_groups, device)]
-        stale = torch.zeros(N, dtype=torch.bool, device=device)
-        waiting = torch.zeros(N, dtype=torch.bool, device=device)
+        stale, waiting = (torch.zeros(N, dtype=torch.bool, device=device) for _ in range(2))
         episode_step = torch.zeros(N, dtype=torch.long, device=device)
-        raw_obs, _ = envs.reset(seed=args.seed + global_step)
-        envs.action_space.seed(args.seed + global_step)  # the advance's random actions, reproducible
+        raw_obs, _ = envs.reset(seed=seed + global_step)
+        envs.action_space.seed(seed + global_step)  # the advance's random actions, reproducible
         obs_rms.update(raw_obs)
         for t in range(starts[0]):
             raw_obs, _, terminated, truncated, info = envs.step(
@@ -771,19 +855,24 @@ def main(args: Args) -> dict:
                 stale, waiting = stale & ~starting, waiting & ~starting
                 episode_step = torch.where(starting, 0, episode_step)
             obs_rms.update(raw_obs)
+        obs_rms.merge_ranks()
         obs = obs_rms.normalize(raw_obs)
-        summary["advance_env_steps"] = starts[0] * N
+        summary["advance_env_steps"] = starts[0] * N * args.world_size
         # RANDOM START ([21]): env i's first episode is cut (a time limit) after first_lengths[i] ~ U[1, H] training
         # steps, at steps the host knows; at H the env's own time limit ends it.
         random_start, training_step = args.reset_scheme == "random-start", 0
-        first_lengths = random_start_lengths(N, H, args.seed + global_step)
+        first_lengths = random_start_lengths(N, H, seed + global_step)
         cut_steps = set(first_lengths.tolist()) - {H} if random_start else set()
         first_lengths, first_episode = first_lengths.to(device), torch.full((N,), random_start, device=device)
         tracked = (episode_step == 0) & ~first_episode  # statistics count only whole episodes started in training
         ep_return, ep_len, ep_success = torch.zeros(N, device=device), torch.zeros(N, device=device), tracked & False
         toy_occupancy, toy_accuracy = [], []
+        if stop:
+            stop.training = True
 
-        for iteration in range(global_step // args.batch_size + 1, args.num_iterations + 1):
+        for iteration in range(global_step // (args.batch_size * args.world_size) + 1, args.num_iterations + 1):
+            if stop and all_reduce_sum(torch.tensor(float(stop.requested), device=device)) > 0:  # DDP: any rank's
+                raise KeyboardInterrupt  # Ctrl-C stops every rank here
             # ---- 1. evaluate and checkpoint, every --eval-freq iterations (before the rollout, as ManiSkill's ppo.py)
             if (iteration - 1) % args.eval_freq == 0:
                 log_evaluation(f"ckpt_{global_step}.pt")
@@ -827,15 +916,14 @@ def main(args: Args) -> dict:
                 recorded = episode_end & tracked
                 for key, value in zip(ended, (ep_return, ep_len, ep_success, 1.0)):
                     ended[key] += (value * recorded).sum()
-                ep_return, ep_len, ep_success = (
-                    ep_return * ~episode_end,
-                    ep_len * ~episode_end,
-                    ep_success & ~episode_end,
-                )
+                ep_return, ep_len = ep_return * ~episode_end, ep_len * ~episode_end
+                ep_success = ep_success & ~episode_end
                 tracked = tracked | (episode_step == 0)
                 obs_rms.update(raw_obs)
                 obs = obs_rms.normalize(raw_obs)
-            global_step += N * K
+            global_step += N * K * args.world_size  # DDP: the env steps of all ranks
+            obs_rms.merge_ranks()  # DDP: every rank normalizes alike from here on
+            obs = obs_rms.normalize(raw_obs)
 
             # ---- 3. targets: GAE, bootstrapping V(true next state) under either autoreset mode ------------------------
             with torch.no_grad():
@@ -848,28 +936,13 @@ def main(args: Args) -> dict:
             rollout_time = update_start - rollout_start
 
             # ---- 4. update: epochs of shuffled minibatches -----------------------------------------------------------
-            batch = dict(
-                obs=obs_buf.flatten(0, 1),
-                actions=actions_buf.flatten(0, 1),
-                logprobs=logprobs_buf.flatten(),
-                advantages=advantages.flatten(),
-                returns=returns.flatten(),
-                valid=valid_buf.flatten(),
-            )
-            totals, num_steps_taken = {}, 0  # sums of the minibatch statistics, on the device
-            for epoch in range(args.update_epochs):
-                permutation = torch.randperm(args.batch_size, device=device)
-                for start in range(0, args.batch_size, args.minibatch_size):
-                    indices = permutation[start : start + args.minibatch_size]
-                    stats = gradients({key: values[indices] for key, values in batch.items()})
-                    optimizer.step()
-                    totals = {name: totals.get(name, 0.0) + value for name, value in stats.items()}
-                    num_steps_taken += 1
-                # Table 3's target-KL early stop, on the epoch's last minibatch: once per epoch, as CleanRL's ppo.py.
-                # Departure: ManiSkill's ppo.py also checks before every minibatch step, a host sync each (128 per
-                # update with Table 3's preset); here the epoch that crosses the threshold still completes.
-                if args.target_kl > 0 and bool(stats["approx_kl"] > args.target_kl):
-                    break
+            batch = dict(obs=obs_buf, actions=actions_buf, logprobs=logprobs_buf, valid=valid_buf)
+            batch.update(advantages=advantages, returns=returns)
+            batch = {key: value.flatten(0, 1) for key, value in batch.items()}  # (K, N, ...) -> (K * N, ...)
+            losses = ppo_update(gradients, optimizer, batch, args)
+            ended = {key: all_reduce_sum(total) for key, total in ended.items()}  # DDP: the episodes of all ranks
+            if rank > 0:  # DDP: rank 0 alone logs (the losses and episodes of all ranks, the rest of its own batch)
+                continue
             with torch.no_grad():
                 # App. E.0.1: value error and policy oscillation 0.5 E[(log pi_new - log pi_old)^2] over the batch.
                 _, newlogprob, _, _ = agent.get_action_and_value(batch["obs"], batch["actions"])
@@ -880,7 +953,6 @@ def main(args: Args) -> dict:
                 explained_var = 1 - value_mse / returns_var.clamp(min=1e-8)
 
             # ---- 5. log ----------------------------------------------------------------------------------------------
-            losses = {name: total / max(num_steps_taken, 1) for name, total in totals.items()}
             losses["explained_variance"] = explained_var
             # one device sync for all of them: stacked, copied to the host and named back at once
             losses = dict(zip(losses, torch.stack(list(losses.values())).tolist()))
@@ -891,12 +963,8 @@ def main(args: Args) -> dict:
             if ended["n"] > 0:
                 for key in ("episodic_return", "episodic_length", "success_rate"):
                     log(f"charts/{key}", ended[key] / ended["n"], global_step)
-            for name, value in dict(
-                value_mse=value_mse,
-                policy_kl=policy_kl,
-                valid_fraction=valid_buf.float().mean(),
-                **batch_temporal_stats(episode_step_buf, valid_buf, H, K),
-            ).items():
+            stagger_stats = dict(value_mse=value_mse, policy_kl=policy_kl, valid_fraction=valid_buf.float().mean())
+            for name, value in {**stagger_stats, **batch_temporal_stats(episode_step_buf, valid_buf, H, K)}.items():
                 log(f"stagger/{name}", value, global_step)
             log("time/rollout", rollout_time, global_step)
             log("time/update", clock(device) - update_start, global_step)
@@ -908,6 +976,11 @@ def main(args: Args) -> dict:
                 toy_accuracy.append(probs.gather(-1, envs.target_actions.view(-1, 1))[:, 0].cpu().numpy())
                 log("toy/forgetting_mean", forgetting_matrix(np.stack(toy_accuracy))[-1].mean(), global_step)
 
+        if args.world_size > 1:  # DDP: every rank holds rank 0's weights and observation statistics: checked here
+            state = torch.cat([nn.utils.parameters_to_vector(agent.parameters()), obs_rms.totals().flatten().float()])
+            difference = (state - all_reduce_sum(state * (rank == 0))).abs().max()  # (the sum: rank 0's)
+            dist.all_reduce(difference, op=dist.ReduceOp.MAX)
+            summary["ddp/max_weight_difference"] = float(difference)
         log_evaluation("final_ckpt.pt")
         if is_toy and toy_accuracy:
             np.savez(
@@ -916,22 +989,23 @@ def main(args: Args) -> dict:
             summary["toy/forgetting_mean_overall"] = float(forgetting_matrix(np.stack(toy_accuracy)).mean())
     except KeyboardInterrupt:
         summary["interrupted"] = True
-        save = args.save_model and global_step > start_step  # (nothing new to save before training)
-        print("interrupted: writing summary.json" + (" and final_ckpt.pt" if save else ""))
-        if save:
-            save_checkpoint(
-                run_dir / "final_ckpt.pt", agent, optimizer, obs_rms, global_step, global_step // args.batch_size
-            )
+        if rank == 0 and args.save_model and global_step > start_step:  # (nothing new to save before training)
+            print("interrupted: writing summary.json and final_ckpt.pt")
+            completed = global_step // (args.batch_size * args.world_size)
+            save_checkpoint(run_dir / "final_ckpt.pt", agent, optimizer, obs_rms, global_step, completed)
         raise
     finally:
         wall = time.time() - start_time
         summary.update(global_step=global_step, wall_time_s=wall, sps=(global_step - start_step) / max(wall, 1e-9))
         summary.update(last)
-        (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-        writer.close()
+        if rank == 0:
+            (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+            writer.close()
         for vector_env in (envs, eval_envs):
             if vector_env is not None:
                 vector_env.close()
+        if dist.is_initialized():
+            dist.destroy_process_group()
     return summary
 
 

@@ -1,20 +1,26 @@
 """ppo_staggered.py: GAE and bootstrapping, reset bookkeeping (stale steps, reset gates), the stagger schedule,
 networks, presets and argument checks; then the training loop as users run it, on a small ManiSkill-like env
-(early success terminations), on ToyChain, and on ManiSkill3's CPU simulation."""
+(early success terminations), on ToyChain, and on ManiSkill3's CPU simulation; and under torchrun (gloo): the update
+of 2 ranks x 64 envs against 1 rank x 128 envs, the observation statistics merged across ranks, a one-process
+checkpoint resumed on 2 ranks with identical weights, a killed rank, Ctrl-C."""
 
 import glob
 import json
 import math
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
+from datetime import timedelta
+from functools import partial
 
 import gymnasium as gym
 import numpy as np
 import pytest
 import torch
+import torch.multiprocessing as mp
 from conftest import DEVICES, ROOT
 
 import ppo_staggered as ppo
@@ -934,3 +940,238 @@ def test_every_table_3_preset_whose_assets_ship_builds_and_trains(tmp_path, env_
     summary = json.load(open(os.path.join(only_run_dir(tmp_path), "summary.json")))
     assert summary["global_step"] == 2 * K and math.isfinite(summary["losses/value_loss"])
     assert "eval/return" in summary
+
+
+# ---- DDP: torchrun ranks (gloo on the CPU) ---------------------------------------------------------------------------
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+
+
+def free_port():
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def join_gloo_group(rank, world_size, port):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=60))
+
+
+def update_of_rank(rank, world_size, port, out_dir):
+    """ppo_update of rank `rank` of `world_size` on its envs' columns of one (K = 4, 128 envs) batch, from the same
+    weights. The shuffling is the identity, so that minibatch m of one rank (steps 2m and 2m + 1 of all 128 envs) is
+    the union of minibatch m of the ranks. The batch's old log-probabilities are the policy's less 0.5: an approx KL
+    of about 0.15 (each rank's share about 0.075), above --target-kl 0.11, so that the update stops after epoch 1."""
+    join_gloo_group(rank, world_size, port)
+    torch.randperm = lambda n, device=None: torch.arange(n, device=device)
+    K, num_envs = 4, 128 // world_size
+    args = ppo.Args(update_epochs=3, target_kl=0.11, ent_coef=0.01, max_grad_norm=1e9)  # (no clipping: raw sums)
+    args.batch_size, args.minibatch_size = K * num_envs, K * num_envs // 2
+    generator = torch.Generator().manual_seed(0)
+    torch.manual_seed(0)
+    agent = ppo.ChainAgent(num_blocks=10, num_actions=4)
+    obs, actions = (
+        torch.randint(0, 10, (K, 128), generator=generator),
+        torch.randint(0, 4, (K, 128), generator=generator),
+    )
+    with torch.no_grad():
+        logprobs = agent.get_action_and_value(obs, actions)[1] - 0.5
+    columns = slice(rank * num_envs, (rank + 1) * num_envs)
+    batch = dict(
+        obs=obs,
+        actions=actions,
+        logprobs=logprobs,
+        advantages=torch.randn((K, 128), generator=generator),
+        returns=torch.randn((K, 128), generator=generator),
+        valid=torch.rand((K, 128), generator=generator) > 0.2,
+    )
+    batch = {key: value[:, columns].flatten(0, 1) for key, value in batch.items()}
+    optimizer = torch.optim.Adam(agent.parameters(), lr=3e-4, eps=1e-5)
+    losses = ppo.ppo_update(partial(ppo.minibatch_gradients, agent, optimizer, args), optimizer, batch, args)
+    result = {
+        "params": [p.detach() for p in agent.parameters()],
+        "grads": [p.grad for p in agent.parameters()],
+        "losses": losses,
+        "adam_steps": max(int(state["step"]) for state in optimizer.state.values()),
+    }
+    torch.save(result, os.path.join(out_dir, f"update_{world_size}_{rank}.pt"))
+    torch.distributed.destroy_process_group()
+
+
+def test_two_gloo_ranks_of_64_envs_take_the_update_of_one_rank_of_128_envs(tmp_path):
+    """The loss means are over the trained-on steps of all ranks and the gradients are SUMMED over the ranks (not
+    averaged), and the target-KL stop is decided on the KL of all ranks: the same Adam steps, gradients and losses."""
+    for world_size in (1, 2):
+        mp.spawn(update_of_rank, args=(world_size, free_port(), str(tmp_path)), nprocs=world_size, join=True)
+    one = torch.load(tmp_path / "update_1_0.pt")
+    assert one["adam_steps"] == 2  # the KL of all rows stopped it after epoch 1 (2 minibatches)
+    for rank in (0, 1):
+        two = torch.load(tmp_path / f"update_2_{rank}.pt")
+        assert two["adam_steps"] == one["adam_steps"]
+        torch.testing.assert_close(two["grads"], one["grads"], rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(two["params"], one["params"], rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(two["losses"], one["losses"], rtol=1e-6, atol=1e-7)
+
+
+def merge_of_rank(rank, world_size, port, out_dir):
+    """Each rank normalizes 3-d observations of its own: two rollouts of its own batches, a merge after each."""
+    join_gloo_group(rank, world_size, port)
+    rms = ppo.RunningMeanStd((3,), "cpu")
+    for rollout in range(2):
+        for batch in observation_batches(rank, rollout):
+            rms.update(torch.as_tensor(batch))
+        rms.merge_ranks()
+    torch.save({"mean": rms.mean, "var": rms.var, "count": rms.count}, os.path.join(out_dir, f"rms_{rank}.pt"))
+    torch.distributed.destroy_process_group()
+
+
+def observation_batches(rank, rollout):
+    rng = np.random.default_rng([rank, rollout])
+    return [rng.normal(3.0 + rank, 2.0 + rollout, size=(n, 3)).astype(np.float32) for n in (7, 50, 13)]
+
+
+def test_observation_statistics_merged_across_ranks_are_those_of_all_observations(tmp_path):
+    """After each merge every rank holds the mean and variance of the observations of all ranks (each counted once,
+    though the ranks share the statistics of the merge before) against numpy's over all of them."""
+    mp.spawn(merge_of_rank, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
+    data = np.concatenate(
+        [batch for rank in (0, 1) for rollout in (0, 1) for batch in observation_batches(rank, rollout)]
+    )
+    merged = [torch.load(tmp_path / f"rms_{rank}.pt") for rank in (0, 1)]
+    for key in ("mean", "var", "count"):
+        assert torch.equal(merged[0][key], merged[1][key]), key
+    np.testing.assert_allclose(merged[0]["count"].item(), len(data) + 1e-4, rtol=1e-6)
+    np.testing.assert_allclose(merged[0]["mean"].numpy(), data.mean(0), rtol=1e-5)
+    np.testing.assert_allclose(merged[0]["var"].numpy(), data.var(0), rtol=1e-5)
+
+
+def run_torchrun(args, tmp_path):
+    """torchrun with 2 ranks (gloo), in its own process group, killed whole on a timeout."""
+    proc = subprocess.Popen(
+        [*TORCHRUN, SCRIPT, "--output-dir", str(tmp_path), "--no-cuda", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=dict(os.environ, PYTHONUNBUFFERED="1"),
+        cwd=ROOT,
+        start_new_session=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),  # as from a terminal, even in the background
+    )
+    return proc
+
+
+def children(pid):
+    """The live child processes of `pid` (torchrun starts each rank in a session of its own)."""
+    found = []
+    for name in (name for name in os.listdir("/proc") if name.isdigit()):
+        try:
+            state, ppid = open(f"/proc/{name}/stat").read().rsplit(")", 1)[1].split()[:2]
+        except (OSError, ValueError):  # it ended meanwhile
+            continue
+        if int(ppid) == pid and state != "Z":
+            found.append(int(name))
+    return found
+
+
+def ranks_of(proc):
+    """{rank: pid} of a torchrun run, once both ranks run (or as many as were seen before it ended)."""
+    deadline, ranks = time.time() + 300, {}
+    while time.time() < deadline and len(ranks) < 2 and proc.poll() is None:
+        ranks = {environment_of(pid).get("RANK"): pid for pid in children(proc.pid)}
+        time.sleep(0.1)
+    return ranks
+
+
+def environment_of(pid):
+    try:
+        entries = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
+    except OSError:
+        return {}
+    return dict(entry.decode(errors="replace").partition("=")[::2] for entry in entries if b"=" in entry)
+
+
+def finish(proc, timeout=600):
+    """Waits for a torchrun run (killed, ranks included, if it runs past `timeout`); checks that no process of it is
+    left; returns its return code and output."""
+    ranks = ranks_of(proc)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    finally:
+        for pid in [*ranks.values(), proc.pid]:
+            try:
+                os.killpg(pid, signal.SIGKILL)
+            except ProcessLookupError:  # (already gone: the normal case)
+                pass
+        proc.wait()
+    deadline = time.time() + 30
+    while time.time() < deadline and any(alive(pid) for pid in ranks.values()):
+        time.sleep(0.1)
+    assert not [pid for pid in ranks.values() if alive(pid)], "ranks of the run were left behind"
+    return proc.returncode, out, err
+
+
+def alive(pid):
+    try:
+        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_torchrun_resumes_a_one_process_checkpoint_on_two_ranks_with_identical_weights(tmp_path):
+    """A checkpoint of one process resumes under torchrun with 2 ranks of 64 envs: every update counts the env steps
+    of both ranks (2 x 64 x 5), only rank 0 writes, and at the end both ranks hold the same weights."""
+    run_script(TOY_SMALL + ["--total-timesteps", "1280", "--save-model", "--no-cuda"], tmp_path / "first")
+    checkpoint = os.path.join(only_run_dir(tmp_path / "first"), "final_ckpt.pt")
+    args = TOY_SMALL + ["--total-timesteps", "3840", "--checkpoint", checkpoint, "--save-model"]
+    code, out, err = finish(run_torchrun(args, tmp_path / "second"))
+    assert code == 0, out[-3000:] + err[-3000:]
+    run_dir = only_run_dir(tmp_path / "second")  # rank 0's: the only one
+    summary = json.load(open(os.path.join(run_dir, "summary.json")))
+    config = json.load(open(os.path.join(run_dir, "config.json")))
+    assert config["world_size"] == 2 and config["num_envs"] == 64 and config["num_iterations"] == 6
+    assert summary["global_step"] == 3840 and summary["ddp/max_weight_difference"] == 0.0
+    assert [step for step, _ in scalars(run_dir)["charts/SPS"]] == [1920, 2560, 3200, 3840]
+    assert torch.load(os.path.join(run_dir, "final_ckpt.pt"), weights_only=True)["iteration"] == 6
+
+
+def test_torchrun_ranks_normalize_observations_alike(tmp_path):
+    """Pendulum-v1 (observations normalized): 2 ranks of 4 envs, each its own observations, end with the same
+    observation statistics and weights (summary's ddp/max_weight_difference covers both)."""
+    args = ["--env-id", "Pendulum-v1", "--num-envs", "4", "--num-steps", "16", "--num-minibatches", "2"]
+    args += ["--total-timesteps", "384", "--eval-freq", "1000", "--num-eval-envs", "2"]
+    code, out, err = finish(run_torchrun(args, tmp_path))
+    assert code == 0, out[-3000:] + err[-3000:]
+    summary = json.load(open(os.path.join(only_run_dir(tmp_path), "summary.json")))
+    assert summary["global_step"] == 384 and summary["ddp/max_weight_difference"] == 0.0
+
+
+def test_a_killed_rank_ends_the_torchrun_run_non_zero_and_leaves_no_process(tmp_path):
+    """Rank 1 is killed (SIGKILL) in the middle of training: rank 0, in or entering a collective, fails or is ended
+    by torchrun, writes its summary.json, and torchrun exits non-zero naming the killed rank; nothing is left."""
+    args = TOY_SMALL + ["--total-timesteps", str(10**8), "--save-model", "--eval-freq", "1"]
+    proc = run_torchrun(args, tmp_path)
+    deadline = time.time() + 300
+    while time.time() < deadline and len(glob.glob(os.path.join(str(tmp_path), "*", "ckpt_*.pt"))) < 3:
+        time.sleep(0.2)  # a few updates made
+    os.kill(ranks_of(proc)["1"], signal.SIGKILL)
+    code, out, err = finish(proc, timeout=300)  # a hang would be killed there
+    assert code != 0 and "exitcode  : -9" in err, err[-3000:]
+    summary = json.load(open(os.path.join(only_run_dir(tmp_path), "summary.json")))
+    assert summary["global_step"] > 0
+
+
+def test_ctrl_c_under_torchrun_ends_every_rank_and_rank_0_writes_the_summary_and_a_checkpoint(tmp_path):
+    """Ctrl-C in a terminal reaches torchrun and both ranks (one process group), and torchrun passes it on to the
+    ranks once more: the ranks stop together before an iteration, rank 0 writes summary.json and final_ckpt.pt."""
+    proc = run_torchrun(TOY_SMALL + ["--total-timesteps", str(10**8), "--save-model", "--eval-freq", "1"], tmp_path)
+    deadline = time.time() + 300
+    while time.time() < deadline and len(glob.glob(os.path.join(str(tmp_path), "*", "ckpt_*.pt"))) < 3:
+        time.sleep(0.2)  # a few updates made
+    os.killpg(proc.pid, signal.SIGINT)
+    code, out, err = finish(proc, timeout=300)  # a hang would be killed there
+    assert code != 0 and out.count("interrupted: writing summary.json") == 1, out[-3000:] + err[-3000:]
+    run_dir = only_run_dir(tmp_path)
+    summary = json.load(open(os.path.join(run_dir, "summary.json")))
+    assert summary["interrupted"] is True and summary["global_step"] > 0
+    ckpt = torch.load(os.path.join(run_dir, "final_ckpt.pt"), weights_only=True)
+    assert ckpt["global_step"] == summary["global_step"]
