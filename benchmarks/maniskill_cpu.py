@@ -17,8 +17,8 @@ Writes benchmarks/results/maniskill_cpu.md, maniskill_cpu.json (every run's curv
 (success_once and success_at_end against env steps and against minutes). --quick runs the headline pair of the first
 script with one seed and fewer steps and writes *_quick.* files instead.
 
-  python benchmarks/maniskill_cpu.py            # 3 scripts x (2 arms x 3 seeds + 1), about 2 hours on 2 idle cores
-  python benchmarks/maniskill_cpu.py --quick    # ppo_staggered.py, staggered vs naive, seed 1: about 10 minutes
+  python benchmarks/maniskill_cpu.py            # 20 runs: estimated 3-3.5 hours on 2 cores beside a CPU burner
+  python benchmarks/maniskill_cpu.py --quick    # ppo_staggered.py, staggered vs naive, seed 1: 15 minutes (loaded)
   python benchmarks/maniskill_cpu.py --scripts ppo_ver pql --seeds 2
 """
 
@@ -44,9 +44,9 @@ ENV_ID = "PushCube-v1"
 THRESHOLD = 0.9  # eval/success_once
 ScriptName = Literal["ppo_staggered", "ppo_ver", "pql"]
 # Per script: (flags of every run, env steps of a full run, env steps of a --quick run). 8 training envs and at least 8
-# eval episodes everywhere; evaluations every ~2-2.5k env steps. The step budgets keep the whole benchmark near 2 hours
-# on 2 cores (measured under load: ppo_staggered ~150-210 env steps/s, ppo_ver ~110-290, pql ~75-85 with the flags
-# below); the issue's bar is 0.9 within 300k steps, which a single run of a script shows (see README.md).
+# eval episodes everywhere; evaluations every ~2-2.5k env steps. The step budgets keep the whole benchmark within a
+# few hours on 2 cores (measured under load: ppo_staggered ~170-190 env steps/s, ppo_ver ~110-290, pql ~75-85 with
+# the flags below, plus 1.5-2 minutes of start-up per run); longer single runs are in README.md.
 COMMON: dict[str, tuple[list[str], int, int]] = {
     # K = 16 (ManiSkill's PPO for tasks without a Table 3 row): one iteration is 128 env steps, eval every 2,560
     "ppo_staggered": (["--num-envs", "8", "--num-eval-envs", "8", "--eval-freq", "20"], 100_000, 60_000),
