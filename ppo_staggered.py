@@ -186,7 +186,7 @@ MANISKILL_COMMON = dict(
 # ManiSkill tasks without a Table 3 row: ManiSkill's own PPO baseline settings (H is the task's registered one).
 MANISKILL_OTHER = dict(num_steps=16, gamma=0.8, gae_lambda=0.9, num_envs=4096)
 # Without CUDA: a short trial on CPU simulation (one process per env), about 3 minutes (StackCube) on 2 cores.
-MANISKILL_CPU_TRIAL = dict(num_envs=8, num_minibatches=4, num_eval_envs=2, total_timesteps=30_000, eval_freq=50)
+MANISKILL_CPU_TRIAL = dict(num_envs=8, num_minibatches=4, num_eval_envs=8, total_timesteps=30_000, eval_freq=50)
 # Other Gymnasium envs with Box observations and actions (e.g. Pendulum-v1).
 GYM_DEFAULTS = dict(
     num_envs=16,

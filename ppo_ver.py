@@ -264,7 +264,7 @@ class ManiSkillEnv:
 def make_env(args: Args, evaluation: bool = False, rank: int = 0, env_index: int = 0):
     """ToyChain-v0 (one chain) or a ManiSkill3 task on CPU simulation (physx_cpu), as env `env_index` of `rank`.
     Evaluation envs of ToyChain simulate without delays, stragglers or crashes; ManiSkill evaluation ignores
-    terminations (its success_once/success_at_end protocol)."""
+    terminations and builds a new scene at every reset (its protocol: success_once/success_at_end)."""
     if args.env_kind == "toy":  # same_step autoreset (resolve_args)
         step_time = 0.0 if evaluation else args.toy.step_time_of(rank, args.world_size, env_index)
         config = replace(args.toy, step_time_mean=step_time, crash_at_step=0 if evaluation else args.toy.crash_at_step)
@@ -272,7 +272,8 @@ def make_env(args: Args, evaluation: bool = False, rank: int = 0, env_index: int
     import mani_skill.envs  # noqa: F401  (registers the tasks in this process)
     from mani_skill.utils.wrappers.gymnasium import CPUGymWrapper
 
-    env = gym.make(args.env_id, num_envs=1, obs_mode="state", sim_backend="physx_cpu", max_episode_steps=args.horizon)
+    sim = dict(obs_mode="state", sim_backend="physx_cpu", reconfiguration_freq=int(evaluation))
+    env = gym.make(args.env_id, num_envs=1, max_episode_steps=args.horizon, **sim)
     return ManiSkillEnv(CPUGymWrapper(env, ignore_terminations=evaluation))
 
 
@@ -627,8 +628,7 @@ class Agent(nn.Module):
         return dist, self.critic(features).squeeze(-1)
 
     def step(self, obs, state):
-        """One step of every env in the batch (inference): returns (dist, value, next_state); `state` is zeros at
-        episode starts."""
+        """One step of every env (inference): returns (dist, value, next_state); `state` is zeros at episode starts."""
         x = self.embed(obs)
         if not self.recurrent:
             return (*self._heads(x), None)
@@ -871,8 +871,7 @@ class Collector:
         return True
 
     def act(self) -> None:
-        """Runs the policy on every completed env (acting), stores the steps and sends the actions to the workers
-        (stepping)."""
+        """Runs the policy on every completed env (acting), stores the steps, sends the actions to workers (stepping)."""
         envs = np.array(self.completed, dtype=np.int64)
         self.completed.clear()
         if len(envs) == 0:
@@ -1073,8 +1072,8 @@ def evaluate(agent: Agent, env, num_episodes: int, seed: int, device) -> dict:
     """Deterministic policy in the main process, `num_episodes` episodes one after another on one env. Returns the
     means of eval/return, eval/episode_len, eval/success_once and eval/success_at_end."""
     totals = np.zeros(4)
+    obs = env.reset(seed=seed)  # (then an ended episode resets the env itself: step() returns the next one's start)
     for episode in range(num_episodes):
-        obs = env.reset(seed=seed + episode)
         state = agent.initial_state(1, device)
         episode_return, length, success_once, done = 0.0, 0, False, False
         while not done:

@@ -95,7 +95,7 @@ class Args:
     num_envs: Optional[int] = None
     """parallel training envs N (default: 4096 GPU simulation (Table B.1), 8 CPU simulation, 64 toy chain)"""
     num_eval_envs: Optional[int] = None
-    """parallel evaluation envs (default: 16 GPU simulation, 2 CPU simulation, 64 toy chain)"""
+    """parallel evaluation envs (default: 16 GPU simulation, 8 CPU simulation, 64 toy chain)"""
     horizon: Optional[int] = None
     """ManiSkill episode length H (default: the task's max_episode_steps); ToyChain: --toy.horizon"""
     toy: ToyChainContinuousConfig = field(default_factory=lambda: ToyChainContinuousConfig(autoreset_mode="same_step"))
@@ -183,7 +183,7 @@ MANISKILL_GPU = dict(
     bootstrap_at_done="always",
 )
 # ManiSkill3 with CPU simulation (one worker process per env): for trying things out.
-MANISKILL_CPU = dict(MANISKILL_GPU, num_envs=8, num_eval_envs=2, batch_size=1024, total_timesteps=200_000, eval_freq=50)
+MANISKILL_CPU = dict(MANISKILL_GPU, num_envs=8, num_eval_envs=8, batch_size=1024, total_timesteps=200_000, eval_freq=50)
 LOG_EVERY = 5  # Actor steps between two writes of the training scalars
 NUM_ATOMS, V_MIN, V_MAX = 51, -10.0, 10.0  # PQL-D's support (App. C)
 ROLES = {"v_learner": "V-learner", "p_learner": "P-learner"}
@@ -198,8 +198,7 @@ class ProcessFailed(RuntimeError):
 
 
 def resolve_args(args: Args) -> Args:
-    """A copy of `args` with presets, devices and derived sizes filled in, checked for what users get wrong. Raises
-    ArgsError."""
+    """A copy of `args` with presets, devices and derived sizes filled in; checks what users get wrong (ArgsError)."""
     args = replace(args)
     is_toy = args.env_id == TOY_ENV_ID
     if not is_toy:
@@ -249,16 +248,17 @@ def resolve_args(args: Args) -> Args:
 
 
 # ---- Environments (same-step autoreset: the true last observation is info["final_obs"]) ------------------------------
-def make_maniskill_env(env_id: str, num_envs: int, backend: str, horizon: int):
-    """A state-observation ManiSkill env with a flat action space."""
+def make_maniskill_env(args: Args, num_envs: int, evaluation: bool):
+    """A state-observation ManiSkill env, flat actions; evaluation: a new scene each reset (ManiSkill's protocol)."""
     import mani_skill.envs  # noqa: F401  (registers the tasks in this process)
     from mani_skill.utils.wrappers.flatten import FlattenActionSpaceWrapper
     from mani_skill.utils.wrappers.gymnasium import CPUGymWrapper
 
-    env = gym.make(env_id, num_envs=num_envs, obs_mode="state", sim_backend=backend, max_episode_steps=horizon)
+    sim = dict(obs_mode="state", sim_backend=args.sim_backend, reconfiguration_freq=int(evaluation))
+    env = gym.make(args.env_id, num_envs=num_envs, max_episode_steps=args.resolved_horizon, **sim)
     if isinstance(env.action_space, gym.spaces.Dict):
         env = FlattenActionSpaceWrapper(env)
-    if backend == "physx_cpu":
+    if args.sim_backend == "physx_cpu":
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # a worker process: the Actor handles Ctrl-C
         env = CPUGymWrapper(env)
     return env
@@ -273,7 +273,7 @@ class ManiSkillVecEnv(gym.vector.VectorEnv):
     def __init__(self, args: Args, num_envs: int, device: torch.device, evaluation: bool):
         self.num_envs, self.device, self.reset_on_termination = num_envs, device, not evaluation
         self.gpu = args.sim_backend.startswith("physx_cuda")
-        make = partial(make_maniskill_env, args.env_id, backend=args.sim_backend, horizon=args.resolved_horizon)
+        make = partial(make_maniskill_env, args, evaluation=evaluation)
         if self.gpu:
             self.env = make(num_envs=num_envs)
         else:

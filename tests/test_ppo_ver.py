@@ -897,6 +897,30 @@ def test_ver_learns_the_toy_chain_with_heterogeneous_step_times(tmp_path):
     assert summary["eval/success_at_end"] >= 0.9 and summary["toy/accuracy"] > 0.7
 
 
+def test_maniskill_evaluation_builds_a_new_scene_for_every_episode_and_ignores_terminations():
+    """ManiSkill's evaluation protocol in evaluate(): each of the episodes (one after another on one env) starts in a
+    newly built scene (reconfiguration at every reset of the evaluation env; a training env never rebuilds its scene),
+    and runs the whole horizon: a success termination does not end it (a policy that always succeeds terminates at
+    its first step)."""
+    args = ver.resolve_args(ver.Args(env_id="PushCube-v1", horizon=5, cuda=False))
+    env, train_env = ver.make_env(args, evaluation=True), ver.make_env(args)
+    rebuilt = {"eval": [], "train": []}
+    for name, one_env in (("eval", env), ("train", train_env)):
+        reconfigure = one_env.env.unwrapped._reconfigure
+        one_env.env.unwrapped._reconfigure = lambda options, f=reconfigure, name=name: rebuilt[name].append(f(options))
+    train_env.reset(seed=0)
+    train_env.step(np.zeros(train_env.action_space.shape))
+    train_env.env.unwrapped.evaluate = lambda: {"success": torch.tensor([True])}  # success (and termination) always
+    env.env.unwrapped.evaluate = train_env.env.unwrapped.evaluate
+    assert train_env.step(np.zeros(train_env.action_space.shape))[2]  # training: the success terminates
+    agent = ver.Agent(env.observation_space, env.action_space, False, 0.0, False, hidden_sizes=(8,))
+    metrics = ver.evaluate(agent, env, num_episodes=3, seed=0, device="cpu")
+    env.close()
+    train_env.close()
+    assert metrics["eval/episode_len"] == 5 and metrics["eval/success_once"] == metrics["eval/success_at_end"] == 1.0
+    assert len(rebuilt["eval"]) >= 3 and rebuilt["train"] == []
+
+
 def test_maniskill_cpu_task_with_two_workers(tmp_path):
     """A ManiSkill3 task on CPU simulation, one physx_cpu env per worker process (continuous actions, a recurrent
     policy with a learned entropy coefficient); ManiSkill tasks bootstrap at every episode end by default."""

@@ -467,6 +467,26 @@ def test_a_multi_robot_task_gets_the_flattened_action_space(monkeypatch):
         envs.close()
 
 
+def test_evaluation_envs_build_a_new_scene_at_every_reset_and_there_are_8_on_the_cpu():
+    """ManiSkill's evaluation protocol: an evaluation env is reconfigured (its scene built anew) at every reset, a
+    training env never after its creation; CPU simulation evaluates 8 envs by default, not a few coin flips."""
+    args = pql.resolve_args(pql.Args(env_id="PushCube-v1", cuda=False))
+    assert args.num_eval_envs == 8
+    handler = signal.getsignal(signal.SIGINT)  # (make_maniskill_env ignores Ctrl-C, as in a worker process)
+    try:
+        envs = {evaluation: pql.make_maniskill_env(args, 1, evaluation) for evaluation in (False, True)}
+    finally:
+        signal.signal(signal.SIGINT, handler)
+    for evaluation, env in envs.items():
+        rebuilt = []
+        reconfigure = env.unwrapped._reconfigure
+        env.unwrapped._reconfigure = lambda options, reconfigure=reconfigure: rebuilt.append(reconfigure(options))
+        for seed in range(3):
+            env.reset(seed=seed)
+        env.close()
+        assert len(rebuilt) == (3 if evaluation else 0), evaluation
+
+
 @pytest.mark.parametrize(
     "kwargs, message",
     [

@@ -1,0 +1,303 @@
+"""ppo_staggered.py, ppo_ver.py and pql.py learning a real simulated task, PushCube-v1 on ManiSkill3's CPU simulation
+(physx_cpu, one process per env), each beside the baseline its paper ran, run as a user runs them (subprocesses).
+
+Arms (--scripts picks the scripts; the first two arms of a script are its headline pair, run with --seeds seeds; the
+third arm runs with seed 1 only):
+  ppo_staggered.py  staggered resets (Sec. 3.3) | naive synchronous resets (--no-stagger) | random-start
+                    (--reset-scheme random-start, legged_gym's init_at_random_ep_len)
+  ppo_ver.py        VER (Sec. 2.2) | NoVER (--no-variable-experience) | SyncOnRL, DD-PPO's collection (--sync);
+                    the env workers simulate for real (physx_cpu), VER's own setting; env utilization reported
+  pql.py            PQL (three processes, Sec. 3) | DDPG(n) (--ddpg-n, Sec. 4.1)
+Evaluation is ManiSkill's protocol in every script: deterministic policy, no partial resets (a success does not end
+an evaluation episode), the scene reconfigured at every evaluation reset, at least 8 eval episodes, eval/success_once
+and eval/success_at_end. Per arm: env steps and minutes from launch to the first evaluation with eval/success_once >=
+0.9 (median over seeds; "not reached" is a result) and the final evaluation's success.
+
+Writes benchmarks/results/maniskill_cpu.md, maniskill_cpu.json (every run's curves) and maniskill_cpu_{script}.png
+(success_once and success_at_end against env steps and against minutes). --quick runs the headline pair of the first
+script with one seed and fewer steps and writes *_quick.* files instead.
+
+  python benchmarks/maniskill_cpu.py            # 20 runs: estimated 3-3.5 hours on 2 cores beside a CPU burner
+  python benchmarks/maniskill_cpu.py --quick    # ppo_staggered.py, staggered vs naive, seed 1: 15 minutes (loaded)
+  python benchmarks/maniskill_cpu.py --scripts ppo_ver pql --seeds 2
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal, Optional
+
+import numpy as np
+import tyro
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results"
+ENV_ID = "PushCube-v1"
+THRESHOLD = 0.9  # eval/success_once
+ScriptName = Literal["ppo_staggered", "ppo_ver", "pql"]
+# Per script: (flags of every run, env steps of a full run, env steps of a --quick run). 8 training envs and at least 8
+# eval episodes everywhere; evaluations every ~2-2.5k env steps. The step budgets keep the whole benchmark within a
+# few hours on 2 cores (measured under load: ppo_staggered ~170-190 env steps/s, ppo_ver ~110-290, pql ~75-85 with
+# the flags below, plus 1.5-2 minutes of start-up per run); longer single runs are in README.md.
+COMMON: dict[str, tuple[list[str], int, int]] = {
+    # K = 16 (ManiSkill's PPO for tasks without a Table 3 row): one iteration is 128 env steps, eval every 2,560
+    "ppo_staggered": (["--num-envs", "8", "--num-eval-envs", "8", "--eval-freq", "20"], 100_000, 60_000),
+    # T = 50: one iteration is 400 env steps, eval every 2,000; 16 eval episodes one after another
+    "ppo_ver": (["--num-envs", "8", "--num-eval-episodes", "16", "--eval-freq", "5"], 60_000, 40_000),
+    # one Actor step is 8 env steps, eval every 2,000. CPU settings (pql.py's CPU preset, batch 1024 and 8 V-updates
+    # per Actor step, runs at ~5 env steps/s here): batch 256 and 4 V-updates (2 P-updates) per Actor step
+    "pql": (
+        ["--num-envs", "8", "--num-eval-envs", "8", "--eval-freq", "250", "--batch-size", "256", "--beta-a-v", "0.25"],
+        40_000,
+        30_000,
+    ),
+}
+# Per script: (arm name, its flags); the first two are the headline pair.
+ARMS: dict[str, list[tuple[str, list[str]]]] = {
+    "ppo_staggered": [
+        ("staggered", []),
+        ("naive (--no-stagger)", ["--no-stagger"]),
+        ("random-start", ["--reset-scheme", "random-start"]),
+    ],
+    "ppo_ver": [
+        ("VER", []),
+        ("NoVER (--no-variable-experience)", ["--no-variable-experience"]),
+        ("SyncOnRL (--sync)", ["--sync"]),
+    ],
+    "pql": [("PQL", []), ("DDPG(n) (--ddpg-n)", ["--ddpg-n"])],
+}
+CURVES = ("eval/success_once", "eval/success_at_end")
+
+
+@dataclass
+class Options:
+    scripts: tuple[ScriptName, ...] = ("ppo_staggered", "ppo_ver", "pql")
+    """scripts to run, in this order"""
+    seeds: int = 3
+    """seeds 1..seeds of each script's headline pair (the third arm: seed 1)"""
+    quick: bool = False
+    """the headline pair of the first of --scripts, seed 1, fewer steps; writes *_quick.* files (not the result)"""
+    steps: Optional[int] = None
+    """env steps of every run (default: each script's budget; a small value checks the benchmark end to end)"""
+    out: str = str(RESULTS)
+    """where the markdown, JSON and PNGs go"""
+    replot: bool = False
+    """only rewrite the tables and figures from the saved JSON"""
+    commit: tyro.conf.Suppress[str] = ""
+    argv: tyro.conf.Suppress[list[str]] = field(default_factory=lambda: sys.argv[1:])
+    load: tyro.conf.Suppress[Optional[float]] = None
+
+
+def read_scalars(run_dir: Path) -> dict[str, list[tuple[float, int, float]]]:
+    """{tag: [(wall time, step, value), ...]} of a run's TensorBoard events."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    accumulator = EventAccumulator(str(run_dir), size_guidance={"scalars": 0})
+    accumulator.Reload()
+    return {
+        tag: [(e.wall_time, e.step, e.value) for e in accumulator.Scalars(tag)] for tag in accumulator.Tags()["scalars"]
+    }
+
+
+def run_one(script: str, flags: list[str], seed: int, total_timesteps: int) -> dict:
+    """One run of `script` as a user runs it; its evaluation curves against env steps and minutes since launch."""
+    command = [f"{script}.py", "--env-id", ENV_ID, "--no-cuda", "--total-timesteps", str(total_timesteps)]
+    command += [*COMMON[script][0], *flags]
+    with tempfile.TemporaryDirectory() as out:
+        launched = time.time()
+        proc = subprocess.run(
+            [sys.executable, *command, "--seed", str(seed), "--output-dir", out],
+            capture_output=True,
+            text=True,
+            cwd=ROOT,
+            env=dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1"),
+        )
+        wall = time.time() - launched
+        if proc.returncode != 0:
+            raise RuntimeError(f"{' '.join(command)} --seed {seed} failed:\n{proc.stderr[-3000:]}")
+        run_dir = next(path for path in Path(out).iterdir() if path.is_dir())
+        scalars = read_scalars(run_dir)
+        summary = json.loads((run_dir / "summary.json").read_text())
+    curves = {
+        tag: {
+            "steps": [step for _, step, _ in scalars[tag]],
+            "minutes": [(wall_time - launched) / 60 for wall_time, _, _ in scalars[tag]],
+            "values": [value for _, _, value in scalars[tag]],
+        }
+        for tag in CURVES
+    }
+    utilization = [value for _, _, value in scalars.get("ver/env_utilization", [])]
+    return {
+        "command": "python " + " ".join(command),
+        "seed": seed,
+        "curves": curves,
+        "wall_s": wall,
+        "sps": summary.get("sps"),
+        "global_step": summary.get("global_step"),
+        "env_utilization": float(np.mean(utilization)) if utilization else None,
+    }
+
+
+def to_threshold(run: dict) -> tuple[float, float]:
+    """(env steps, minutes since launch) of the first evaluation with success_once >= 0.9; nan, nan if none."""
+    curve = run["curves"]["eval/success_once"]
+    for step, minutes, value in zip(curve["steps"], curve["minutes"], curve["values"]):
+        if value >= THRESHOLD:
+            return float(step), float(minutes)
+    return float("nan"), float("nan")
+
+
+def plan(options: Options) -> list[tuple[str, str, list[str], int, int]]:
+    """(script, arm, flags, seed, total steps) of every run: arms interleaved per seed, their order alternating from
+    seed to seed, so that a drift of a shared machine does not favour one arm."""
+    runs = []
+    scripts = options.scripts[:1] if options.quick else options.scripts
+    seeds = range(1, 2 if options.quick else options.seeds + 1)
+    for script in scripts:
+        _, full_steps, quick_steps = COMMON[script]
+        arms = ARMS[script][:2] if options.quick else ARMS[script]
+        for seed in seeds:
+            chosen = [(name, flags) for index, (name, flags) in enumerate(arms) if index < 2 or seed == 1]
+            for name, flags in chosen if seed % 2 == 1 else chosen[::-1]:
+                runs.append(
+                    (script, name, flags, seed, options.steps or (quick_steps if options.quick else full_steps))
+                )
+    return runs
+
+
+def run_all(options: Options, saved: Path) -> dict:
+    """Every run of the plan; the JSON is rewritten after each run, so that a stopped benchmark keeps what it ran."""
+    results: dict[str, dict[str, list[dict]]] = {}
+    start = time.time()
+    for script, arm, flags, seed, steps in plan(options):
+        run = run_one(script, flags, seed, steps)
+        results.setdefault(script, {}).setdefault(arm, []).append(run)
+        reached_steps, reached_minutes = to_threshold(run)
+        final = run["curves"]["eval/success_once"]["values"][-1]
+        print(
+            f"{script} {arm} seed {seed}: success_once >= {THRESHOLD} at {fmt(reached_steps)} steps "
+            f"({fmt(reached_minutes, 1)} min), final {final:.2f}, {run['wall_s'] / 60:.1f} min",
+            flush=True,
+        )
+        record = {"wall_s": time.time() - start, "commit": options.commit, "argv": sys.argv[1:], "load": options.load}
+        saved.write_text(json.dumps({**record, "results": results}))
+    return results
+
+
+def commit() -> str:
+    """The commit the scripts were run at (with "+ changes" when the work tree differs from it)."""
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout
+    changed = subprocess.run(["git", "status", "--porcelain", "--", "*.py"], capture_output=True, text=True, cwd=ROOT)
+    return head.strip() + (" + changes" if changed.stdout.strip() else "")
+
+
+def fmt(value: float, digits: int = 0) -> str:
+    return "not reached" if np.isnan(value) else f"{value:,.{digits}f}"
+
+
+def report(results: dict, options: Options, wall_s: float, suffix: str) -> str:
+    lines = [
+        f"# ManiSkill3 {ENV_ID} on CPU simulation: ppo_staggered.py, ppo_ver.py and pql.py beside their baselines"
+        + (" (--quick: a check of the benchmark, not the result)" if options.quick else ""),
+        "",
+        f"Written by `python benchmarks/maniskill_cpu.py {' '.join(options.argv)}` on {platform.node()} "
+        f"({platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, no GPU) in {wall_s / 60:.0f} min, "
+        f"scripts at commit {options.commit}, "
+        + (f"load average {options.load:.1f} at the start. " if options.load is not None else "load not recorded. ")
+        + "physx_cpu simulation, one process per env, 8 training envs. Evaluation (ManiSkill's protocol): deterministic "
+        "policy, no partial resets, the scene reconfigured at every evaluation reset, 8 eval envs (ppo_ver.py: 16 "
+        f"episodes one after another). Steps and minutes to {THRESHOLD}: the first evaluation with eval/success_once "
+        f">= {THRESHOLD}, minutes from launching the process (start-up and evaluations included); median over the "
+        "seeds that reached it, and how many did. Final: the last evaluation; best: the highest. Minutes depend on "
+        "what else ran on the machine; env steps do not.",
+        "",
+        "| script | arm | seeds reached 0.9 | env steps to 0.9: median (per seed) | minutes to 0.9: median "
+        "| final success_once (per seed) | final success_at_end (per seed) | best success_once (per seed) | steps/s "
+        "| env utilization |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for script, arms in results.items():
+        for arm, runs in arms.items():
+            reached = [to_threshold(run) for run in runs]
+            steps = np.array([step for step, _ in reached])
+            minutes = np.array([minute for _, minute in reached])
+            hits = ~np.isnan(steps)
+            finals = {tag: [run["curves"][tag]["values"][-1] for run in runs] for tag in CURVES}
+            best = [max(run["curves"][CURVES[0]]["values"]) for run in runs]
+            utilization = [run["env_utilization"] for run in runs if run["env_utilization"] is not None]
+            lines.append(
+                f"| {script}.py | {arm} | {hits.sum()}/{len(runs)} | "
+                f"{fmt(np.median(steps[hits]) if hits.any() else np.nan)} ({', '.join(fmt(s) for s in steps)}) | "
+                f"{fmt(np.median(minutes[hits]) if hits.any() else np.nan, 1)} | "
+                f"{np.median(finals[CURVES[0]]):.2f} ({', '.join(f'{v:.2f}' for v in finals[CURVES[0]])}) | "
+                f"{np.median(finals[CURVES[1]]):.2f} ({', '.join(f'{v:.2f}' for v in finals[CURVES[1]])}) | "
+                f"{np.median(best):.2f} ({', '.join(f'{v:.2f}' for v in best)}) | "
+                f"{np.median([run['sps'] or np.nan for run in runs]):.0f} | "
+                f"{f'{np.mean(utilization):.2f}' if utilization else '-'} |"
+            )
+    lines += ["", "Commands (each run adds `--seed S --output-dir DIR`):", ""]
+    for script, arms in results.items():
+        for arm, runs in arms.items():
+            lines.append(f"- {script}.py, {arm}: `{runs[0]['command']}`")
+    text = "\n".join(lines) + "\n"
+    (Path(options.out) / f"maniskill_cpu{suffix}.md").write_text(text)
+    return text
+
+
+def plot(results: dict, options: Options, suffix: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    for script, arms in results.items():
+        figure, axes = plt.subplots(2, 2, figsize=(11, 7), squeeze=False)
+        for color, (arm, runs) in enumerate(arms.items()):
+            for index, run in enumerate(runs):
+                for row, tag in enumerate(CURVES):
+                    curve = run["curves"][tag]
+                    label = arm if index == 0 else None
+                    axes[row, 0].plot(curve["steps"], curve["values"], color=f"C{color}", alpha=0.7, label=label)
+                    axes[row, 1].plot(curve["minutes"], curve["values"], color=f"C{color}", alpha=0.7, label=label)
+        for row, tag in enumerate(CURVES):
+            for column, xlabel in enumerate(("env steps", "minutes since launch (2 CPU cores)")):
+                axes[row, column].axhline(THRESHOLD, color="gray", linestyle="--", linewidth=1)
+                axes[row, column].set_xlabel(xlabel)
+                axes[row, column].set_ylabel(tag)
+                axes[row, column].set_ylim(-0.05, 1.05)
+        axes[0, 0].legend(fontsize=8)
+        figure.suptitle(f"{script}.py on {ENV_ID}, physx_cpu, 8 envs (one line per seed)")
+        figure.tight_layout()
+        figure.savefig(Path(options.out) / f"maniskill_cpu_{script}{suffix}.png", dpi=100)
+        plt.close(figure)
+
+
+def main(options: Options) -> None:
+    suffix = "_quick" if options.quick else ""
+    options.commit = commit()  # what the runs measure (a --replot takes the saved one)
+    options.load = os.getloadavg()[0]  # what else ran: the minutes depend on it
+    out = Path(options.out)
+    out.mkdir(parents=True, exist_ok=True)
+    saved = out / f"maniskill_cpu{suffix}.json"
+    if options.replot:
+        stored = json.loads(saved.read_text())
+        results, wall_s = stored["results"], stored["wall_s"]
+        options.commit, options.argv = stored.get("commit", options.commit), stored.get("argv", options.argv)
+        options.load = stored.get("load")
+    else:
+        results = run_all(options, saved)
+        wall_s = json.loads(saved.read_text())["wall_s"]
+    print(report(results, options, wall_s, suffix))
+    plot(results, options, suffix)
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Options))
