@@ -974,6 +974,7 @@ def main(args: Args) -> dict:
     parallel = not (args.ddpg_n or args.sequential)
     cores = len(os.sched_getaffinity(0))
     threads = max(1, cores // 3) if parallel else cores  # torch threads per process: the cores split among them
+    threads = min(threads, int(os.environ.get("OMP_NUM_THREADS", threads)))  # a user's OMP_NUM_THREADS caps them
     torch.set_num_threads(threads)
     torch.backends.cudnn.deterministic = args.torch_deterministic
     device = torch.device(args.actor_device)
