@@ -268,8 +268,8 @@ def resolve_args(args: Args) -> Args:
         raise ArgsError(f"--total-timesteps {args.total_timesteps} is less than one batch (N*K*ranks = {steps})")
     if args.evaluate and not args.checkpoint:
         raise ArgsError("--evaluate needs --checkpoint PATH")
-    if args.cudagraphs and args.world_size > 1:
-        raise ArgsError("--cudagraphs: not under torchrun (the graphs would not capture its all-reduces)")
+    if args.cudagraphs and (args.world_size > 1 or not (args.cuda and torch.cuda.is_available())):
+        raise ArgsError("--cudagraphs: one process on a CUDA GPU only (no torchrun all-reduces or CPU work in graphs)")
     icd_files = glob.glob("/usr/share/vulkan/icd.d/*.json") + glob.glob("/etc/vulkan/icd.d/*.json")
     if (
         kind == "maniskill"

@@ -170,19 +170,25 @@ def speed(options: Options, tmp: str, size: list[str], batch: int) -> list[dict]
             "--no-capture-video",
             "--no-save-model",
         ]
-        for script, flags in (("ppo.py", []), ("ppo_fast.py", ["--cudagraphs"])):
+        for script, flags in (("ppo.py", []), ("ppo_fast.py", []), ("ppo_fast.py", ["--cudagraphs"])):
+            if not (Path(options.maniskill_ppo_dir) / script).exists():
+                print(f"(no {script} in {options.maniskill_ppo_dir}: skipped)", flush=True)
+                continue
             work = tempfile.mkdtemp(dir=tmp)
             cmd = [sys.executable, str(Path(options.maniskill_ppo_dir) / script), *common, *flags]
             print("$", " ".join(cmd), flush=True)
-            subprocess.run(cmd, check=True, cwd=work)
+            if subprocess.run(cmd, cwd=work).returncode != 0:
+                print(f"(ManiSkill {script} failed: no row)", flush=True)
+                continue
             run_dir = next(p.parent for p in Path(work).rglob("events.out.tfevents.*"))
             s = scalars(str(run_dir))
-            sps = [v for _, _, v in s["charts/SPS"]]
+            rollout = np.array([v for _, _, v in s["time/rollout_time"]])[1:]
+            update = np.array([v for _, _, v in s["time/update_time"]])[1:]
             rows.append(
                 {
                     "script": f"ManiSkill {script} {' '.join(flags)}".strip(),
-                    "train_sps": float(sps[-1]),
-                    "note": "ManiSkill's charts/SPS (global step / wall time since start)",
+                    "train_sps": float(np.median(batch / (rollout + update))),
+                    "note": "median of batch / (time/rollout_time + time/update_time), as for ours",
                 }
             )
             print(rows[-1], flush=True)
