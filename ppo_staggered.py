@@ -977,7 +977,8 @@ def main(args: Args) -> dict:
                 log("toy/forgetting_mean", forgetting_matrix(np.stack(toy_accuracy))[-1].mean(), global_step)
 
         if args.world_size > 1:  # DDP: every rank holds rank 0's weights and observation statistics: checked here
-            state = torch.cat([nn.utils.parameters_to_vector(agent.parameters()), obs_rms.totals().flatten().float()])
+            weights = nn.utils.parameters_to_vector(agent.parameters()).detach()
+            state = torch.cat([weights, obs_rms.totals().flatten().float()])
             difference = (state - all_reduce_sum(state * (rank == 0))).abs().max()  # (the sum: rank 0's)
             dist.all_reduce(difference, op=dist.ReduceOp.MAX)
             summary["ddp/max_weight_difference"] = float(difference)
