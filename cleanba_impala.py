@@ -141,8 +141,8 @@ class Args:
     """baseline coefficient: the loss has vf_coef x 0.5 x sum (v_s - V)^2 (Table 3, as Cleanba and torchbeast)"""
     max_grad_norm: float = 40.0
     """global gradient-norm clip (Table 3)"""
-    rmsprop_eps: float = 0.01
-    """RMSprop epsilon, added outside the square root as in PyTorch (Table 3)"""
+    rmsprop_eps: Optional[float] = None
+    """RMSprop epsilon, added outside the square root as in PyTorch (default: 0.01, Table 3; 0.1 classic control)"""
     rmsprop_alpha: float = 0.99
     """RMSprop decay (Table 3)"""
 
@@ -160,11 +160,12 @@ class Args:
 TOY_ENV_ID = "ToyChain-v0"
 CLASSIC_ENVS = {"CartPole-v1": (4, 2), "Acrobot-v1": (6, 3)}  # EnvPool classic control: observation size, actions
 # App. B Table 3 (Atari), Table 3's unroll on 16 envs for classic control, and small settings for the toy chain;
-# any flag overrides them.
+# any flag overrides them. Classic control departs in RMSprop's epsilon: 0.1, the denominator's floor in IMPALA's
+# TensorFlow RMSProp (0.01 inside the square root); with 0.01 outside, CartPole's final return fell (median 255 vs 420).
 PRESETS = {
-    "atari": dict(local_num_envs=128, num_steps=20, total_timesteps=50_000_000),
-    "classic": dict(local_num_envs=16, num_steps=20, total_timesteps=500_000),
-    "toy": dict(local_num_envs=32, num_steps=10, total_timesteps=64_000),
+    "atari": dict(local_num_envs=128, num_steps=20, total_timesteps=50_000_000, rmsprop_eps=0.01),
+    "classic": dict(local_num_envs=16, num_steps=20, total_timesteps=500_000, rmsprop_eps=0.1),
+    "toy": dict(local_num_envs=32, num_steps=10, total_timesteps=64_000, rmsprop_eps=0.01),
 }
 
 

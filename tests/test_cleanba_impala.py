@@ -278,6 +278,10 @@ def test_classic_control_presets_and_every_flag_overrides_them():
         500_000,
         6e-4,
     )
+    assert (
+        cartpole.rmsprop_eps == 0.1
+        and ci.resolve_args(ci.Args(env_id="CartPole-v1", rmsprop_eps=0.01)).rmsprop_eps == 0.01
+    )
     custom = ci.resolve_args(ci.Args(env_id="Acrobot-v1", local_num_envs=8, num_steps=10, total_timesteps=1000))
     assert (custom.local_num_envs, custom.num_steps, custom.num_iterations) == (8, 10, 12)
     logits, value = ci.Agent(custom)(torch.zeros(5, 6))
@@ -452,11 +456,11 @@ def test_envpool_atari_protocol():
 
 def test_learns_cartpole_through_envpool(tmp_path):
     """Issue 27: the script learns CartPole-v1 through EnvPool, each seed as a user runs it (the classic preset: 16 envs x
-    20 steps, 500k steps, about 60-80 s per seed on 2 cores). Asserted: the median over seeds 1-3 of the best
-    10-iteration mean return is above 400. Measured for seeds 1-5: 500 for every seed, first above 400 after 48k-129k
-    steps. Not asserted: the return at the end, which IMPALA with Table 3's settings does not hold here: eval/return
-    after training 297.0, 318.4, 227.5, 253.6, 255.1 (seeds 1-5); with Table 3's own 128 envs x 20 steps, 2M steps
-    (seeds 2, 3, 5): best 10-iteration mean 485.5, 497.7, 500.0, eval/return 198.5, 266.1, 292.1."""
+    20 steps, 500k steps, RMSprop epsilon 0.1, about 90-110 s per seed on 2 loaded cores). Asserted: the median over
+    seeds 1-3 of the best 10-iteration mean return is above 400. Not asserted: the return at the end, which IMPALA
+    does not hold here with margin: eval/return after training 420.4, 436.7, 319.0, 300.6, 450.8 (seeds 1-5; the
+    curves swing between about 200 and 450). With Table 3's epsilon 0.01: 297.0, 318.4, 227.5, 253.6, 255.1, after
+    reaching 500; with 0.01 and Table 3's own 128 envs x 20 steps, 2M steps (seeds 2, 3, 5): 198.5, 266.1, 292.1."""
     _, peaks = check_learns_cartpole(tmp_path, SCRIPT, [])
     assert np.median(peaks) > 400, peaks
 
