@@ -13,8 +13,13 @@ cleanba_impala.py: 16 envs x 20 steps), 500k steps. CleanRL's ppo.py numbers: do
 vwxyzjn/cleanrl since its commit 35896b1f (2023; unchanged at fe8d8a03, 2026): average episodic return of 3 seeds,
 500k steps, CartPole-v1 490.04 +- 6.12, Acrobot-v1 -86.36 +- 1.32.
 
+CleanRL's ppo.py itself runs beside ours (--cleanrl-seeds seeds, default 1, same 500k steps) when its file is at
+--cleanrl (default .cleanrl/ppo.py, a folder git ignores: never commit it; `git show fe8d8a03:cleanrl/ppo.py` in a
+clone of vwxyzjn/cleanrl). It runs unmodified through a launcher that gives it Gymnasium 0.29's vector-env behaviour
+(same-step autoreset, per-env final_info), which the installed Gymnasium 1.x changed.
+
 Writes benchmarks/results/cleanba_classic.md, cleanba_classic.json and cleanba_classic.png (return against env steps and
-against wall-clock time). --quick runs every code path once with 1 seed and 20k steps and writes *_quick.* files (a
+against wall-clock time). The json is rewritten after every run; --resume keeps the runs it already holds. --quick runs every code path once with 1 seed and 20k steps and writes *_quick.* files (a
 check of the benchmark itself, not a result).
 
   python benchmarks/cleanba_classic.py             # 2 scripts x 2 tasks x 2 architectures x 2 thread counts x 3 seeds,
@@ -61,6 +66,75 @@ class Options:
     """where the results go"""
     replot: bool = False
     """only rewrite the table and the figure from the saved json"""
+    resume: bool = False
+    """keep the runs the saved json already holds (same steps), run the rest"""
+    cleanrl: str = str(ROOT / ".cleanrl" / "ppo.py")
+    """CleanRL's ppo.py (not part of this project: a git-ignored copy); skipped if absent"""
+    cleanrl_seeds: int = 1
+    """seeds 1..cleanrl_seeds of CleanRL's ppo.py on each task"""
+
+
+# CleanRL's ppo.py was written for Gymnasium 0.29: same-step autoreset and infos["final_info"] an array of per-env
+# dicts. Gymnasium 1.x resets next-step by default and batches final_info into one dict. This launcher runs the file
+# unmodified with a SyncVectorEnv that resets same-step and hands the episode statistics over in the old layout.
+CLEANRL_LAUNCHER = """
+import runpy, sys
+import gymnasium as gym
+import numpy as np
+
+
+class SameStepSyncVectorEnv(gym.vector.SyncVectorEnv):
+    def __init__(self, env_fns, **kwargs):
+        super().__init__(env_fns, autoreset_mode=gym.vector.AutoresetMode.SAME_STEP, **kwargs)
+
+    def step(self, actions):
+        obs, rewards, terminations, truncations, infos = super().step(actions)
+        if "final_info" in infos:
+            per_env, episode = np.full(self.num_envs, None, dtype=object), infos["final_info"]["episode"]
+            for env in np.flatnonzero(infos["final_info"]["_episode"]):
+                per_env[env] = {"episode": {"r": float(episode["r"][env]), "l": int(episode["l"][env])}}
+            infos = {**infos, "final_info": per_env}
+        return obs, rewards, terminations, truncations, infos
+
+
+gym.vector.SyncVectorEnv = SameStepSyncVectorEnv
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def run_cleanrl(path: Path, task: str, seed: int, total_timesteps: int) -> dict:
+    """One run of CleanRL's ppo.py; its episodic returns averaged per iteration (4 envs x 128 steps), as our rows."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    with tempfile.TemporaryDirectory() as out:
+        start = time.time()
+        args = ["--env-id", task, "--seed", str(seed), "--total-timesteps", str(total_timesteps), "--no-cuda"]
+        proc = subprocess.run(
+            [sys.executable, "-c", CLEANRL_LAUNCHER, str(path.resolve()), *args],
+            capture_output=True,
+            text=True,
+            cwd=out,
+            env=dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1"),
+        )
+        if proc.returncode != 0:
+            raise RuntimeError(f"CleanRL ppo.py {' '.join(args)} failed:\n{proc.stderr[-3000:]}")
+        accumulator = EventAccumulator(str(next(Path(out, "runs").iterdir())), size_guidance={"scalars": 0})
+        accumulator.Reload()
+        episodes = accumulator.Scalars("charts/episodic_return")
+    batch = 4 * 128  # ppo.py's defaults: --num-envs 4 --num-steps 128
+    by_iteration: dict[int, list] = {}
+    for event in episodes:
+        by_iteration.setdefault(-(-event.step // batch), []).append(event)
+    rows = [
+        {
+            "global_step": iteration * batch,
+            "charts/episodic_return": float(np.mean([event.value for event in events])),
+            "charts/SPS": iteration * batch / max(events[-1].wall_time - start, 1e-9),
+        }
+        for iteration, events in sorted(by_iteration.items())
+    ]
+    return {"rows": rows, "summary": {}, "wall": time.time() - start}
 
 
 def run(script: Path, args: list[str]) -> dict:
@@ -91,8 +165,9 @@ def run_key(algo: str, task: str, architecture: str, threads: int, seed: int, de
     return f"{algo}|{task}|{architecture}|{threads}|{seed}|{delay}"
 
 
-def run_all(options: Options) -> dict:
-    runs = {}
+def run_all(options: Options, saved: Path) -> dict:
+    runs = json.loads(saved.read_text()) if options.resume and saved.exists() else {}
+    runs = {key: value for key, value in runs.items() if value.get("total_timesteps") == options.total_timesteps}
     seeds = range(1, 2 if options.quick else options.seeds + 1)
     for algo, script in SCRIPTS.items():
         for task in TASKS:
@@ -104,11 +179,21 @@ def run_all(options: Options) -> dict:
                     args = ["--env-id", task, "--seed", str(seed), "--total-timesteps", str(options.total_timesteps)]
                     args += [flag, "--num-actor-threads", str(threads), "--debug-learner-delay", str(delay)]
                     key = run_key(algo, task, architecture, threads, seed, delay)
-                    runs[key] = run(script, args)
+                    if key not in runs:
+                        runs[key] = {**run(script, args), "total_timesteps": options.total_timesteps}
+                        saved.write_text(json.dumps(runs))
                     print(
                         f"{key}: eval/return {runs[key]['summary'].get('eval/return')}, {runs[key]['wall']:.0f} s",
                         flush=True,
                     )
+    for task in TASKS if Path(options.cleanrl).exists() else ():
+        for seed in range(1, options.cleanrl_seeds + 1):
+            key = run_key("cleanrl", task, "-", 0, seed)
+            if key not in runs:
+                runs[key] = {**run_cleanrl(Path(options.cleanrl), task, seed, options.total_timesteps)}
+                runs[key]["total_timesteps"] = options.total_timesteps
+                saved.write_text(json.dumps(runs))
+            print(f"{key}: final return {final_return(runs[key]['rows']):.1f}, {runs[key]['wall']:.0f} s", flush=True)
     return runs
 
 
@@ -148,7 +233,7 @@ def largest_difference(rows_a: list[dict], rows_b: list[dict]) -> float:
 
 
 def report(runs: dict, options: Options, suffix: str) -> None:
-    seeds = sorted({int(key.split("|")[4]) for key in runs})
+    seeds = sorted({int(key.split("|")[4]) for key in runs if not key.startswith("cleanrl|")})
     lines = [
         "# Cleanba scripts on EnvPool classic control"
         + (" (--quick: a check of the benchmark, not a result)" if options.quick else ""),
@@ -163,6 +248,17 @@ def report(runs: dict, options: Options, suffix: str) -> None:
         "| task | script | architecture | final return: median (per seed) | steps to threshold: median | CleanRL ppo.py (500k) |",
         "|---|---|---|---|---|---|",
     ]
+    for task, threshold in TASKS.items():  # CleanRL's ppo.py run here, where its file was present
+        chosen = [value["rows"] for key, value in sorted(runs.items()) if key.startswith(f"cleanrl|{task}|")]
+        if chosen:
+            finals = [final_return(rows) for rows in chosen]
+            reach = [steps_to(rows, threshold) for rows in chosen]
+            published = "{:.2f} +- {:.2f} (published)".format(*CLEANRL_PPO[task])
+            lines.append(
+                f"| {task} | CleanRL ppo.py, run here | - | {np.median(finals):.1f} "
+                f"({', '.join(f'{value:.1f}' for value in finals)}) | "
+                f"{np.nanmedian(reach) if not np.isnan(reach).all() else float('nan'):.0f} | {published} |"
+            )
     for task, threshold in TASKS.items():
         for algo in SCRIPTS:
             for architecture in ARCHITECTURES:
@@ -219,6 +315,12 @@ def plot(runs: dict, options: Options, seeds: list[int], suffix: str) -> None:
                     color = "C0" if algo == "ppo" else "C1"
                     axes[0, column].plot(steps, returns, style, color=color, alpha=0.6, label=label)
                     axes[1, column].plot(seconds, returns, style, color=color, alpha=0.6, label=label)
+        cleanrl = [value["rows"] for key, value in sorted(runs.items()) if key.startswith(f"cleanrl|{task}|")]
+        for index, rows in enumerate(cleanrl):
+            steps, seconds, returns = returns_curve(rows)
+            label = "CleanRL ppo.py, run here" if index == 0 else None
+            axes[0, column].plot(steps, returns, color="k", alpha=0.6, label=label)
+            axes[1, column].plot(seconds, returns, color="k", alpha=0.6, label=label)
         mean, spread = CLEANRL_PPO[task]
         for row in range(2):
             axes[row, column].axhline(
@@ -242,8 +344,7 @@ def main(options: Options) -> None:
     if options.replot:
         runs = json.loads(saved.read_text())
     else:
-        runs = run_all(options)
-        saved.write_text(json.dumps(runs))
+        runs = run_all(options, saved)
     report(runs, options, suffix)
     print(f"wrote {Path(options.output) / f'cleanba_classic{suffix}.md'} and .png")
 
