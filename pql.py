@@ -1,22 +1,19 @@
-"""Parallel Q-Learning (PQL): an Actor, a V-learner and a P-learner running concurrently, for massively parallel
-simulation (ManiSkill3) and a continuous-action toy chain.
-
-Paper: "Parallel Q-Learning: Scaling Off-policy Reinforcement Learning under Massively Parallel Simulation",
-Zechu Li, Tao Chen, Zhang-Wei Hong, Anurag Ajay, Pulkit Agrawal (ICML 2023), arXiv:2307.12983.
-
-DDPG with two Q functions (the min of both in the target), n-step returns and mixed exploration noise, split into
-three processes that run at the same time (Sec. 3.1, Fig. 1, Alg. 1-3):
+"""Parallel Q-Learning (PQL): DDPG with two Q functions (the min of both in the target), n-step returns and mixed
+exploration noise, split into three processes that run at the same time (Sec. 3.1, Fig. 1, Alg. 1-3), for massively
+parallel simulation (ManiSkill3) and a continuous-action toy chain:
   Actor      (the main process) steps N envs with its copy of the policy plus mixed exploration noise (Sec. 3.3),
              keeps the observation normalizer, builds n-step transitions and hands them over;
   V-learner  (a spawned process) keeps a replay buffer of transitions and updates Q1, Q2 (and their target networks)
              against a lagged copy of the policy, which plays the target policy (Sec. 3.2, third point);
   P-learner  (a spawned process) keeps a buffer of states and updates the policy to maximize min(Q1, Q2).
-Once per Actor step, through preallocated slots (SlotRing), the Actor sends the V-learner its transitions, the
-normalizer statistics and the policy it acts with, and the P-learner the states, the statistics and the newest Q
-functions; the learners send back their networks (the original code relays networks through its driver the same
-way). Speed ratios beta_a:v (Actor steps per V-update, 1:8) and beta_p:v (P-updates per V-update, 1:2) are kept by
-making whichever process is ahead wait (Sec. 3.2). Baselines (Sec. 4.1): --ddpg-n, the paper's DDPG(n) as the
-original code runs it, and the ablation --sequential, PQL's own schedule run serially (SerialLearners).
+Once per Actor step, through preallocated slots (SlotRing), the Actor sends each learner its data, the normalizer
+statistics and a network (the V-learner the policy it acts with, the P-learner the newest Q functions); the learners
+send back their own (as the original code's driver relays them). Whichever process is ahead of the speed ratios
+beta_a:v (Actor steps per V-update, 1:8) and beta_p:v (P-updates per V-update, 1:2) waits (Sec. 3.2). Baselines
+(Sec. 4.1): --ddpg-n, the paper's DDPG(n) as the original code runs it; --sequential, PQL's schedule run serially.
+
+Paper: "Parallel Q-Learning: Scaling Off-policy Reinforcement Learning under Massively Parallel Simulation",
+Zechu Li, Tao Chen, Zhang-Wei Hong, Anurag Ajay, Pulkit Agrawal (ICML 2023), arXiv:2307.12983.
 
 Map from the paper to this file
   Sec. 3.1, Fig. 1, Alg. 1   main (the Actor loop), NStepAssembler, SlotRing, network_for_the_others (transfers)
@@ -186,6 +183,8 @@ MANISKILL_GPU = dict(
 MANISKILL_CPU = dict(MANISKILL_GPU, num_envs=8, num_eval_envs=8, batch_size=1024, total_timesteps=200_000, eval_freq=50)
 LOG_EVERY = 5  # Actor steps between two writes of the training scalars
 NUM_ATOMS, V_MIN, V_MAX = 51, -10.0, 10.0  # PQL-D's support (App. C)
+RATIO_EPS = 1e-9  # slack of the speed-ratio comparisons (Sec. 3.2) for floating-point ratios
+POLL_S = 2e-4  # seconds between two looks of a waiting process at the shared counters
 ROLES = {"v_learner": "V-learner", "p_learner": "P-learner"}
 
 
@@ -206,8 +205,7 @@ def resolve_args(args: Args) -> Args:
 
         if args.env_id not in REGISTERED_ENVS:
             raise ArgsError(f"--env-id {args.env_id!r} is not {TOY_ENV_ID} or a registered ManiSkill3 task")
-    default_device = "cuda" if args.cuda and torch.cuda.is_available() else "cpu"
-    args.actor_device = args.actor_device or default_device
+    args.actor_device = args.actor_device or ("cuda" if args.cuda and torch.cuda.is_available() else "cpu")
     args.v_learner_device = args.v_learner_device or args.actor_device
     args.p_learner_device = args.v_learner_device if args.ddpg_n else (args.p_learner_device or args.actor_device)
     actor_device = torch.device(args.actor_device)
@@ -228,14 +226,10 @@ def resolve_args(args: Args) -> Args:
             raise ArgsError(str(e)) from e
         if args.toy.autoreset_mode != "same_step":
             raise ArgsError("--toy.autoreset-mode: pql.py consumes same-step autoreset (as ManiSkill); use same_step")
-        args.resolved_horizon = args.toy.horizon
-    else:
-        args.resolved_horizon = args.horizon or gym.spec(args.env_id).max_episode_steps
-        icd_files = glob.glob("/usr/share/vulkan/icd.d/*.json") + glob.glob("/etc/vulkan/icd.d/*.json")
-        if sys.platform == "linux" and not (icd_files or os.environ.get("VK_ICD_FILENAMES")):
-            raise ArgsError(
-                "ManiSkill3 needs a Vulkan driver, even for state-only simulation: bash .ci/install_system.sh"
-            )
+    args.resolved_horizon = args.toy.horizon if is_toy else (args.horizon or gym.spec(args.env_id).max_episode_steps)
+    icd = glob.glob("/usr/share/vulkan/icd.d/*.json") + glob.glob("/etc/vulkan/icd.d/*.json")
+    if not is_toy and sys.platform == "linux" and not (icd or os.environ.get("VK_ICD_FILENAMES")):
+        raise ArgsError("ManiSkill3 needs a Vulkan driver, even for state-only simulation: bash .ci/install_system.sh")
     args.num_actor_steps = args.total_timesteps // args.num_envs
     if not args.evaluate and args.num_actor_steps <= args.warm_up_steps + args.nstep:
         steps = f"{args.num_actor_steps} Actor steps of {args.num_envs} envs <= --warm-up-steps + --nstep"
@@ -284,9 +278,7 @@ class ManiSkillVecEnv(gym.vector.VectorEnv):
             )
         self.single_observation_space = self.env.unwrapped.single_observation_space  # (a vector env's is itself)
         # the flattened Box of FlattenActionSpaceWrapper (multi-robot tasks), not the task's Dict
-        self.single_action_space = (
-            getattr(self.env, "single_action_space", None) or self.env.unwrapped.single_action_space
-        )
+        self.single_action_space = getattr(self.env, "single_action_space", self.env.unwrapped.single_action_space)
 
     def as_tensor(self, x, dtype) -> torch.Tensor:
         return torch.as_tensor(x if torch.is_tensor(x) else np.asarray(x), device=self.device, dtype=dtype)
@@ -306,9 +298,8 @@ class ManiSkillVecEnv(gym.vector.VectorEnv):
         reset_now = truncated | (terminated & self.reset_on_termination)
         final_obs = obs
         if bool(reset_now.any()):  # partial reset: ManiSkill on the GPU takes env indices, a vector env a mask
-            obs, _ = self.reset(
-                options={"env_idx": reset_now.nonzero()[:, 0]} if self.gpu else {"reset_mask": reset_now.cpu().numpy()}
-            )
+            options = {"env_idx": reset_now.nonzero()[:, 0]} if self.gpu else {"reset_mask": reset_now.cpu().numpy()}
+            obs, _ = self.reset(options=options)
         return obs, reward, terminated, truncated, {"success": success, "final_obs": final_obs, "_final_obs": reset_now}
 
     def close_extras(self, **kwargs):
@@ -339,8 +330,7 @@ def nstep_targets(rewards: torch.Tensor, no_bootstrap: torch.Tensor, dones: torc
 
     The window is cut at the first episode end (dones): with m = 1 + the index of the first end (m = n if none),
         return   = sum_{k < m} gamma^k r_{t+k}
-        discount = 0 if step t+m-1 is in no_bootstrap (a termination under --bootstrap-at-done truncated),
-                   else gamma^m
+        discount = 0 if step t+m-1 is in no_bootstrap (a termination under --bootstrap-at-done truncated), else gamma^m
         last     = m - 1, the step whose true next observation is bootstrapped from:
     target = return + discount * Q'(s_{t+m}, pi(s_{t+m})). Returns (returns, discounts, last), each of shape (N,).
     """
@@ -358,9 +348,8 @@ def nstep_targets(rewards: torch.Tensor, no_bootstrap: torch.Tensor, dones: torc
 
 
 class NStepAssembler:
-    """n-step transitions of N parallel envs from a sliding window of their last n steps (Table B.1: n = 3), built by
-    the Actor (Alg. 1). push() takes one vector step with the *true* next observation; once the window holds n steps
-    it returns dict(obs, action, reward (the n-step return), next_obs, discount) of the step n - 1 earlier."""
+    """The Actor's n-step transitions (Alg. 1; Table B.1: n = 3) from a sliding window of N envs' last n steps: push()
+    takes a vector step (with the *true* next observation) and returns the window's oldest step as a transition."""
 
     def __init__(self, nstep: int, gamma: float, bootstrap_at_done: str):
         self.nstep, self.gamma, self.bootstrap_at_done = nstep, gamma, bootstrap_at_done
@@ -382,9 +371,8 @@ class NStepAssembler:
 def categorical_projection(
     probs: torch.Tensor, returns: torch.Tensor, discounts: torch.Tensor, support: torch.Tensor
 ) -> torch.Tensor:
-    """C51 projection (Bellemare et al. 2017, Alg. 1; PQL-D, App. C): the distribution of returns + discount * Z, with
-    Z ~ `probs` (B, K) on the fixed `support` (K,), projected back onto the support. Atoms shifted past the ends are
-    clamped to them; each shifted atom's mass is split between its two neighbouring atoms in proportion to closeness."""
+    """C51 projection (Bellemare et al. 2017, Alg. 1; PQL-D, App. C) of returns + discount * Z, Z ~ `probs` (B, K) on
+    `support` (K,): shifted atoms, clamped to its ends, split their mass between their two neighbours by closeness."""
     v_min, v_max, num_atoms = support[0], support[-1], support.shape[0]
     delta = (v_max - v_min) / (num_atoms - 1)
     shifted = (returns[:, None] + discounts[:, None] * support[None, :]).clamp(v_min, v_max)
@@ -406,14 +394,10 @@ def soft_update_(target: nn.Module, source: nn.Module, tau: float) -> None:
     torch._foreach_add_(target_params, list(source.parameters()), alpha=tau)
 
 
-# Speed-ratio control (Sec. 3.2). With k_v = 1 / beta_a:v V-updates per Actor step and k_p = 1 / beta_p:v V-updates
-# per P-update, the process that is ahead waits: the Actor may be up to two steps ahead of the V-learner's updates (so
-# that it simulates step A + 1 while the V-learner trains on step A), the V-learner may use only the data's update
-# budget k_v * A and be at most two P-updates ahead of the P-learner, and the P-learner never gets ahead of the
-# V-learner. Together this can never deadlock, and the measured ratios stay within a few updates of the targets.
-RATIO_EPS = 1e-9
-
-
+# Speed-ratio control (Sec. 3.2), with k_v = 1 / beta_a:v V-updates per Actor step and k_p = 1 / beta_p:v per P-update:
+# the process ahead waits. The Actor may be up to two steps ahead of the V-learner (it simulates step A + 1 while the
+# V-learner trains on step A); the V-learner may use only the data's budget k_v * A and be up to two P-updates ahead of
+# the P-learner, which never gets ahead of it. This never deadlocks; the measured ratios stay near their targets.
 def actor_may_step(actor_steps: int, v_updates: int, beta_a_v: float) -> bool:
     """May the Actor take learning step A + 1 (A = actor_steps taken since learning started)?"""
     k_v = 1.0 / beta_a_v
@@ -435,8 +419,7 @@ def p_may_update(p_updates: int, v_updates: int, beta_p_v: float) -> bool:
 
 
 class RunningMeanStd:
-    """Running mean and variance of observations (parallel-variance update of Chan et al.); Table B.1's
-    "Normalized Observations", kept by the Actor and sent to both learners with every batch (they keep a copy)."""
+    """Table B.1's "Normalized Observations": running mean and variance (Chan et al.'s parallel update), the Actor's."""
 
     def __init__(self, shape, device, epsilon: float = 1e-4):
         self.mean = torch.zeros(shape, device=device)
@@ -483,12 +466,8 @@ class ReplayBuffer:
 # ---- Networks --------------------------------------------------------------------------------------------------------
 def mlp(sizes: list[int]) -> nn.Sequential:
     """Linear layers with ELU between them (the original code's MLPNet: no normalization, PyTorch's default init)."""
-    layers: list[nn.Module] = []
-    for i, (n_in, n_out) in enumerate(zip(sizes[:-1], sizes[1:])):
-        layers.append(nn.Linear(n_in, n_out))
-        if i < len(sizes) - 2:
-            layers.append(nn.ELU())
-    return nn.Sequential(*layers)
+    layers = [layer for n_in, n_out in zip(sizes[:-1], sizes[1:]) for layer in (nn.Linear(n_in, n_out), nn.ELU())]
+    return nn.Sequential(*layers[:-1])  # no ELU after the output layer
 
 
 class Policy(nn.Module):
@@ -503,8 +482,7 @@ class Policy(nn.Module):
 
 
 class Critic(nn.Module):
-    """Two Q functions Q1, Q2 (double Q), MLPs on [s, a]. With PQL-D (App. C) each outputs the logits of a
-    categorical distribution over the fixed support linspace(V_MIN, V_MAX, NUM_ATOMS)."""
+    """Q1, Q2 (double Q): MLPs on [s, a]; PQL-D (App. C): each gives logits over linspace(V_MIN, V_MAX, NUM_ATOMS)."""
 
     def __init__(self, obs_dim: int, act_dim: int, hidden: tuple[int, ...], distributional: bool = False):
         super().__init__()
@@ -571,8 +549,7 @@ class VLearner:
         self.obs_rms = RunningMeanStd((obs_dim,), device)  # the Actor's, received with every message
 
     def receive(self, message: dict) -> None:
-        """One Actor step's message (Alg. 3, "if new data received"): its transitions into the buffer, the policy the
-        Actor acts with (the lagged target policy) and the normalizer statistics."""
+        """Alg. 3, "if new data received": one Actor step's transitions, its policy (the target policy), statistics."""
         self.buffer.add({k: message[k] for k in self.buffer.data})
         load_vector(self.policy, message["policy"])
         self.obs_rms.mean.copy_(message["obs_mean"])
@@ -600,8 +577,7 @@ class VLearner:
         return returns + discounts * torch.min(q1_next, q2_next)
 
     def update(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """One update of Q1, Q2 on a sampled batch (Alg. 3), then the soft update of their targets.
-        Returns the loss and the batch's normalized observations (--ddpg-n's actor update uses them)."""
+        """Alg. 3: Q1, Q2 on a sampled batch, then their targets' soft update. Returns the loss and normalized obs."""
         batch = self.buffer.sample(self.args.batch_size, self.generator)
         obs = self.obs_rms.normalize(batch["obs"])
         target = self.target(batch["reward"], batch["discount"], self.obs_rms.normalize(batch["next_obs"]))
@@ -623,8 +599,7 @@ class VLearner:
 
 
 class PLearner:
-    """Sec. 3.1 P-learner: a buffer of states, the policy, and a copy of Q1, Q2 received with the data; updates the
-    policy to maximize min(Q1, Q2)(s, pi(s)) (Alg. 2)."""
+    """Sec. 3.1 P-learner (Alg. 2): a buffer of states, the policy, and a copy of Q1, Q2 received with the data."""
 
     def __init__(self, args: Args, obs_dim: int, act_dim: int, capacity: int, device: torch.device):
         self.args, self.device = args, device
@@ -644,8 +619,7 @@ class PLearner:
         self.obs_rms.var.copy_(message["obs_var"])
 
     def update(self, obs: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """One policy update: maximize min_i Q_i(s, pi(s)) over a batch of (normalized) states, sampled from the
-        buffer unless given (Alg. 2). Returns the loss."""
+        """Alg. 2: maximize min(Q1, Q2)(s, pi(s)) over normalized states (sampled unless given). Returns the loss."""
         if obs is None:
             obs = self.obs_rms.normalize(self.buffer.sample(self.args.batch_size, self.generator)["obs"])
         q1, q2 = self.critic.q_values(obs, self.policy(obs))
@@ -661,11 +635,10 @@ class PLearner:
 
 
 def network_for_the_others(role: str, learner) -> dict:
-    """What a learner sends back after new data (Sec. 3.1, Fig. 1): the V-learner its online Q functions, the newest,
-    which the P-learner maximizes (not the target networks, a slow Polyak copy); the P-learner its policy, which the
-    Actor acts with and hands on to the V-learner as its (lagged) target policy."""
-    network = learner.critic if role == "v_learner" else learner.policy
-    return {"critic" if role == "v_learner" else "policy": parameters_to_vector(network.parameters()).detach()}
+    """What a learner sends back after new data (Sec. 3.1, Fig. 1): the V-learner its online Q functions (not the slow
+    target networks) for the P-learner; the P-learner its policy, the Actor's and (lagged) the V-learner's target."""
+    name = "critic" if role == "v_learner" else "policy"
+    return {name: parameters_to_vector(getattr(learner, name).parameters()).detach()}
 
 
 # ---- Moving data and networks between the processes (Sec. 3.1: "Data Transfer", "Network Transfer") ------------------
@@ -729,8 +702,7 @@ def shared_field(index: int, kind: type = int) -> property:
 
 
 class SharedCounters:
-    """Shared memory (float64) for the counts of the ratio control (Sec. 3.2), checkpoint requests and the requests
-    each learner has served, and each learner's last loss for the Actor's log."""
+    """Shared float64 counts: of the ratio control (Sec. 3.2), of checkpoint requests made and served, last losses."""
 
     actor_steps = shared_field(0)
     v_updates = shared_field(1)
@@ -749,20 +721,15 @@ class SharedCounters:
 
 
 def may_update(role: str, counters: SharedCounters, args: Args) -> bool:
-    """Sec. 3.2's rule for learner `role` on the shared counts: the one place it is evaluated (the learner processes,
-    --sequential, and the end of a run)."""
+    """Sec. 3.2's rule for learner `role` on the shared counts (the learners, --sequential and the end of a run)."""
     if role == "v_learner":
         return v_may_update(counters.v_updates, counters.actor_steps, counters.p_updates, args.beta_a_v, args.beta_p_v)
     return p_may_update(counters.p_updates, counters.v_updates, args.beta_p_v)
 
 
-POLL_S = 2e-4
-
-
 def learner_process(role, args, sizes, inbox, outbox, counters, stop, run_dir, threads) -> None:
     """The V-learner or P-learner process (Alg. 2, 3): takes the Actor's messages, sends back its network, serves
-    checkpoint requests and updates whenever the ratios allow (Sec. 3.2). Stopped by the event `stop` (not Ctrl-C); an
-    error goes to {role}_error.txt in `run_dir` and stops the run; it exits when the Actor is gone."""
+    checkpoint requests and updates as the ratios allow (Sec. 3.2) until `stop` (errors set it) or the Actor ends."""
     try:
         torch.set_num_threads(threads)
         torch.backends.cudnn.deterministic = args.torch_deterministic
@@ -794,8 +761,7 @@ def learner_process(role, args, sizes, inbox, outbox, counters, stop, run_dir, t
 
 
 def start_learners(args, ctx, supervisor, counters, sizes, numels: dict, threads: int) -> tuple[dict, dict]:
-    """Sec. 3.1: the V-learner and the P-learner as two processes, and the slots of what travels each Actor step
-    (float32): to the V-learner (Alg. 3) and the P-learner (Alg. 2), and back. Returns the two groups of SlotRings."""
+    """Sec. 3.1: starts both learner processes. Returns the SlotRings (float32) to them (Alg. 2, 3) and back."""
     obs_dim, act_dim, _ = sizes
     n, stats = args.num_envs, {"obs_mean": (obs_dim,), "obs_var": (obs_dim,)}
     transitions = {k: (n, *shape) for k, shape in transition_shapes(obs_dim, act_dim).items()}
@@ -814,8 +780,7 @@ def start_learners(args, ctx, supervisor, counters, sizes, numels: dict, threads
             daemon=True,
             args=(role, args, sizes, *channels, counters, supervisor.stop, str(supervisor.run_dir), threads),
         )
-    # SIGINT blocked while they start: the learners inherit the blocked signal (they never see Ctrl-C), the Actor
-    # gets it when it unblocks
+    # SIGINT blocked while they start: the learners inherit the block (never see Ctrl-C), the Actor gets it on unblock
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
     for role, process in supervisor.processes.items():
         process.start()
@@ -923,8 +888,7 @@ def evaluate(policy: Policy, eval_envs, obs_rms: RunningMeanStd, bounds, horizon
 
 
 def save_checkpoint(path: Path, args, supervisor, counters, serial, obs_rms, global_step, iteration) -> None:
-    """CONVENTIONS.md's layout (model: policy, critic, critic_target; optimizer: policy, critic), without the replay
-    buffers: a resumed run refills them. The learner processes write their parts to files when asked."""
+    """CONVENTIONS.md's checkpoint, no replay buffers (a resumed run refills them); learner processes write theirs."""
     if serial is None:
         counters.add("checkpoint_requests")
         request = counters.checkpoint_requests
@@ -1086,9 +1050,8 @@ def main(args: Args) -> dict:
             # ---- 4. send data, the normalizer and the newest networks (Alg. 1) -------------------------------------
             if transitions is not None:
                 normalizer = {"obs_mean": obs_rms.mean, "obs_var": obs_rms.var}
-                policy_vector = parameters_to_vector(policy.parameters())
                 messages = {
-                    "v_learner": {**transitions, **normalizer, "policy": policy_vector},
+                    "v_learner": {**transitions, **normalizer, "policy": parameters_to_vector(policy.parameters())},
                     "p_learner": {"obs": transitions["obs"], **normalizer, "critic": critic_vector},
                 }
                 if parallel:
