@@ -546,9 +546,8 @@ def make_agent(envs) -> nn.Module:
 
 
 class StopSignals:
-    """DDP: Ctrl-C or SIGTERM (torchrun passes Ctrl-C on to every rank, and ends the ranks with SIGTERM when one dies)
-    raises KeyboardInterrupt once before training. In training it is only noted: the ranks read the notes of all
-    ranks before each iteration and stop there together, none left waiting in a collective for another."""
+    """DDP: Ctrl-C or SIGTERM (torchrun forwards Ctrl-C to every rank, SIGTERMs them when one dies) raises
+    KeyboardInterrupt before training; in training it is noted, and all ranks stop together at the next iteration."""
 
     def __init__(self):
         self.requested = self.training = False
@@ -562,8 +561,7 @@ class StopSignals:
 
 
 def clock(device: torch.device) -> float:
-    """Wall-clock time once the queued GPU work is done (CUDA runs asynchronously). On CUDA it is a device-wide host
-    sync, so the loop reads it once per phase (time/rollout, time/update, time/eval), never per env step."""
+    """Wall-clock time after the queued GPU work: a host sync on CUDA, so read once per phase, never per env step."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return time.time()
@@ -571,10 +569,14 @@ def clock(device: torch.device) -> float:
 
 # ---- Checkpoints -----------------------------------------------------------------------------------------------------
 def save_checkpoint(path: Path, agent, optimizer, obs_rms: RunningMeanStd, global_step: int, iteration: int) -> None:
-    """Enough to resume or to evaluate (iteration: rollouts collected), written to a temporary file and renamed, so
-    that an interrupted save never leaves a half-written one."""
-    state = dict(model=agent.state_dict(), optimizer=optimizer.state_dict(), global_step=global_step)
-    state.update(iteration=iteration, obs_rms={"mean": obs_rms.mean, "var": obs_rms.var, "count": obs_rms.count})
+    """Enough to resume or evaluate (iteration: rollouts collected); a temporary file renamed, never half-written."""
+    state = {
+        "model": agent.state_dict(),
+        "optimizer": optimizer.state_dict(),
+        "global_step": global_step,
+        "iteration": iteration,
+        "obs_rms": {"mean": obs_rms.mean, "var": obs_rms.var, "count": obs_rms.count},
+    }
     tmp = path.with_name(path.name + ".tmp")
     try:
         torch.save(state, tmp)
@@ -603,9 +605,8 @@ def policy_step(agent: nn.Module, obs: torch.Tensor):
 
 def ppo_loss(agent: nn.Module, minibatch: dict, args: Args) -> tuple[torch.Tensor, dict]:
     """The clipped PPO loss of one minibatch (ManiSkill's ppo.py: advantages normalized per minibatch, value loss
-    unclipped) and its statistics, named. STAGGER: every mean is over the trained-on steps only (minibatch["valid"]:
-    not waiting for a reset gate, not a next-step reset step). DDP: over those of every rank's share of the minibatch
-    (count): the loss and statistics are this rank's shares of the means over all ranks, summed by all_reduce_sum."""
+    unclipped) and its named statistics. STAGGER: means over the trained-on steps only (minibatch["valid"]: not waiting
+    for a gate, not a next-step reset). DDP: this rank's shares of the means over all ranks (count), summed later."""
     valid = minibatch["valid"]
     count = all_reduce_sum(valid.sum())
     _, newlogprob, entropy, newvalue = agent.get_action_and_value(minibatch["obs"], minibatch["actions"])
