@@ -3,22 +3,20 @@
 Paper: "Staggered Environment Resets Improve Massively Parallel On-Policy Reinforcement Learning",
 Sid Bharthulwar, Stone Tao, Hao Su (2025), arXiv:2511.21011.
 
-With N parallel envs, rollouts of K steps and a task horizon H >> K, synchronous resets make every PPO batch
-come from one K-step slice of the task, and the slice cycles through the horizon every H/K updates (Sec. 3.2).
-Staggered resets split the envs into N_B = ceil(H/K) groups and advance group j by j*S steps (S = K) before
-training, so every batch holds every stage of the task (Sec. 3.3, App. B.1). Each group then resets together
-when its horizon ends (a "reset gate"); an env that terminates early waits for its group's next gate, its steps
-masked out of the loss. --no-stagger is the naive baseline of Table 1/3: one group, and a terminated env resets
-at once (immediate partial resets, as ManiSkill's PPO does). --partial-reset-mode overrides either default.
---reset-scheme random-start is the trick of legged_gym / rsl_rl / Isaac Lab (init_at_random_ep_len; the paper's
-prior work [21], Rudin et al. 2022, "a form of staggering in locomotion contexts", Sec. 5.3): each env's first
-episode is cut after U[1, H] steps, a time-limit truncation, with no advance and immediate partial resets.
+With N parallel envs, rollouts of K steps and a task horizon H >> K, synchronous resets make every PPO batch come from
+one K-step slice of the task, which cycles through the horizon every H/K updates (Sec. 3.2). Staggered resets split the
+envs into N_B = ceil(H/K) groups and advance group j by j*S steps (S = K) before training, so that every batch holds
+every stage of the task (Sec. 3.3, App. B.1). Each group then resets together when its horizon ends (a "reset gate"); an
+env that terminates early waits, masked out of the loss, for its group's next gate. --no-stagger is the naive baseline
+of Tables 1/3: one group, a terminated env resets at once (immediate partial resets, as in ManiSkill's PPO);
+--partial-reset-mode overrides either default. --reset-scheme random-start is legged_gym / rsl_rl / Isaac Lab's
+init_at_random_ep_len (prior work [21], Rudin et al. 2022, "a form of staggering in locomotion contexts", Sec. 5.3):
+each env's first episode is cut (truncated) after U[1, H] steps; no advance, immediate partial resets.
 
-This is ManiSkill's PPO baseline (examples/baselines/ppo/ppo.py) with three differences, each marked
-"STAGGER" below: the advance before training, the reset gates with their loss mask, and the masked PPO losses.
-Under torchrun (marked "DDP"), every rank steps its own --num-envs envs on its own GPU and staggers them as above;
-each mean of the loss is over the trained-on steps of all ranks and the gradients are summed over the ranks, so that
-G ranks of N envs take the step of one rank of G x N envs (Sec. 5.4: staggering gains as N grows).
+This is ManiSkill's PPO baseline (examples/baselines/ppo/ppo.py) with three differences, each marked "STAGGER": the
+advance before training, the reset gates with their loss mask, and the masked PPO losses. Under torchrun ("DDP") every
+rank steps and staggers its own --num-envs envs on its own GPU; the loss means are over the trained-on steps of all
+ranks and gradients are summed over ranks: G ranks of N envs step as one rank of G x N (Sec. 5.4).
 
 Map from the paper to this file
   Sec. 3.3, App. B.1  stagger_groups, stagger_start_steps, "STAGGER: advance"     (groups, offsets j*S)
@@ -26,14 +24,12 @@ Map from the paper to this file
   Sec. 2, 5.3 [21]    random_start_lengths, "RANDOM START"                         (--reset-scheme random-start)
   App. B.2, Table 2   PRESETS["ToyChain-v0"], ChainAgent                           (toy chain: toy_chain_env.py)
   App. B.3, Table 3   PRESETS[ManiSkill task ids], MANISKILL_COMMON, GaussianAgent
-  App. C, Fig. 6      batch_temporal_stats, toy_diagnostics.npz                    (stagger/..., toy/...)
-  App. E.0.1          stagger/value_mse, stagger/policy_kl, forgetting_matrix      (value error, KL, forgetting)
+  App. C, Fig. 6      batch_temporal_stats, toy_diagnostics.npz                    (figures: benchmarks/toy_sweeps.py)
+  App. E.0.1          stagger/value_mse, stagger/policy_kl, toy/forgetting_mean    (toy_chain_env.ToyChainDiagnostics)
   Sec. 5.4 (large N)  all_reduce_sum, RunningMeanStd.merge_ranks, "DDP"            (torchrun: ranks x N envs)
-Episode ends (CONVENTIONS.md): --bootstrap-at-done always (ManiSkill's default: V(final obs) at every end,
-successes included) or truncated (ToyChain and Gymnasium's default: 0 at a termination). Autoreset
-(autoreset_modes.txt): both modes are consumed. ToyChain lets you choose (--toy.autoreset-mode); ManiSkill and
-Gymnasium envs run same-step through PartialResetVecEnv; reset_bookkeeping masks next-step's stale step.
-Figures of the toy diagnostics: benchmarks/toy_sweeps.py.
+Episode ends: --bootstrap-at-done always (ManiSkill's default: V(final obs) at every end, successes included) or
+truncated (ToyChain's and Gymnasium's: 0 at a termination). Autoreset (autoreset_modes.txt): ToyChain either mode
+(--toy.autoreset-mode), ManiSkill/Gymnasium same-step (PartialResetVecEnv); reset_bookkeeping masks next-step resets.
 
   python ppo_staggered.py                                      # ToyChain-v0 (Table 2 PPO), ~30 s on a CPU
   python ppo_staggered.py --env-id StackCube-v1                # Table 3 on a CUDA GPU; a short trial without one
@@ -65,7 +61,7 @@ import torch.nn as nn
 import tyro
 from torch.utils.tensorboard import SummaryWriter
 
-from toy_chain_env import ToyChainConfig
+from toy_chain_env import ToyChainConfig, ToyChainDiagnostics
 
 
 @dataclass
@@ -102,7 +98,7 @@ class Args:
     num_eval_envs: Optional[int] = None
     """number of parallel evaluation envs (default: the task preset)"""
     horizon: Optional[int] = None
-    """task horizon H of ManiSkill and Gymnasium envs (default: Table 3, else the registered one); ToyChain: --toy.horizon"""
+    """task horizon H of ManiSkill/Gymnasium tasks (default: Table 3, else registered); ToyChain: --toy.horizon"""
     toy: ToyChainConfig = field(default_factory=ToyChainConfig)
     """ToyChain-v0 settings (App. B.2)"""
 
@@ -134,13 +130,11 @@ class Args:
     """bootstrap V(final obs) at every episode end ('always', default for ManiSkill) or only at truncations"""
 
     reset_scheme: Literal["staggered", "naive", "random-start"] = "staggered"
-    """staggered (Sec. 3.3); naive: synchronous resets, the baseline of Tables 1/3; random-start: each env's first
-    episode cut after U[1, H] steps (legged_gym's init_at_random_ep_len), immediate partial resets"""
+    """staggered (Sec. 3.3), naive (synchronous: Tables 1/3's baseline) or random-start (first episodes U[1, H] long)"""
     stagger: bool = True
     """--no-stagger: the naive synchronous baseline (alias of --reset-scheme naive)"""
     partial_reset_mode: Optional[Literal["gate", "immediate"]] = None
-    """an env that terminates early: 'gate' waits (masked) for its group's reset gate (default with staggering),
-    'immediate' resets at once (default with the other schemes)"""
+    """a terminated env: 'gate' waits (masked) for its group's reset gate (default if staggered), 'immediate' resets"""
 
     eval_freq: Optional[int] = None
     """evaluate every this many iterations (default: the task preset)"""
@@ -157,20 +151,10 @@ class Args:
 
 
 TOY_ENV_ID = "ToyChain-v0"
-# App. B.2, Table 2: PPO on the toy chain (N = 512, K = 5, 150 updates).
 PRESETS: dict[str, dict] = {
-    TOY_ENV_ID: dict(
-        num_envs=512,
-        num_steps=5,
-        gamma=0.99,
-        gae_lambda=0.95,
-        num_minibatches=4,
-        ent_coef=0.01,
-        target_kl=0.0,
-        total_timesteps=150 * 512 * 5,
-        eval_freq=10,
-        num_eval_envs=128,
-    ),
+    # App. B.2, Table 2: PPO on the toy chain (N = 512, K = 5, 150 updates).
+    TOY_ENV_ID: dict(num_envs=512, num_steps=5, gamma=0.99, gae_lambda=0.95, num_minibatches=4, ent_coef=0.01)
+    | dict(target_kl=0.0, total_timesteps=150 * 512 * 5, eval_freq=10, num_eval_envs=128),
     # App. B.3, Table 3: per-task K, H, gamma, lambda and N of the ManiSkill experiments.
     "StackCube-v1": dict(num_steps=8, horizon=100, gamma=0.8, gae_lambda=0.9, num_envs=4096),
     "PushT-v1": dict(num_steps=8, horizon=100, gamma=0.99, gae_lambda=0.9, num_envs=4096),
@@ -188,17 +172,8 @@ MANISKILL_OTHER = dict(num_steps=16, gamma=0.8, gae_lambda=0.9, num_envs=4096)
 # Without CUDA: a short trial on CPU simulation (one process per env), about 3 minutes (StackCube) on 2 cores.
 MANISKILL_CPU_TRIAL = dict(num_envs=8, num_minibatches=4, num_eval_envs=8, total_timesteps=30_000, eval_freq=50)
 # Other Gymnasium envs with Box observations and actions (e.g. Pendulum-v1).
-GYM_DEFAULTS = dict(
-    num_envs=16,
-    num_steps=16,
-    gamma=0.99,
-    gae_lambda=0.95,
-    num_minibatches=4,
-    ent_coef=0.0,
-    target_kl=0.0,
-    total_timesteps=1_000_000,
-    eval_freq=25,
-    num_eval_envs=8,
+GYM_DEFAULTS = dict(num_envs=16, num_steps=16, gamma=0.99, gae_lambda=0.95, num_minibatches=4, ent_coef=0.0) | dict(
+    target_kl=0.0, total_timesteps=1_000_000, eval_freq=25, num_eval_envs=8
 )
 
 
@@ -233,9 +208,7 @@ def resolve_args(args: Args) -> Args:
                 f"a CUDA GPU: {preset['num_envs']} envs, {preset['total_timesteps']:.0e} steps. Flags override it."
             )
             preset.update(MANISKILL_CPU_TRIAL)
-    for name, value in preset.items():
-        if getattr(args, name) is None:
-            setattr(args, name, value)
+    args = replace(args, **{name: value for name, value in preset.items() if getattr(args, name) is None})
     if args.bootstrap_at_done is None:
         args.bootstrap_at_done = "always" if kind == "maniskill" else "truncated"
     if not args.stagger and args.reset_scheme == "random-start":
@@ -257,9 +230,7 @@ def resolve_args(args: Args) -> Args:
         raise ArgsError(f"--num-envs {args.num_envs}: with that many stagger groups the last starts at or after H={H}")
     args.batch_size = args.num_envs * K
     if args.batch_size % args.num_minibatches != 0:
-        raise ArgsError(
-            f"the batch N*K = {args.batch_size} does not split into --num-minibatches {args.num_minibatches}"
-        )
+        raise ArgsError(f"batch N*K = {args.batch_size} does not split into --num-minibatches {args.num_minibatches}")
     args.minibatch_size = args.batch_size // args.num_minibatches
     args.world_size = int(os.environ.get("WORLD_SIZE", "1"))  # DDP: torchrun's number of ranks
     steps = args.batch_size * args.world_size
@@ -271,33 +242,23 @@ def resolve_args(args: Args) -> Args:
     if args.cudagraphs and (args.world_size > 1 or not (args.cuda and torch.cuda.is_available())):
         raise ArgsError("--cudagraphs: one process on a CUDA GPU only (no torchrun all-reduces or CPU work in graphs)")
     icd_files = glob.glob("/usr/share/vulkan/icd.d/*.json") + glob.glob("/etc/vulkan/icd.d/*.json")
-    if (
-        kind == "maniskill"
-        and sys.platform.startswith("linux")
-        and not (icd_files or os.environ.get("VK_ICD_FILENAMES"))
-    ):
+    if kind == "maniskill" and sys.platform.startswith("linux") and not (icd_files or os.getenv("VK_ICD_FILENAMES")):
         raise ArgsError("ManiSkill3 needs a Vulkan driver, even for state-only simulation: bash .ci/install_system.sh")
     return args
 
 
 # ---- Environments ----------------------------------------------------------------------------------------------------
 def make_maniskill_env(args: Args, num_envs: int, evaluation: bool, video_dir: Optional[str]):
-    """A ManiSkill3 task: state observations, time limit H, multi-agent actions flattened, optional videos. (ManiSkill
-    clips actions to the action space itself, and so do the other envs through gym's ClipAction.)"""
+    """A ManiSkill3 task: state observations, time limit H, multi-agent actions flattened, optional videos; it clips
+    actions to the action space itself (the Gymnasium envs through gym's ClipAction)."""
     import mani_skill.envs  # noqa: F401  (registers the tasks in this process)
     from mani_skill.utils.wrappers.flatten import FlattenActionSpaceWrapper
     from mani_skill.utils.wrappers.gymnasium import CPUGymWrapper
     from mani_skill.utils.wrappers.record import RecordEpisode
 
-    env = gym.make(
-        args.env_id,
-        num_envs=num_envs,
-        obs_mode="state",
-        sim_backend=args.resolved_sim_backend,
-        max_episode_steps=args.horizon,
-        reconfiguration_freq=1 if evaluation else None,
-        render_mode="rgb_array" if video_dir else None,
-    )
+    env_kwargs = dict(obs_mode="state", sim_backend=args.resolved_sim_backend, max_episode_steps=args.horizon)
+    env_kwargs.update(reconfiguration_freq=1 if evaluation else None, render_mode="rgb_array" if video_dir else None)
+    env = gym.make(args.env_id, num_envs=num_envs, **env_kwargs)
     if video_dir:
         env = RecordEpisode(env, video_dir, save_trajectory=False, max_steps_per_video=args.horizon)
     if args.resolved_sim_backend == "physx_cpu":  # one env with numpy outputs, for a Gymnasium vector env
@@ -324,12 +285,11 @@ def make_single_env(args: Args, evaluation: bool, video_dir: Optional[str]):
 
 
 class PartialResetVecEnv(gym.vector.VectorEnv):
-    """A batched env without autoreset (ManiSkill on the GPU, or a Gymnasium vector env) as a same-step autoreset
-    vector env of torch tensors that decides who resets: every truncated env, and every terminated one if
-    `reset_on_termination` (immediate partial resets). Otherwise a terminated env runs on to its time limit: so it
-    waits for its group's reset gate (Sec. 3.3), and evaluation runs without partial resets (Table 3).
-    As Gymnasium's same-step vector envs, info holds "final_obs" and "_final_obs" only when some env reset in the
-    step: the training loop reads that key, a Python fact, instead of syncing on the mask again."""
+    """A batched env without autoreset (ManiSkill on the GPU, or a Gymnasium vector env) as a same-step autoreset vector
+    env of torch tensors that resets every truncated env, and every terminated one if `reset_on_termination` (immediate
+    partial resets); otherwise a terminated env runs on to its time limit: its group's reset gate (Sec. 3.3), and in
+    evaluation no partial resets (Table 3). As in Gymnasium, info holds "final_obs" and "_final_obs" only when some
+    env reset in the step: the loop reads the key, a Python fact, instead of syncing on the mask."""
 
     metadata = {"autoreset_mode": gym.vector.AutoresetMode.SAME_STEP}
 
@@ -381,16 +341,13 @@ def make_env(args: Args, num_envs: int, device: torch.device, evaluation: bool, 
     if args.resolved_sim_backend.startswith("physx_cuda"):
         env = make_maniskill_env(args, num_envs, evaluation, video_dir)
     else:
-        fns = [
-            partial(make_single_env, args, evaluation, video_dir and os.path.join(video_dir, f"env{i}"))
-            for i in range(num_envs)
-        ]
+        video_dirs = [video_dir and os.path.join(video_dir, f"env{i}") for i in range(num_envs)]
+        fns = [partial(make_single_env, args, evaluation, env_video_dir) for env_video_dir in video_dirs]
         disabled = gym.vector.AutoresetMode.DISABLED
         if args.resolved_sim_backend == "physx_cpu" and num_envs > 1:  # one ManiSkill process per env
             env = gym.vector.AsyncVectorEnv(fns, context="forkserver", autoreset_mode=disabled)
         else:
             env = gym.vector.SyncVectorEnv(fns, autoreset_mode=disabled)
-    # Evaluation and gate mode let a terminated env run on to its time limit (no partial reset).
     return PartialResetVecEnv(env, num_envs, device, (not evaluation) and args.partial_reset_mode == "immediate")
 
 
@@ -434,8 +391,7 @@ def compute_gae(rewards, values, next_values, no_bootstrap, dones, gamma: float,
     (V(final obs) where the env reset in it); no_bootstrap[t] marks the ends that bootstrap 0 (--bootstrap-at-done).
     delta_t = r_t + gamma * (1 - no_bootstrap_t) * next_values_t - V(s_t)
     A_t     = delta_t + gamma * lambda * (1 - done_t) * A_{t+1}         (nothing flows across an episode end)
-    Returns (advantages, returns = advantages + values).
-    """
+    Returns (advantages, returns = advantages + values)."""
     deltas = rewards + gamma * (~no_bootstrap) * next_values - values
     advantages = torch.zeros_like(rewards)
     lastgaelam = torch.zeros_like(rewards[0])
@@ -473,11 +429,6 @@ def batch_temporal_stats(episode_steps: torch.Tensor, valid: torch.Tensor, horiz
     }
 
 
-def forgetting_matrix(accuracy: np.ndarray) -> np.ndarray:
-    """App. E.0.1: Forgetting(t, b) = max_{t' <= t} A(t', b) - A(t, b), for an accuracy matrix A of shape (T, B)."""
-    return np.maximum.accumulate(accuracy, axis=0) - accuracy
-
-
 class RunningMeanStd:
     """Table 3's observation normalization (running mean & std, Chan et al.'s parallel update), clipped to +-10."""
 
@@ -512,9 +463,7 @@ class RunningMeanStd:
 
     def normalize(self, x: torch.Tensor) -> torch.Tensor:
         """Observations as the agent sees them."""
-        if not self.enabled:
-            return x
-        return ((x - self.mean) / torch.sqrt(self.var + 1e-8)).clamp(-10.0, 10.0)
+        return ((x - self.mean) / torch.sqrt(self.var + 1e-8)).clamp(-10.0, 10.0) if self.enabled else x
 
 
 # ---- Networks --------------------------------------------------------------------------------------------------------
@@ -539,10 +488,9 @@ class ChainAgent(nn.Module):
     def __init__(self, num_blocks: int, num_actions: int):
         super().__init__()
         self.register_buffer("blocks", torch.arange(num_blocks))
-        self.actor = nn.Sequential(
-            nn.Embedding(num_blocks, 64), mlp([64, 256, 256, 256, 256, num_actions], nn.ReLU, 0.01)
-        )
-        self.critic = nn.Sequential(nn.Embedding(num_blocks, 64), mlp([64, 256, 256, 256, 256, 1], nn.ReLU, 1.0))
+        hidden = [256, 256, 256, 256]
+        self.actor = nn.Sequential(nn.Embedding(num_blocks, 64), mlp([64, *hidden, num_actions], nn.ReLU, 0.01))
+        self.critic = nn.Sequential(nn.Embedding(num_blocks, 64), mlp([64, *hidden, 1], nn.ReLU, 1.0))
 
     def get_value(self, obs: torch.Tensor) -> torch.Tensor:
         return self.critic(self.blocks)[:, 0][obs]
@@ -561,8 +509,8 @@ class ChainAgent(nn.Module):
 
 
 class GaussianAgent(nn.Module):
-    """Table 3: separate actor and critic MLPs, 3 x 256 tanh, orthogonal init; Gaussian policy whose log std is a
-    learned, state-independent parameter (initialised at -0.5 as in ManiSkill's ppo.py)."""
+    """Table 3: separate actor and critic MLPs, 3 x 256 tanh, orthogonal init; Gaussian policy with a learned,
+    state-independent log std (initialised at -0.5 as in ManiSkill's ppo.py)."""
 
     def __init__(self, obs_dim: int, act_dim: int):
         super().__init__()
@@ -598,9 +546,8 @@ def make_agent(envs) -> nn.Module:
 
 
 class StopSignals:
-    """DDP: Ctrl-C or SIGTERM (torchrun passes Ctrl-C on to every rank, and ends the ranks with SIGTERM when one dies)
-    raises KeyboardInterrupt once before training. In training it is only noted: the ranks read the notes of all
-    ranks before each iteration and stop there together, none left waiting in a collective for another."""
+    """DDP: Ctrl-C or SIGTERM (torchrun forwards Ctrl-C to every rank, SIGTERMs them when one dies) raises
+    KeyboardInterrupt before training; in training it is noted, and all ranks stop together at the next iteration."""
 
     def __init__(self):
         self.requested = self.training = False
@@ -614,8 +561,7 @@ class StopSignals:
 
 
 def clock(device: torch.device) -> float:
-    """Wall-clock time once the queued GPU work is done (CUDA runs asynchronously). On CUDA it is a device-wide host
-    sync, so the loop reads it once per phase (time/rollout, time/update, time/eval), never per env step."""
+    """Wall-clock time after the queued GPU work: a host sync on CUDA, so read once per phase, never per env step."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return time.time()
@@ -623,8 +569,7 @@ def clock(device: torch.device) -> float:
 
 # ---- Checkpoints -----------------------------------------------------------------------------------------------------
 def save_checkpoint(path: Path, agent, optimizer, obs_rms: RunningMeanStd, global_step: int, iteration: int) -> None:
-    """Model, optimizer, observation normalizer, global step and iteration (rollouts collected): enough to resume or
-    to evaluate. Written to a temporary file and renamed, so an interrupted save never leaves a half-written one."""
+    """Enough to resume or evaluate (iteration: rollouts collected); a temporary file renamed, never half-written."""
     state = {
         "model": agent.state_dict(),
         "optimizer": optimizer.state_dict(),
@@ -660,9 +605,8 @@ def policy_step(agent: nn.Module, obs: torch.Tensor):
 
 def ppo_loss(agent: nn.Module, minibatch: dict, args: Args) -> tuple[torch.Tensor, dict]:
     """The clipped PPO loss of one minibatch (ManiSkill's ppo.py: advantages normalized per minibatch, value loss
-    unclipped) and its statistics, named. STAGGER: every mean is over the trained-on steps only (minibatch["valid"]:
-    not waiting for a reset gate, not a next-step reset step). DDP: over those of every rank's share of the minibatch
-    (count): the loss and statistics are this rank's shares of the means over all ranks, summed by all_reduce_sum."""
+    unclipped) and its named statistics. STAGGER: means over the trained-on steps only (minibatch["valid"]: not waiting
+    for a gate, not a next-step reset). DDP: this rank's shares of the means over all ranks (count), summed later."""
     valid = minibatch["valid"]
     count = all_reduce_sum(valid.sum())
     _, newlogprob, entropy, newvalue = agent.get_action_and_value(minibatch["obs"], minibatch["actions"])
@@ -758,14 +702,8 @@ def main(args: Args) -> dict:
     if args.track and rank == 0:
         import wandb
 
-        wandb.init(
-            project=args.wandb_project_name,
-            entity=args.wandb_entity,
-            sync_tensorboard=True,
-            config=asdict(args),
-            name=run_name,
-            save_code=True,
-        )
+        settings = dict(sync_tensorboard=True, config=asdict(args), name=run_name, save_code=True)
+        wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, **settings)
     writer = SummaryWriter(str(run_dir)) if rank == 0 else None
     last: dict[str, float] = {}  # the last value of every scalar, for summary.json
 
@@ -830,8 +768,7 @@ def main(args: Args) -> dict:
             act, gradients = CudaGraphModule(act), CudaGraphModule(gradients)
 
         # ---- STAGGER: advance group j by j * S steps before training (App. B.1) --------------------------------------
-        # All envs step together with random actions; group j starts its first episode (a partial
-        # reset of the group) at advance step (N_B - 1 - j) * S. Nothing of the advance is trained on.
+        # Random actions, none trained on; group j starts its first episode (a partial reset) at step (N_B - 1 - j) * S.
         next_step_mode = envs.metadata["autoreset_mode"] == gym.vector.AutoresetMode.NEXT_STEP
         gate_mode = args.partial_reset_mode == "gate"
         starts = stagger_start_steps(args.num_stagger_groups, args.stagger_step)  # of each group
@@ -842,9 +779,8 @@ def main(args: Args) -> dict:
         envs.action_space.seed(seed + global_step)  # the advance's random actions, reproducible
         obs_rms.update(raw_obs)
         for t in range(starts[0]):
-            raw_obs, _, terminated, truncated, info = envs.step(
-                torch.as_tensor(envs.action_space.sample(), device=device)
-            )
+            random_actions = torch.as_tensor(envs.action_space.sample(), device=device)
+            raw_obs, _, terminated, truncated, info = envs.step(random_actions)
             final_mask = info.get("_final_obs", terminated & False)
             _, _, stale, waiting, episode_step = reset_bookkeeping(
                 stale, waiting, terminated, truncated, final_mask, episode_step, next_step_mode, gate_mode
@@ -866,7 +802,7 @@ def main(args: Args) -> dict:
         first_lengths, first_episode = first_lengths.to(device), torch.full((N,), random_start, device=device)
         tracked = (episode_step == 0) & ~first_episode  # statistics count only whole episodes started in training
         ep_return, ep_len, ep_success = torch.zeros(N, device=device), torch.zeros(N, device=device), tracked & False
-        toy_occupancy, toy_accuracy = [], []
+        toy_diagnostics = ToyChainDiagnostics(envs) if is_toy else None
         if stop:
             stop.training = True
 
@@ -897,9 +833,8 @@ def main(args: Args) -> dict:
                 rewards_buf[step], dones_buf[step] = reward, terminated | truncated
                 no_bootstrap_buf[step] = terminated & (args.bootstrap_at_done == "truncated")
                 final_mask_buf[step] = final_mask
-                # Same-step autoreset: where an env reset inside this step, its next observation is the new episode's
-                # first one, so the bootstrap value is V(info["final_obs"]), the true last observation. (The env says
-                # whether any reset by the key's presence; ToyChain always sends it: no host sync either way.)
+                # Same-step autoreset: where an env reset in this step, the bootstrap value is V(info["final_obs"]), the
+                # true last observation (sent when any env reset; by ToyChain always: no host sync either way).
                 if final_obs is not None:
                     with torch.no_grad():
                         final_values_buf[step] = agent.get_value(obs_rms.normalize(final_obs))
@@ -925,7 +860,7 @@ def main(args: Args) -> dict:
             obs_rms.merge_ranks()  # DDP: every rank normalizes alike from here on
             obs = obs_rms.normalize(raw_obs)
 
-            # ---- 3. targets: GAE, bootstrapping V(true next state) under either autoreset mode ------------------------
+            # ---- 3. targets: GAE, bootstrapping V(true next state) under either autoreset mode -----------------------
             with torch.no_grad():
                 next_values = torch.cat([values_buf[1:], agent.get_value(obs).unsqueeze(0)])
                 next_values = torch.where(final_mask_buf, final_values_buf, next_values)
@@ -970,11 +905,8 @@ def main(args: Args) -> dict:
             log("time/update", clock(device) - update_start, global_step)
             if is_toy:  # App. C / E: batch accuracy, block occupancy, per-block accuracy and forgetting
                 log("toy/accuracy", masked_mean(correct_buf.float(), valid_buf), global_step)
-                toy_occupancy.append(torch.bincount(obs_buf.flatten(), minlength=envs.num_blocks).cpu().numpy() / K)
-                with torch.no_grad():
-                    probs = torch.softmax(agent.actor(agent.blocks), dim=-1)
-                toy_accuracy.append(probs.gather(-1, envs.target_actions.view(-1, 1))[:, 0].cpu().numpy())
-                log("toy/forgetting_mean", forgetting_matrix(np.stack(toy_accuracy))[-1].mean(), global_step)
+                probs = torch.softmax(agent.actor(agent.blocks).detach(), dim=-1)  # of every block's actions
+                log("toy/forgetting_mean", toy_diagnostics.record(obs_buf, probs), global_step)
 
         if args.world_size > 1:  # DDP: every rank holds rank 0's weights and observation statistics: checked here
             weights = nn.utils.parameters_to_vector(agent.parameters()).detach()
@@ -983,11 +915,8 @@ def main(args: Args) -> dict:
             dist.all_reduce(difference, op=dist.ReduceOp.MAX)
             summary["ddp/max_weight_difference"] = float(difference)
         log_evaluation("final_ckpt.pt")
-        if is_toy and toy_accuracy:
-            np.savez(
-                run_dir / "toy_diagnostics.npz", occupancy=np.stack(toy_occupancy), accuracy=np.stack(toy_accuracy)
-            )
-            summary["toy/forgetting_mean_overall"] = float(forgetting_matrix(np.stack(toy_accuracy)).mean())
+        if is_toy and toy_diagnostics.accuracy:
+            summary["toy/forgetting_mean_overall"] = toy_diagnostics.save(run_dir / "toy_diagnostics.npz")
     except KeyboardInterrupt:
         summary["interrupted"] = True
         if rank == 0 and args.save_model and global_step > start_step:  # (nothing new to save before training)

@@ -41,7 +41,8 @@ reset(options={"reset_mask": mask}) resets only the envs where mask is True and 
 
 Diagnostics for the scripts: `block` (N,) and `episode_step` (N,) are the current block index and the number of
 steps taken in the current episode; info["correct"] says whether each env's action was its block's target (False
-on the ignored action of a next-step reset); `target_actions` (B,) holds a*_b.
+on the ignored action of a next-step reset); `target_actions` (B,) holds a*_b. ToyChainDiagnostics records a policy's
+block occupancy and per-block accuracy over training (App. C), and forgetting_matrix its forgetting (App. E.0.1).
 
 Simulation time (for VER, Wijmans et al. 2022, Sec. 2: heterogeneous environments). With step_time_mean > 0 every
 step() spends time.sleep() inside the call, as a CPU simulator would spend simulation time in the process that steps
@@ -289,6 +290,34 @@ class ToyChainVectorEnv(VectorEnv):
 
     def close_extras(self, **kwargs: Any) -> None:
         pass
+
+
+def forgetting_matrix(accuracy: np.ndarray) -> np.ndarray:
+    """App. E.0.1: Forgetting(t, b) = max_{t' <= t} A(t', b) - A(t, b), for an accuracy matrix A of shape (T, B)."""
+    return np.maximum.accumulate(accuracy, axis=0) - accuracy
+
+
+class ToyChainDiagnostics:
+    """App. C and E.0.1 of a policy training on the chain, one row per update: the batch's share of steps in each block
+    (occupancy) and the policy's probability of each block's target action (accuracy), whose drops are forgetting."""
+
+    def __init__(self, envs: ToyChainVectorEnv):
+        self.num_blocks, self.target_actions = envs.num_blocks, envs.target_actions
+        self.occupancy: list[np.ndarray] = []
+        self.accuracy: list[np.ndarray] = []
+
+    def record(self, obs: torch.Tensor, action_probs: torch.Tensor) -> float:
+        """Adds a (K, N) batch of observations and the policy's (B, A) action probabilities after the update; returns
+        the forgetting now, averaged over the blocks."""
+        self.occupancy.append(torch.bincount(obs.flatten(), minlength=self.num_blocks).cpu().numpy() / obs.shape[0])
+        self.accuracy.append(action_probs.gather(-1, self.target_actions.view(-1, 1))[:, 0].cpu().numpy())
+        return forgetting_matrix(np.stack(self.accuracy))[-1].mean()
+
+    def save(self, path) -> float:
+        """Writes occupancy and accuracy, (updates, B) each, to an .npz; returns the mean forgetting of the run."""
+        accuracy = np.stack(self.accuracy)
+        np.savez(path, occupancy=np.stack(self.occupancy), accuracy=accuracy)
+        return float(forgetting_matrix(accuracy).mean())
 
 
 class ToyChainPool:

@@ -202,7 +202,7 @@ def plot_runs(results, setting, path, kind):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from ppo_staggered import forgetting_matrix
+    from toy_chain_env import forgetting_matrix
 
     runs = {st: min(group(results, setting, st), key=lambda r: r["seed"]) for st in (False, True)}
     fig, axes = plt.subplots(2, 3, figsize=(16, 7))
