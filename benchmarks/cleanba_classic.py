@@ -22,8 +22,9 @@ Writes benchmarks/results/cleanba_classic.md, cleanba_classic.json and cleanba_c
 against wall-clock time). The json is rewritten after every run; --resume keeps the runs it already holds. --quick runs every code path once with 1 seed and 20k steps and writes *_quick.* files (a
 check of the benchmark itself, not a result).
 
-  python benchmarks/cleanba_classic.py             # 2 scripts x 2 tasks x 2 architectures x 2 thread counts x 3 seeds,
-                                                   # plus the slow-learner runs: about 70 minutes on 2 CPU cores
+  python benchmarks/cleanba_classic.py             # 2 scripts x 2 tasks x 2 architectures x 3 seeds, seed 1 also
+                                                   # with 1 actor thread and with a slow learner, CleanRL's ppo.py
+                                                   # on both tasks: about 90 minutes on 2 CPU cores
   python benchmarks/cleanba_classic.py --quick     # a few minutes
 """
 
@@ -58,6 +59,8 @@ class Options:
     """seeds 1..seeds of every configuration"""
     total_timesteps: int = 500_000
     """env steps of every run (the presets' value)"""
+    thread_seeds: int = 1
+    """seeds 1..thread_seeds also run with 1 actor thread, to compare with 2 (the same seed must give the same run)"""
     learner_delay: float = 0.02
     """seconds of --debug-learner-delay in the slow-learner runs (seed 1, 2 actor threads)"""
     quick: bool = False
@@ -172,9 +175,10 @@ def run_all(options: Options, saved: Path) -> dict:
     for algo, script in SCRIPTS.items():
         for task in TASKS:
             for architecture, flag in ARCHITECTURES.items():
-                configs = [(threads, seed, 0.0) for threads in (1, 2) for seed in seeds] + [
-                    (2, 1, options.learner_delay)
+                configs = [(2, seed, 0.0) for seed in seeds] + [
+                    (1, seed, 0.0) for seed in seeds[: options.thread_seeds]
                 ]
+                configs.append((2, 1, options.learner_delay))
                 for threads, seed, delay in configs:
                     args = ["--env-id", task, "--seed", str(seed), "--total-timesteps", str(options.total_timesteps)]
                     args += [flag, "--num-actor-threads", str(threads), "--debug-learner-delay", str(delay)]
@@ -287,6 +291,7 @@ def report(runs: dict, options: Options, suffix: str) -> None:
                         runs[run_key(algo, task, architecture, 2, seed)]["rows"],
                     )
                     for seed in seeds
+                    if run_key(algo, task, architecture, 1, seed) in runs
                 ]
                 slow = largest_difference(
                     runs[run_key(algo, task, architecture, 2, 1)]["rows"],
