@@ -30,6 +30,7 @@ check of the benchmark itself, not a result).
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import platform
@@ -170,7 +171,7 @@ def run_key(algo: str, task: str, architecture: str, threads: int, seed: int, de
 
 
 def run_all(options: Options, saved: Path) -> dict:
-    """Every run, task by task (the faster script first, CleanRL's ppo.py last); the json is rewritten after each."""
+    """Every run, task by task; the json is rewritten after each (a stopped benchmark goes on with --resume)."""
     runs = json.loads(saved.read_text()) if options.resume and saved.exists() else {}
     runs = {key: value for key, value in runs.items() if value.get("total_timesteps") == options.total_timesteps}
     seeds = range(1, 2 if options.quick else options.seeds + 1)
@@ -181,20 +182,21 @@ def run_all(options: Options, saved: Path) -> dict:
             saved.write_text(json.dumps(runs))
         print(f"{key}: final return {final_return(runs[key]['rows']):.1f}, {runs[key]['wall']:.0f} s", flush=True)
 
-    for task in TASKS:
-        for algo in ("impala", "ppo"):
-            for architecture, flag in ARCHITECTURES.items():
-                configs = [(2, seed, 0.0) for seed in seeds] + [
-                    (1, seed, 0.0) for seed in seeds[: options.thread_seeds]
-                ]
-                configs.append((2, 1, options.learner_delay))
-                for threads, seed, delay in configs:
-                    args = ["--env-id", task, "--seed", str(seed), "--total-timesteps", str(options.total_timesteps)]
-                    args += [flag, "--num-actor-threads", str(threads), "--debug-learner-delay", str(delay)]
-                    record(run_key(algo, task, architecture, threads, seed, delay), partial(run, SCRIPTS[algo], args))
+    def ours(algo: str, task: str, architecture: str, threads: int, seed: int, delay: float = 0.0) -> None:
+        args = ["--env-id", task, "--seed", str(seed), "--total-timesteps", str(options.total_timesteps)]
+        args += [ARCHITECTURES[architecture], "--num-actor-threads", str(threads), "--debug-learner-delay", str(delay)]
+        record(run_key(algo, task, architecture, threads, seed, delay), partial(run, SCRIPTS[algo], args))
+
+    for task in TASKS:  # the learning runs of both scripts, CleanRL's ppo.py, then the reproducibility runs
+        for algo, architecture, seed in itertools.product(("impala", "ppo"), ARCHITECTURES, seeds):
+            ours(algo, task, architecture, 2, seed)
         for seed in range(1, options.cleanrl_seeds + 1) if Path(options.cleanrl).exists() else ():
             cleanrl = partial(run_cleanrl, Path(options.cleanrl), task, seed, options.total_timesteps)
             record(run_key("cleanrl", task, "-", 0, seed), cleanrl)
+        for algo, architecture in itertools.product(("impala", "ppo"), ARCHITECTURES):
+            for seed in seeds[: options.thread_seeds]:
+                ours(algo, task, architecture, 1, seed)
+            ours(algo, task, architecture, 2, 1, options.learner_delay)
     return runs
 
 
