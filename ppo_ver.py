@@ -110,7 +110,7 @@ class Args:
     learning_rate: Optional[float] = None
     """Adam learning rate (default: 2.5e-4, Sec. 4; 3e-4 ManiSkill)"""
     num_steps: Optional[int] = None
-    """T: a rollout collects T x N steps per rank (T per env on average with VER) (default: 32 ToyChain, 50 ManiSkill)"""
+    """T: a rollout collects T x N steps per rank (T per env on average with VER) (default: 32 ToyChain, 16 ManiSkill)"""
     gamma: Optional[float] = None
     """discount factor (default: 0.99; 0.8 ManiSkill)"""
     gae_lambda: Optional[float] = None
@@ -170,10 +170,10 @@ PRESETS: dict[str, dict] = {
         ent_coef=0.01,
         bootstrap_at_done="truncated",
     ),
-    # ManiSkill's own PPO baseline settings (gamma 0.8, lambda 0.9, target KL 0.1, bootstrap at every episode end).
+    # ManiSkill's PPO baseline (gamma 0.8, lambda 0.9, target KL 0.1, bootstrap at every end) for a few CPU envs: T 16
     "maniskill": dict(
         num_envs=8,
-        num_steps=50,
+        num_steps=16,
         total_timesteps=2_000_000,
         learning_rate=3e-4,
         gamma=0.8,
@@ -604,7 +604,7 @@ class Agent(nn.Module):
             self.actor = mlp([in_dim, *hidden_sizes, out_dim], out_std=0.01)
             self.critic = mlp([in_dim, *hidden_sizes, 1], out_std=1.0)
         if self.continuous:
-            self.actor_logstd = nn.Parameter(torch.zeros(1, out_dim))
+            self.actor_logstd = nn.Parameter(torch.full((1, out_dim), -0.5))  # ManiSkill's ppo.py: std 0.61
         log_alpha = torch.tensor(math.log(ent_coef) if ent_coef > 0 else -math.inf)
         if learned_ent_coef:
             self.log_ent_coef = nn.Parameter(log_alpha)
