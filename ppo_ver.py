@@ -25,6 +25,8 @@ Map from the paper to this file
   Sec. 2.3           allreduce_gradients (DD-PPO), optimal_preemption_time (argmax_S S/(Time(S)+LT)), ver_stop_rule,
                      fill_from_previous (a preempted rank's batch is filled with the previous rollout's experience);
                      --sync under torchrun preempts with DD-PPO's own rule instead (--sync-frac)
+  Not in VER         RunningMeanStd (obs_rms): observation normalization (running mean/std, as ppo_staggered.py /
+                     Table 3 of the staggered-resets paper; ManiSkill tasks only)
 Autoreset (autoreset_modes.txt): none in the collector. Each env worker resets its own env in the step that ends an
 episode and reports the true last observation with the reset one (ToyChain runs in same_step mode for that).
 --bootstrap-at-done (CONVENTIONS.md): `truncated` bootstraps V(true last observation) at time limits and 0 at
@@ -110,7 +112,7 @@ class Args:
     learning_rate: Optional[float] = None
     """Adam learning rate (default: 2.5e-4, Sec. 4; 3e-4 ManiSkill)"""
     num_steps: Optional[int] = None
-    """T: a rollout collects T x N steps per rank (T per env on average with VER) (default: 32 ToyChain, 50 ManiSkill)"""
+    """T: a rollout collects T x N steps per rank (T per env on average with VER) (default: 32 ToyChain, 16 ManiSkill)"""
     gamma: Optional[float] = None
     """discount factor (default: 0.99; 0.8 ManiSkill)"""
     gae_lambda: Optional[float] = None
@@ -170,10 +172,10 @@ PRESETS: dict[str, dict] = {
         ent_coef=0.01,
         bootstrap_at_done="truncated",
     ),
-    # ManiSkill's own PPO baseline settings (gamma 0.8, lambda 0.9, target KL 0.1, bootstrap at every episode end).
+    # ManiSkill's PPO baseline (gamma 0.8, lambda 0.9, target KL 0.1, bootstrap at every end) for a few CPU envs: T 16
     "maniskill": dict(
         num_envs=8,
-        num_steps=50,
+        num_steps=16,
         total_timesteps=2_000_000,
         learning_rate=3e-4,
         gamma=0.8,
@@ -229,18 +231,16 @@ def resolve_args(args: Args, world_size: Optional[int] = None) -> Args:
     resolved.batch_size = N * resolved.num_steps
     if resolved.batch_size % resolved.num_minibatches != 0:
         raise ArgsError(
-            f"the batch T*N = {resolved.num_steps}*{N} = {resolved.batch_size} does not split into "
-            f"--num-minibatches {resolved.num_minibatches} equal minibatches (Sec. 2.2); pick T, N or the "
-            f"number of minibatches so that it divides"
+            f"the batch T*N = {resolved.num_steps}*{N} = {resolved.batch_size} does not split into --num-minibatches "
+            f"{resolved.num_minibatches} equal minibatches (Sec. 2.2); pick T, N or minibatches so that it divides"
         )
     return resolved
 
 
 # ---- Environments: one env as a worker (or the evaluation loop) steps it ----------------------------------------------
 class ManiSkillEnv:
-    """One ManiSkill3 env (CPU simulation) with numpy in and out and the interface of toy_chain_env's
-    ToyChainWorkerEnv: step() resets an ended episode itself and returns (obs, reward, terminated, truncated,
-    final_obs, success), final_obs the true last observation of an episode that ended in this step, else None."""
+    """One ManiSkill3 env (CPU simulation), numpy in and out, with ToyChainWorkerEnv's interface: step() resets an
+    ended episode itself and returns (obs, reward, terminated, truncated, final_obs: true last obs or None, success)."""
 
     def __init__(self, env):
         self.env, self.observation_space, self.action_space = env, env.observation_space, env.action_space
@@ -262,9 +262,8 @@ class ManiSkillEnv:
 
 
 def make_env(args: Args, evaluation: bool = False, rank: int = 0, env_index: int = 0):
-    """ToyChain-v0 (one chain) or a ManiSkill3 task on CPU simulation (physx_cpu), as env `env_index` of `rank`.
-    Evaluation envs of ToyChain simulate without delays, stragglers or crashes; ManiSkill evaluation ignores
-    terminations and builds a new scene at every reset (its protocol: success_once/success_at_end)."""
+    """ToyChain-v0 or a ManiSkill3 task on CPU simulation (physx_cpu), as env `env_index` of `rank`. Evaluation:
+    ToyChain without delays, stragglers or crashes; ManiSkill ignores terminations, new scene per reset (protocol)."""
     if args.env_kind == "toy":  # same_step autoreset (resolve_args)
         step_time = 0.0 if evaluation else args.toy.step_time_of(rank, args.world_size, env_index)
         config = replace(args.toy, step_time_mean=step_time, crash_at_step=0 if evaluation else args.toy.crash_at_step)
@@ -299,9 +298,8 @@ class SharedSlots:
         def shared(shape, dtype):
             return torch.zeros((num_envs, *shape), dtype=dtype).share_memory_()
 
-        def slot_for(space: gym.Space) -> torch.Tensor:
-            discrete = isinstance(space, gym.spaces.Discrete)
-            return shared((), torch.int64) if discrete else shared(space.shape, torch.float32)
+        def slot_for(space: gym.Space) -> torch.Tensor:  # (a Discrete space's shape is ())
+            return shared(space.shape, torch.int64 if isinstance(space, gym.spaces.Discrete) else torch.float32)
 
         return SharedSlots(
             obs=slot_for(env.observation_space),
@@ -315,17 +313,15 @@ class SharedSlots:
         )
 
 
-def env_worker(env_index: int, args: Args, slots: SharedSlots, conn, seed: int, rank: int) -> None:
-    """An env worker process (Sec. 2.1): builds and resets its env, then steps it one action at a time as the main
-    process asks, writing each result into the env's slot of shared memory. It never waits for other workers. It
-    exits when its pipe closes (the main process closed it or is gone), or after reporting its traceback; the
-    process's exit frees the env."""
+def env_worker(env_index: int, args: Args, slots: SharedSlots, conn, rank: int) -> None:
+    """An env worker process (Sec. 2.1): builds and resets its env, then steps it as the main process asks, writing each
+    result into the env's shared-memory slot, never waiting for others; exits when its pipe closes or after an error."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the main process's to handle: it shuts the workers down
     torch.set_num_threads(1)
     view = {name: slot[env_index].numpy() for name, slot in vars(slots).items()}
     try:
         env = make_env(args, rank=rank, env_index=env_index)
-        view["obs"][...] = env.reset(seed=seed)
+        view["obs"][...] = env.reset(seed=args.seed + rank * args.num_envs + env_index)
         conn.send("ready")
         while conn.recv() == "step":
             start = time.perf_counter()
@@ -344,11 +340,9 @@ def env_worker(env_index: int, args: Args, slots: SharedSlots, conn, seed: int, 
 
 
 class EnvWorkers:
-    """The env worker processes of this rank, one per env, a duplex pipe to each, and the shared slots.
-
-    Processes start from a forkserver (fast: torch and gymnasium are imported once, and no CUDA or thread state is
-    inherited). A worker's pipe doubles as its liveness signal: if a worker dies, poll() raises WorkerError; if the
-    main process dies, the workers' pipes close and they exit."""
+    """The env worker processes of this rank, one per env, a duplex pipe to each. They start from a forkserver (fast:
+    torch and gymnasium are imported once; no CUDA or thread state is inherited). A pipe is also a liveness signal:
+    if a worker dies, poll() raises WorkerError; if the main process dies, the pipes close and the workers exit."""
 
     def __init__(self, args: Args, slots: SharedSlots, rank: int):
         ctx = mp.get_context("forkserver")
@@ -357,15 +351,12 @@ class EnvWorkers:
         self.processes, self.conns = [], []
         for e in range(args.num_envs):
             parent, child = ctx.Pipe(duplex=True)
-            p = ctx.Process(
-                target=env_worker,
-                args=(e, args, slots, child, args.seed + rank * args.num_envs + e, rank),
-                daemon=True,
-                name=f"ver-env-worker-{e}",
+            process = ctx.Process(
+                target=env_worker, args=(e, args, slots, child, rank), daemon=True, name=f"ver-env-worker-{e}"
             )
-            p.start()
+            process.start()
             child.close()
-            self.processes.append(p)
+            self.processes.append(process)
             self.conns.append(parent)
 
     def send_step(self, env_ids) -> None:
@@ -394,10 +385,7 @@ class EnvWorkers:
     def _raise_dead(self, e: int):
         p = self.processes[e]
         p.join(timeout=1.0)
-        raise WorkerError(
-            f"env worker {e} (pid {p.pid}) died with exit code {p.exitcode} without a message "
-            f"(killed, or crashed inside native code)"
-        )
+        raise WorkerError(f"env worker {e} (pid {p.pid}) died with exit code {p.exitcode} (killed, or a native crash)")
 
     def close(self, timeout: float = 3.0) -> None:
         """Closes the pipes (a worker exits when its pipe closes), waits up to `timeout` s, then kills what is left."""
@@ -419,10 +407,9 @@ def sequence_starts(lengths: np.ndarray) -> np.ndarray:
 
 
 def build_sequences(env_ids: np.ndarray, episode_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Groups the steps of one rollout into sequences: the steps of one env's one episode, in time order (Sec. 2.2:
-    a sequence starts at a rollout start or at an episode start). The input steps are in time order per env (the
-    order they were collected in). Returns (order, lengths): `order` lists the step indices sequence after
-    sequence, `lengths` the length of each sequence."""
+    """Groups the steps of one rollout (in time order per env, as collected) into sequences: one env's one episode in
+    time order (Sec. 2.2: a sequence starts at a rollout or episode start). Returns (order, lengths): the step indices
+    sequence after sequence, and the length of each sequence."""
     order = np.lexsort((episode_ids, env_ids))  # stable: time order is kept inside each (env, episode)
     env_sorted, episode_sorted = env_ids[order], episode_ids[order]
     new_sequence = np.ones(len(order), dtype=bool)
@@ -437,8 +424,7 @@ def pack_layout(lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray
     sequences at a time step are next to one another). Returns (select, batch_sizes, sorted_sequences):
       packed[j] = flat[select[j]]      (flat: the sequences concatenated in their given order)
       batch_sizes[t]                   number of sequences longer than t (PackedSequence.batch_sizes)
-      sorted_sequences                 the sequences by decreasing length: the batch order of the packed data
-    """
+      sorted_sequences                 the sequences by decreasing length: the batch order of the packed data"""
     lengths = np.asarray(lengths, dtype=np.int64)
     sorted_sequences = np.argsort(-lengths, kind="stable")
     rank = np.empty_like(sorted_sequences)
@@ -463,7 +449,6 @@ def compute_gae_packed(
     gae_lambda: float,
 ) -> torch.Tensor:
     """GAE over variable-length sequences in PackedSequence layout (inputs in packed order, see pack_layout).
-
     delta_t = r_t + gamma * V(s_{t+1}) - V(s_t)
     A_t     = delta_t + gamma * lambda * A_{t+1}       inside a sequence; A = delta at a sequence's last step
     Sequences end at episode ends, where next_values holds V(true last observation) or 0 (a termination with
@@ -475,8 +460,7 @@ def compute_gae_packed(
     following = torch.zeros(0, dtype=rewards.dtype, device=rewards.device)  # A_{t+1} of the sequences still running
     for t in reversed(range(len(batch_sizes))):
         n = int(batch_sizes[t])
-        carried = torch.zeros(n, dtype=rewards.dtype, device=rewards.device)
-        carried[: following.numel()] = following
+        carried = nn.functional.pad(following, (0, n - following.numel()))  # A_{t+1}; 0 after a sequence's end
         following = deltas[offsets[t] : offsets[t] + n] + gamma * gae_lambda * carried
         advantages[offsets[t] : offsets[t] + n] = following
     return advantages
@@ -486,19 +470,16 @@ def make_minibatches(
     lengths: np.ndarray, num_minibatches: int, rng: np.random.Generator
 ) -> list[tuple[np.ndarray, np.ndarray]]:
     """VER's minibatches (Sec. 2.2, Fig. 3B): shuffle the sequences, concatenate their steps and cut the result into
-    `num_minibatches` chunks of equal size. A sequence is split only where a cut falls inside it; each piece is
-    then its own sequence (starting from the stored recurrent state of its first step).
-    Returns, per minibatch, (indices of its steps in the flat batch, lengths of its pieces in that order)."""
+    `num_minibatches` equal chunks; a cut inside a sequence makes each piece its own sequence (from the stored
+    recurrent state of its first step). Returns, per minibatch, (its steps' indices, its pieces' lengths)."""
     lengths = np.asarray(lengths, dtype=np.int64)
     total = int(lengths.sum())
     size = total // num_minibatches
     starts = sequence_starts(lengths)
     permutation = rng.permutation(len(lengths))
     perm_lengths = lengths[permutation]
-    perm_starts = sequence_starts(perm_lengths)
-    flat = np.repeat(starts[permutation] - perm_starts, perm_lengths) + np.arange(total)
-    boundaries = np.union1d(np.cumsum(perm_lengths), np.arange(size, total + 1, size))  # sequence ends and cuts
-    boundaries = np.concatenate([[0], boundaries])
+    flat = np.repeat(starts[permutation] - sequence_starts(perm_lengths), perm_lengths) + np.arange(total)
+    boundaries = np.union1d(np.cumsum(perm_lengths), np.arange(0, total + 1, size))  # 0, sequence ends and cuts
     minibatches = []
     for b in range(num_minibatches):
         inside = boundaries[(boundaries >= b * size) & (boundaries <= (b + 1) * size)]
@@ -507,11 +488,9 @@ def make_minibatches(
 
 
 def importance_weights(env_ids: torch.Tensor, num_envs: int, num_steps: int, clip_max: float = 1.0) -> torch.Tensor:
-    """Truncated importance weights of VER's biased sampling (Sec. 4 "Training", truncated as in IMPALA).
-
-    Uniform sampling would give every env T steps of the rollout; VER gives env e n_e steps, so each of its steps is
-    weighted w_e = min(clip_max, T / n_e): fast envs, over-represented, are down-weighted, and slow envs are not
-    up-weighted beyond clip_max (1.0 in the paper). With T steps from every env (NoVER, sync) all weights are 1."""
+    """Truncated importance weights of VER's biased sampling (Sec. 4 "Training", truncated as in IMPALA): uniform
+    sampling would give every env T steps; VER gives env e n_e, so its steps are weighted w_e = min(clip_max, T / n_e)
+    (1.0 in the paper): over-represented fast envs are down-weighted. NoVER, sync: T steps each, all weights 1."""
     counts = torch.bincount(env_ids, minlength=num_envs).to(torch.float32)
     return (num_steps / counts[env_ids]).clamp(max=clip_max)
 
@@ -520,13 +499,11 @@ def optimal_preemption_time(
     step_times: np.ndarray, rank_cap: int, env_cap: Optional[int], learn_time: float, resolution: float = 1e-3
 ) -> tuple[float, int, float]:
     """The straggler preemption rule of Sec. 2.3: collect the S steps that maximize S / (Time(S) + LT).
-
     step_times[r, e] is the mean time env e of rank r took per step in the previous rollout (simulation plus
     inference); in a rollout of length t it collects floor(t / step_times[r, e]) steps, at most env_cap (T with
-    NoVER; None with VER), and rank r at most rank_cap = T x N, so S(t) <= T x N x world size.
-    Candidate rollout times are the times at which some env finishes a step (rounded up to `resolution`).
-    Returns (t*, S(t*), t_full): the best rollout time, its steps, and the time at which every rank has its full
-    batch (no preemption is needed when t* == t_full)."""
+    NoVER; None with VER), and rank r at most rank_cap = T x N. Candidate rollout times are the times at which some
+    env finishes a step (rounded up to `resolution`). Returns (t*, S(t*), t_full): the best rollout time, its steps,
+    and the time at which every rank has its full batch (no preemption is needed when t* == t_full)."""
     tau = np.asarray(step_times, dtype=np.float64)
     if env_cap is None:  # VER: a rank reaches its cap by (cap + N) / (its step rate) at the latest
         bound = ((rank_cap + tau.shape[1]) / (1.0 / tau).sum(axis=1)).max()
@@ -545,6 +522,45 @@ def optimal_preemption_time(
     return float(times[best]), int(steps[best]), float(times[-1])
 
 
+class RunningMeanStd:
+    """Observation normalization, a departure from VER (as ppo_staggered.py, Table 3 of the staggered-resets paper):
+    running mean and variance (Chan et al.'s parallel update), normalized observations clipped to +-10. Enabled for
+    Box observations (ManiSkill); the identity for a Discrete one (ToyChain's block index, which is embedded)."""
+
+    def __init__(self, shape, device, enabled: bool):
+        self.mean = torch.zeros(shape, device=device)
+        self.var = torch.ones(shape, device=device)
+        self.count = torch.tensor(1e-4, device=device)
+        self.enabled = enabled
+        self.merged = self.totals()  # DD-PPO: the totals that all ranks share (those of the last merge)
+
+    def update(self, x: torch.Tensor) -> None:
+        if self.enabled:
+            batch_mean, batch_var, batch_count = x.mean(0), x.var(0, unbiased=False), x.shape[0]
+            delta, share = batch_mean - self.mean, batch_count / (self.count + batch_count)  # the batch's weight
+            self.mean = self.mean + delta * share
+            self.var = self.var * (1 - share) + batch_var * share + delta.square() * share * (1 - share)
+            self.count = self.count + batch_count
+
+    def totals(self) -> torch.Tensor:
+        """Count, sum and sum of squares of the observations so far (they add up over ranks), in float64."""
+        count = self.count.double().expand(self.mean.shape)
+        return torch.stack([count, count * self.mean, count * (self.var + self.mean.square())])
+
+    def merge_ranks(self) -> None:
+        """DD-PPO, once per update: every rank's observations since the last merge join the shared statistics."""
+        if self.enabled and dist.is_initialized():
+            new = self.totals() - self.merged
+            dist.all_reduce(new)
+            count, total, total_sq = new + self.merged
+            self.mean, self.count = (total / count).float(), count.max().float()
+            self.var = (total_sq / count - (total / count).square()).clamp(min=0).float()
+            self.merged = self.totals()
+
+    def normalize(self, x: torch.Tensor) -> torch.Tensor:
+        return ((x - self.mean) / torch.sqrt(self.var + 1e-8)).clamp(-10.0, 10.0) if self.enabled else x
+
+
 # ---- Networks ---------------------------------------------------------------------------------------------------------
 def layer_init(layer: nn.Linear, std: float = math.sqrt(2), bias_const: float = 0.0) -> nn.Linear:
     torch.nn.init.orthogonal_(layer.weight, std)
@@ -561,13 +577,10 @@ def mlp(sizes: list[int], out_std: float) -> nn.Sequential:
 
 
 class Agent(nn.Module):
-    """Actor-critic for Box or Discrete observations and actions.
-
-    MLP (default): separate actor and critic MLPs (hidden_sizes). Recurrent (--recurrent): an input layer, an LSTM
-    shared by the actor and critic heads (the paper's policy is a 2-layer LSTM, Sec. 4; here lstm_layers = 1),
-    trained over packed sequences. The sizes are not flags: their defaults serve the tasks here. A Discrete
-    observation (ToyChain's block index) is embedded first. Continuous actions: a Gaussian with a learned,
-    state-independent log std. The (learned) entropy coefficient alpha lives here as log_ent_coef."""
+    """Actor-critic for Box or Discrete observations (ToyChain's block index, embedded first) and actions. MLP
+    (default): separate actor and critic MLPs. --recurrent: an input layer and an LSTM shared by the actor and critic
+    heads (the paper's is a 2-layer LSTM, Sec. 4; here 1 layer), trained over packed sequences. Sizes are not flags.
+    Continuous actions: a Gaussian, learned state-independent log std. log_ent_coef: the entropy coefficient alpha."""
 
     def __init__(
         self,
@@ -604,7 +617,7 @@ class Agent(nn.Module):
             self.actor = mlp([in_dim, *hidden_sizes, out_dim], out_std=0.01)
             self.critic = mlp([in_dim, *hidden_sizes, 1], out_std=1.0)
         if self.continuous:
-            self.actor_logstd = nn.Parameter(torch.zeros(1, out_dim))
+            self.actor_logstd = nn.Parameter(torch.full((1, out_dim), -0.5))  # ManiSkill's ppo.py: std 0.61
         log_alpha = torch.tensor(math.log(ent_coef) if ent_coef > 0 else -math.inf)
         if learned_ent_coef:
             self.log_ent_coef = nn.Parameter(log_alpha)
@@ -637,7 +650,6 @@ class Agent(nn.Module):
 
     def evaluate(self, obs, actions, state0=None, piece_lengths: Optional[np.ndarray] = None):
         """Log-probabilities, entropies and values of a minibatch of stored steps (learning).
-
         Recurrent: the minibatch is a set of pieces of sequences stored one after another (make_minibatches); they
         are run through the LSTM as one PackedSequence (Sec. 2.2, Fig. 3C), each piece starting from its own stored
         state `state0` ((layers, pieces, hidden) each; zeros where the piece starts an episode)."""
@@ -656,10 +668,9 @@ class Agent(nn.Module):
 
 # ---- Rollout storage and collection (Sec. 2.1, 2.2) -------------------------------------------------------------------
 class RolloutStorage:
-    """The steps of one rollout, one row per (env, step) in the order the policy acted: a linear buffer, since VER
-    has no (T, N) shape (Sec. 2.2). Tensors live on the training device; bookkeeping in numpy. A row is written when
-    the policy acts and completed when the env's result (reward, flags) arrives. Capacity (T + 2) x N: at most N
-    carried-in rows, T x N completed ones and one in flight per env."""
+    """The steps of one rollout, one row per (env, step) in the order the policy acted: a linear buffer, as VER has no
+    (T, N) shape (Sec. 2.2). A row is written when the policy acts and completed when the env's result arrives.
+    Capacity (T + 2) x N: at most N carried-in rows, T x N completed ones and one in flight per env."""
 
     def __init__(self, capacity: int, slots: SharedSlots, lstm_shape: Optional[tuple], device):
         self.device, self.size = device, 0
@@ -739,7 +750,6 @@ def fill_from_previous(batch: dict, previous: dict, size: int, rng: np.random.Ge
 
 class Collector:
     """Experience collection of one rank (Sec. 2.1, 2.2, Fig. 2); the main process is the inference worker.
-
     Each env is in one of these states:
       stepping   its worker simulates the action the policy chose (the step's row is "in flight"); at the start,
                  its worker builds and resets the env (the first observation arrives without a row)
@@ -747,22 +757,18 @@ class Collector:
       completed  the result was recorded into the step's row; the new observation waits for an action
       held       NoVER and sync only: the env has its T steps and waits for the next rollout
       acting     in the batch the policy runs on now, after which it is stepping again
-    collect() repeats: wait until enough envs have arrived or completed (dynamic batching: at least min_batch, or
-    half a policy step's time, footnote 2); complete the arrived ones, each counting one step of the rollout; act
-    on all completed ones. VER: the rollout ends once T x N steps are complete, whichever envs gave
-    them. Then every env is stepping or arrived (its step is carried into the next rollout: "Inflight actions",
-    Sec. 2.2), or completed (its observation gets an action from the next policy, and its value under this one
-    bootstraps this rollout). NoVER: an env is held once it has T steps; the rollout ends when all are.
-    Sync (SyncOnRL): NoVER that acts on all envs at once and waits for all of them.
-
-    A completed step's V(s_{t+1}) (GAE's bootstrap) is the value of its next observation when the policy acts on it
-    (or at the rollout's end); at an episode end it is V(true last observation) from the env's own recurrent
-    state, or 0 at a termination with --bootstrap-at-done truncated."""
+    VER: a rollout ends once T x N steps are complete, whichever envs gave them. Then every env is stepping or arrived
+    (its step is carried into the next rollout: "Inflight actions", Sec. 2.2), or completed (its observation gets an
+    action from the next policy, and its value under this one bootstraps this rollout). NoVER: an env is held once
+    it has T steps; the rollout ends when all are. Sync (SyncOnRL): NoVER acting on all envs at once. A step's
+    V(s_{t+1}) is its next observation's value when the policy acts on it (or at the rollout's end); at an episode
+    end, V(true last observation) from the env's own recurrent state (0: termination, --bootstrap-at-done truncated)."""
 
     clock = staticmethod(time.perf_counter)  # seconds (tests use a simulated clock)
 
-    def __init__(self, args: Args, workers: EnvWorkers, slots: SharedSlots, agent: Agent, device):
+    def __init__(self, args: Args, workers: EnvWorkers, slots: SharedSlots, agent: Agent, obs_rms, device):
         self.args, self.workers, self.slots, self.agent, self.device = args, workers, slots, agent, device
+        self.obs_rms = obs_rms  # RunningMeanStd: updated with the observations acted on, which are stored normalized
         N = self.N = args.num_envs
         self.T = args.num_steps
         self.quota = None if args.variable_experience else self.T  # NoVER and sync: T steps from every env
@@ -780,9 +786,14 @@ class Collector:
         self.view = {name: slot.numpy() for name, slot in vars(slots).items()}  # numpy views of the shared slots
 
     def collect(self, stop_early: Optional[Callable[[int, float], bool]] = None) -> None:
-        """One rollout: T x N steps, fewer if `stop_early(steps so far, seconds since the rollout started)` preempts
-        it (Sec. 2.3)."""
-        self.begin_rollout()
+        """One rollout: T x N steps, fewer if `stop_early(steps so far, seconds in)` preempts it (Sec. 2.3)."""
+        self.collected = 0  # env steps completed in this rollout
+        self.steps_in_rollout = np.zeros(self.N, dtype=np.int64)
+        self.interval_sum, self.interval_count = np.zeros(self.N), np.zeros(self.N)
+        self.env_busy, self.batch_sizes, self.episodes = 0.0, [], []  # episodes: (return, length, success_once, at_end)
+        self.rollout_start = self.clock()
+        self.completed.extend(self.held)  # held envs (NoVER) are ready for an action again
+        self.held = []
         while True:
             self.wait_for_requests(poll_at_most=0.005 if stop_early and self.min_batch < self.N else math.inf)
             self.complete_arrived()
@@ -791,17 +802,12 @@ class Collector:
             if stop_early is not None and stop_early(self.collected, self.clock() - self.rollout_start):
                 break
             self.act()
-        self.bootstrap_completed()
-
-    def begin_rollout(self) -> None:
-        """Per-rollout counters start at zero; held envs (NoVER) are completed again, ready for an action."""
-        self.collected = 0  # env steps completed in this rollout
-        self.steps_in_rollout = np.zeros(self.N, dtype=np.int64)
-        self.interval_sum, self.interval_count = np.zeros(self.N), np.zeros(self.N)
-        self.env_busy, self.batch_sizes, self.episodes = 0.0, [], []  # episodes: (return, length, success_once, at_end)
-        self.rollout_start = self.clock()
-        self.completed.extend(self.held)
-        self.held = []
+        # V (this policy) of the observations waiting for an action bootstraps their envs' last steps (an env with an
+        # action in flight has it already: the value of that step's observation)
+        envs = np.flatnonzero(self.awaiting >= 0)
+        if len(envs) > 0:
+            self.bootstrap(self.awaiting[envs], envs, self.slots.obs)
+        self.awaiting[envs] = -1
 
     def wait_for_requests(self, poll_at_most: float = math.inf) -> None:
         """Dynamic batching (Sec. 2.1, footnote 2): returns once min_batch envs have arrived or completed, or every
@@ -815,21 +821,17 @@ class Collector:
             timeout = min(poll_at_most, max_wait if ready > 0 else math.inf) - (self.clock() - start)
             if timeout <= 0:
                 return
-            self.receive(self.workers.poll(timeout))
-
-    def receive(self, arrived: list[int]) -> None:
-        """Stepping -> arrived; each env's time between arrivals estimates its time per step (Sec. 2.3)."""
-        now = self.clock()
-        for e in arrived:
-            self.arrived.append(e)
-            if self.last_arrival[e] >= self.rollout_start:
-                self.interval_sum[e] += now - self.last_arrival[e]
-                self.interval_count[e] += 1
-            self.last_arrival[e] = now
+            arrived = self.workers.poll(timeout)
+            now = self.clock()
+            for e in arrived:  # stepping -> arrived; the times between arrivals estimate Time(S) (Sec. 2.3)
+                self.arrived.append(e)
+                if self.last_arrival[e] >= self.rollout_start:
+                    self.interval_sum[e] += now - self.last_arrival[e]
+                    self.interval_count[e] += 1
+                self.last_arrival[e] = now
 
     def complete_arrived(self) -> None:
-        """Records the arrived results into their steps' rows (arrived -> completed, or held), while the rollout
-        still needs steps; the rest stay arrived and are carried into the next rollout."""
+        """Arrived -> completed (or held): results into their rows while the rollout needs steps; others carry over."""
         final_rows, final_envs = [], []
         while self.arrived and self.collected < self.T * self.N:
             e = self.arrived.popleft()
@@ -871,7 +873,7 @@ class Collector:
         return True
 
     def act(self) -> None:
-        """Runs the policy on every completed env (acting), stores the steps, sends the actions to workers (stepping)."""
+        """Runs the policy on every completed env (acting), stores the steps, sends the actions (stepping)."""
         envs = np.array(self.completed, dtype=np.int64)
         self.completed.clear()
         if len(envs) == 0:
@@ -879,7 +881,9 @@ class Collector:
         start = self.clock()
         idx = torch.as_tensor(envs)
         with torch.no_grad():
-            obs = self.slots.obs[idx].to(self.device)
+            raw_obs = self.slots.obs[idx].to(self.device)
+            self.obs_rms.update(raw_obs)
+            obs = self.obs_rms.normalize(raw_obs)  # what the policy sees and the storage keeps
             state = self.state_of(envs, reset=self.episode_start[envs])
             dist, value, next_state = self.agent.step(obs, state)
             action = dist.sample()
@@ -905,24 +909,15 @@ class Collector:
         self.policy_step_time = 0.9 * self.policy_step_time + 0.1 * (self.clock() - start)
         self.batch_sizes.append(len(envs))
 
-    def bootstrap_completed(self) -> None:
-        """At the end of a rollout, V (this policy) of the observations waiting for an action bootstraps the envs'
-        last steps. (Envs with an action in flight already have it: the value of that step's observation.)"""
-        envs = np.flatnonzero(self.awaiting >= 0)
-        if len(envs) > 0:
-            self.bootstrap(self.awaiting[envs], envs, self.slots.obs)
-        self.awaiting[envs] = -1
-
     def bootstrap(self, rows: np.ndarray, envs: np.ndarray, observations: torch.Tensor) -> None:
-        """V(s_{t+1}) of the steps at `rows`: the value of `envs`' slots in `observations` from their recurrent
-        states after their last step."""
+        """V(s_{t+1}) of the steps at `rows`: V of `envs`' normalized `observations`, from their last step's state."""
         with torch.no_grad():
-            values = self.agent.step(observations[torch.as_tensor(envs)].to(self.device), self.state_of(envs))[1]
+            obs = self.obs_rms.normalize(observations[torch.as_tensor(envs)].to(self.device))
+            values = self.agent.step(obs, self.state_of(envs))[1]
         self.storage.next_values[torch.as_tensor(rows, device=self.device)] = values
 
     def start_next_rollout(self) -> int:
-        """After the learner's update: the steps in flight are carried into the next rollout ("Inflight actions").
-        Returns their number."""
+        """After the update: the steps in flight go on into the next rollout ("Inflight actions"); returns how many."""
         envs = np.flatnonzero(self.inflight >= 0)
         self.storage.keep(self.inflight[envs])
         self.inflight[envs] = np.arange(len(envs))
@@ -940,8 +935,7 @@ class Collector:
         return h, c
 
     def mean_step_times(self) -> np.ndarray:
-        """Sec. 2.3's Time(S) estimate: each env's mean time per step in the last rollout (inference and
-        simulation); an env that delivered no two steps counts as taking the whole rollout."""
+        """Sec. 2.3's Time(S): each env's mean time per step in the last rollout (the whole rollout if < 2 steps)."""
         duration = max(self.clock() - self.rollout_start, 1e-3)
         return np.where(self.interval_count > 0, self.interval_sum / np.maximum(self.interval_count, 1), duration)
 
@@ -964,9 +958,8 @@ def allreduce_gradients(parameters) -> None:
 
 def ver_stop_rule(gathered: np.ndarray, rank_cap: int, env_cap: Optional[int]) -> tuple[Callable, float]:
     """Sec. 2.3: the rollout time t* maximizing S / (Time(S) + LT) over all ranks' envs, from each env's mean step
-    time in the previous rollout and the mean learning time LT (gathered[r] = (rank r's step times..., its LT));
-    every rank stops collecting t* seconds into its rollout, unless all fill their batch by then. Returns (the
-    rule for Collector.collect, t*)."""
+    time in the previous rollout and the mean learning time LT (gathered[r] = (rank r's step times..., its LT)); every
+    rank stops t* seconds into its rollout unless all fill their batch by then. Returns (the rule for collect, t*)."""
     t_star, _, t_full = optimal_preemption_time(gathered[:, :-1], rank_cap, env_cap, float(gathered[:, -1].mean()))
     stop_after = t_star if t_star < t_full else math.inf
     return (lambda steps, elapsed: elapsed >= stop_after), t_star
@@ -983,8 +976,7 @@ def ddppo_stop_rule(store: dist.Store, args: Args, iteration: int) -> Callable:
 def ppo_loss(agent: Agent, minibatch: dict, args: Args) -> tuple[torch.Tensor, dict]:
     """The loss of one VER minibatch, every term weighted by the truncated importance weights w (Sec. 4):
     mean(w * clipped surrogate) + vf_coef * mean(w * value loss) - [alpha]_sg * mean(w * entropy), plus, with
-    --learned-ent-coef, alpha * ([unweighted mean entropy]_sg - target) for the entropy coefficient alpha (Sec. 4).
-    Returns (loss, statistics: a dict of detached tensors, no device sync)."""
+    --learned-ent-coef, alpha * ([unweighted mean entropy]_sg - target). Returns (loss, detached statistics)."""
     newlogprob, entropy, newvalue = agent.evaluate(
         minibatch["obs"], minibatch["actions"], minibatch["state0"], minibatch["piece_lengths"]
     )
@@ -1049,15 +1041,15 @@ def ppo_update(
 
 
 # ---- Checkpoints, evaluation ------------------------------------------------------------------------------------------
-def save_checkpoint(path: Path, agent, optimizer, global_step: int, iteration: int) -> None:
-    """What resuming needs (CONVENTIONS.md's layout; no obs_rms: this script does not normalize observations): model,
-    optimizer, global step and iteration (the number of updates made). Written to a temporary file and renamed, so
-    that a save interrupted by Ctrl-C never leaves a half-written checkpoint."""
+def save_checkpoint(path: Path, agent, optimizer, obs_rms: RunningMeanStd, global_step: int, iteration: int) -> None:
+    """What resuming needs, in CONVENTIONS.md's layout (iteration: the updates made), written to a temporary file and
+    renamed, so that a save interrupted by Ctrl-C never leaves a half-written checkpoint."""
     state = {
         "model": agent.state_dict(),
         "optimizer": optimizer.state_dict(),
         "global_step": global_step,
         "iteration": iteration,
+        "obs_rms": {"mean": obs_rms.mean, "var": obs_rms.var, "count": obs_rms.count},
     }
     tmp = path.with_name(path.name + ".tmp")
     try:
@@ -1068,16 +1060,16 @@ def save_checkpoint(path: Path, agent, optimizer, global_step: int, iteration: i
 
 
 @torch.no_grad()
-def evaluate(agent: Agent, env, num_episodes: int, seed: int, device) -> dict:
-    """Deterministic policy in the main process, `num_episodes` episodes one after another on one env. Returns the
-    means of eval/return, eval/episode_len, eval/success_once and eval/success_at_end."""
+def evaluate(agent: Agent, env, obs_rms: RunningMeanStd, num_episodes: int, seed: int, device) -> dict:
+    """Deterministic policy on observations normalized by obs_rms (no update), `num_episodes` episodes one after another
+    on one env, in the main process. Returns the means of eval/return, episode_len, success_once and success_at_end."""
     totals = np.zeros(4)
     obs = env.reset(seed=seed)  # (then an ended episode resets the env itself: step() returns the next one's start)
     for episode in range(num_episodes):
         state = agent.initial_state(1, device)
         episode_return, length, success_once, done = 0.0, 0, False, False
         while not done:
-            dist, _, state = agent.step(torch.as_tensor(obs, device=device).unsqueeze(0), state)
+            dist, _, state = agent.step(obs_rms.normalize(torch.as_tensor(obs, device=device).unsqueeze(0)), state)
             action = (dist.mean if agent.continuous else dist.probs.argmax(-1))[0].cpu().numpy()
             obs, reward, terminated, truncated, _, success = env.step(action)
             episode_return += reward
@@ -1146,9 +1138,12 @@ def main(args: Args) -> dict:
             eval_env.observation_space, eval_env.action_space, args.recurrent, args.ent_coef, args.learned_ent_coef
         ).to(device)
         optimizer = torch.optim.Adam(agent.parameters(), lr=args.learning_rate, eps=1e-5)
+        obs_rms = RunningMeanStd(slots.obs.shape[1:], device, enabled=slots.obs.is_floating_point())  # Box (float) only
         if args.checkpoint:
             ckpt = torch.load(args.checkpoint, map_location=device, weights_only=True)
             agent.load_state_dict(ckpt["model"])
+            obs_rms.mean, obs_rms.var, obs_rms.count = (ckpt["obs_rms"][key] for key in ("mean", "var", "count"))
+            obs_rms.merged = obs_rms.totals()  # (every rank loads the same)
             global_step, iteration = ckpt["global_step"], ckpt["iteration"]
             start_step = global_step  # SPS counts the steps of this run
             if not args.evaluate:
@@ -1157,11 +1152,12 @@ def main(args: Args) -> dict:
         torch.manual_seed(args.seed + 1000 * rank + iteration)  # per-rank action sampling
         rng = np.random.default_rng(args.seed + 7919 * rank + iteration)
         if args.evaluate:
-            log(evaluate(agent, eval_env, args.num_eval_episodes, args.seed + 10_000 + iteration, device), global_step)
+            metrics = evaluate(agent, eval_env, obs_rms, args.num_eval_episodes, args.seed + 10_000 + iteration, device)
+            log(metrics, global_step)
             print(" ".join(f"{k}={v:.4f}" for k, v in last.items()))
             return summary
         workers = EnvWorkers(args, slots, rank)
-        collector = Collector(args, workers, slots, agent, device)
+        collector = Collector(args, workers, slots, agent, obs_rms, device)
         if args.env_kind == "toy":
             targets = draw_target_actions(args.toy).to(device)
         previous, update_time = None, 0.0
@@ -1175,12 +1171,9 @@ def main(args: Args) -> dict:
                 if args.sync:
                     stop_early = ddppo_stop_rule(store, args, iteration)
                 else:
-                    step_times = [*collector.mean_step_times(), update_time]  # this rank's row of `gathered`
-                    local = torch.tensor(step_times, dtype=torch.float64, device=device)
-                    gathered = [torch.empty_like(local) for _ in range(args.world_size)]
-                    dist.all_gather(gathered, local)  # every rank computes the same t* from the same numbers
-                    gathered = torch.stack(gathered).cpu().numpy()
-                    stop_early, t_star = ver_stop_rule(gathered, args.batch_size, collector.quota)
+                    gathered = [None] * args.world_size  # every rank computes the same t* from the same numbers
+                    dist.all_gather_object(gathered, [*collector.mean_step_times(), update_time])  # (rank r's row)
+                    stop_early, t_star = ver_stop_rule(np.array(gathered), args.batch_size, collector.quota)
             rollout_start = time.perf_counter()
             collector.collect(stop_early)
             if distributed:
@@ -1197,6 +1190,7 @@ def main(args: Args) -> dict:
 
             # 3. PPO update (Sec. 2.2, 4), then the next rollout starts with the steps still in flight.
             losses = ppo_update(args, agent, optimizer, batch, rng)
+            obs_rms.merge_ranks()  # DD-PPO: every rank normalizes the next rollout alike
             carried = collector.start_next_rollout()
             synchronize()
             update_time = time.perf_counter() - update_start  # LT of Sec. 2.3
@@ -1245,21 +1239,26 @@ def main(args: Args) -> dict:
             log(metrics, global_step)
             if args.eval_freq and iteration % args.eval_freq == 0 and global_step < args.total_timesteps:
                 eval_start = time.perf_counter()
-                metrics = evaluate(agent, eval_env, args.num_eval_episodes, args.seed + 10_000 + iteration, device)
+                metrics = evaluate(
+                    agent, eval_env, obs_rms, args.num_eval_episodes, args.seed + 10_000 + iteration, device
+                )
                 log({**metrics, "time/eval": time.perf_counter() - eval_start}, global_step)
                 if args.save_model:
-                    save_checkpoint(run_dir / f"ckpt_{global_step}.pt", agent, optimizer, global_step, iteration)
-        if distributed:  # DD-PPO keeps the ranks' weights identical: check it (summary.json)
-            weights = torch.cat([p.detach().reshape(-1) for p in agent.parameters()])
+                    save_checkpoint(
+                        run_dir / f"ckpt_{global_step}.pt", agent, optimizer, obs_rms, global_step, iteration
+                    )
+        if distributed:  # DD-PPO keeps the ranks' weights (and obs_rms) identical: check it (summary.json)
+            weights = torch.cat([tensor.detach().reshape(-1) for tensor in [*agent.parameters(), obs_rms.totals()]])
             rank0_weights = weights.clone()
             dist.broadcast(rank0_weights, src=0)
             difference = (weights - rank0_weights).abs().max()
             dist.all_reduce(difference, op=dist.ReduceOp.MAX)
             summary["ddp/max_weight_difference"] = float(difference)
         if rank == 0:
-            log(evaluate(agent, eval_env, args.num_eval_episodes, args.seed + 10_000 + iteration, device), global_step)
+            metrics = evaluate(agent, eval_env, obs_rms, args.num_eval_episodes, args.seed + 10_000 + iteration, device)
+            log(metrics, global_step)
             if args.save_model:
-                save_checkpoint(run_dir / "final_ckpt.pt", agent, optimizer, global_step, iteration)
+                save_checkpoint(run_dir / "final_ckpt.pt", agent, optimizer, obs_rms, global_step, iteration)
     except WorkerError as error:
         summary["error"] = str(error)
         raise
@@ -1267,7 +1266,7 @@ def main(args: Args) -> dict:
         summary["interrupted"] = True
         if rank == 0 and args.save_model and "iteration" in summary:
             print("interrupted: writing summary.json and a checkpoint", file=sys.stderr)
-            save_checkpoint(run_dir / "final_ckpt.pt", agent, optimizer, global_step, summary["iteration"])
+            save_checkpoint(run_dir / "final_ckpt.pt", agent, optimizer, obs_rms, global_step, summary["iteration"])
         raise
     finally:
         if workers is not None:

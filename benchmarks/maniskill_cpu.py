@@ -50,8 +50,8 @@ ScriptName = Literal["ppo_staggered", "ppo_ver", "pql"]
 COMMON: dict[str, tuple[list[str], int, int]] = {
     # K = 16 (ManiSkill's PPO for tasks without a Table 3 row): one iteration is 128 env steps, eval every 2,560
     "ppo_staggered": (["--num-envs", "8", "--num-eval-envs", "8", "--eval-freq", "20"], 100_000, 60_000),
-    # T = 50: one iteration is 400 env steps, eval every 2,000; 16 eval episodes one after another
-    "ppo_ver": (["--num-envs", "8", "--num-eval-episodes", "16", "--eval-freq", "5"], 60_000, 40_000),
+    # T = 16: one iteration is 128 env steps, eval every 2,048; 16 eval episodes one after another
+    "ppo_ver": (["--num-envs", "8", "--num-eval-episodes", "16", "--eval-freq", "16"], 60_000, 40_000),
     # one Actor step is 8 env steps, eval every 2,000. CPU settings (pql.py's CPU preset, batch 1024 and 8 V-updates
     # per Actor step, runs at ~5 env steps/s here): batch 256 and 4 V-updates (2 P-updates) per Actor step
     "pql": (

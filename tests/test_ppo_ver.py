@@ -1,6 +1,7 @@
 """ppo_ver.py: sequences and packing, the packed LSTM, GAE over variable-length sequences, VER minibatches,
 importance weights, the PPO loss and learned entropy coefficient, the preemption rules, the recurrent collector
-(VER, NoVER, sync; inflight actions; --bootstrap-at-done) against a step-by-step recomputation, argument validation,
+(VER, NoVER, sync; inflight actions; --bootstrap-at-done) against a step-by-step recomputation, the observation
+normalizer (obs_rms: statistics, DD-PPO merge, what the collector and evaluate feed the policy), argument validation,
 and runs as a user runs the script (ToyChain with heterogeneous step times, ManiSkill, --recurrent,
 torchrun with a straggling rank, worker crashes, Ctrl-C)."""
 
@@ -15,6 +16,7 @@ import sys
 import time
 from dataclasses import replace
 
+import gymnasium as gym
 import numpy as np
 import pytest
 import torch
@@ -426,7 +428,10 @@ def test_the_collector_stops_where_the_preemption_rule_says_and_the_batch_is_fil
     torch.manual_seed(0)
     agent = ver.Agent(env.observation_space, env.action_space, False, args.ent_coef, False, hidden_sizes=(16,))
     slots, clock = ver.SharedSlots.allocate(N, env), SimulatedClock()
-    collector = ver.Collector(args, TimedFakeWorkers(args, slots, [slow_step_time] * N, clock), slots, agent, "cpu")
+    obs_rms = ver.RunningMeanStd((), "cpu", enabled=False)  # ToyChain's block index: not normalized
+    collector = ver.Collector(
+        args, TimedFakeWorkers(args, slots, [slow_step_time] * N, clock), slots, agent, obs_rms, "cpu"
+    )
     collector.clock = clock
     collector.collect()
     assert collector.collected == T * N and collector.mean_step_times().tolist() == [slow_step_time] * N
@@ -629,7 +634,8 @@ def test_recurrent_collector_matches_a_step_by_step_recomputation_over_the_logge
     slots = ver.SharedSlots.allocate(N, env)
     test_state = {"version": 0}
     workers = FakeWorkers(args, slots, [0.9, 0.6, 0.3, 0.15], test_state)
-    collector = ver.Collector(args, workers, slots, agent, torch.device("cpu"))
+    obs_rms = ver.RunningMeanStd((), "cpu", enabled=False)  # ToyChain's block index: not normalized
+    collector = ver.Collector(args, workers, slots, agent, obs_rms, torch.device("cpu"))
     weights, batches, carried = [], [], 0
     for k in range(K):
         weights.append(copy.deepcopy(agent.state_dict()))
@@ -687,6 +693,180 @@ def test_recurrent_collector_matches_a_step_by_step_recomputation_over_the_logge
             advantages = reference_gae_per_env(reward, value, next_value, done, GAMMA, LAM)
             np.testing.assert_allclose(batches[k]["advantages"][i].numpy(), advantages, atol=1e-4)
             np.testing.assert_allclose(batches[k]["returns"][i].numpy(), advantages + value, atol=1e-4)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# The observation normalizer (obs_rms): Box observations (ManiSkill) only
+# ----------------------------------------------------------------------------------------------------------------------
+def test_running_mean_std_equals_numpy_over_all_batches_clips_at_10_and_is_the_identity_when_off():
+    rng = np.random.default_rng(0)
+    batches = [rng.normal([5.0, -50.0, 0.0], [1.0, 10.0, 100.0], size=(n, 3)) for n in (1, 7, 600, 3, 389)]
+    obs_rms = ver.RunningMeanStd((3,), "cpu", enabled=True)
+    for batch in batches:
+        obs_rms.update(torch.as_tensor(batch, dtype=torch.float32))
+    data = np.concatenate(batches)
+    assert float(obs_rms.count) == pytest.approx(len(data) + 1e-4)  # (the prior: a pseudo-count of 1e-4, mean 0, var 1)
+    np.testing.assert_allclose(obs_rms.mean.numpy(), data.mean(0), rtol=1e-5)
+    np.testing.assert_allclose(obs_rms.var.numpy(), data.var(0), rtol=1e-4)
+    far = torch.tensor([[5.0, -50.0, 1e5], [5.0, -50.0, -1e5], [6.0, -40.0, 100.0]])
+    normalized = obs_rms.normalize(far)
+    assert normalized[0, 2] == 10.0 and normalized[1, 2] == -10.0
+    expected = (far[2].double().numpy() - data.mean(0)) / data.std(0)
+    np.testing.assert_allclose(normalized[2].numpy(), expected, rtol=1e-4)
+    off = ver.RunningMeanStd((), "cpu", enabled=False)  # a Discrete observation (ToyChain's block index)
+    blocks = torch.tensor([3, 1, 4])
+    off.update(blocks)
+    assert off.normalize(blocks) is blocks and off.mean == 0.0 and off.var == 1.0 and off.count == torch.tensor(1e-4)
+
+
+def test_merge_ranks_gives_every_rank_the_statistics_of_all_ranks_observations(monkeypatch):
+    """DD-PPO: after a merge, both ranks hold numpy's mean and variance of the observations of both ranks, and a second
+    merge counts only what came since the first. The all-reduce (a sum over the ranks) is simulated in this process:
+    each rank's contribution is added to the other's."""
+    rng = np.random.default_rng(1)
+    ranks = [ver.RunningMeanStd((2,), "cpu", enabled=True) for _ in range(2)]
+    seen = [[], []]
+    monkeypatch.setattr(ver.dist, "is_initialized", lambda: True)
+    for round_ in range(2):
+        for rank, obs_rms in enumerate(ranks):
+            for size in (300, 101 + 50 * rank):
+                batch = rng.normal([1.0, -20.0], [2.0, 5.0], size=(size, 2))
+                seen[rank].append(batch)
+                obs_rms.update(torch.as_tensor(batch, dtype=torch.float32))
+        new = [obs_rms.totals() - obs_rms.merged for obs_rms in ranks]
+        for rank, obs_rms in enumerate(ranks):
+            monkeypatch.setattr(ver.dist, "all_reduce", lambda tensor, other=new[1 - rank]: tensor.add_(other))
+            obs_rms.merge_ranks()
+        data = np.concatenate(seen[0] + seen[1])
+        for obs_rms in ranks:
+            assert float(obs_rms.count) == pytest.approx(len(data) + 1e-4)
+            np.testing.assert_allclose(obs_rms.mean.numpy(), data.mean(0), rtol=1e-5)
+            np.testing.assert_allclose(obs_rms.var.numpy(), data.var(0), rtol=1e-4)
+    monkeypatch.setattr(ver.dist, "is_initialized", lambda: False)
+    alone = ver.RunningMeanStd((2,), "cpu", enabled=True)
+    alone.update(torch.ones(4, 2))
+    before = (alone.mean.clone(), alone.var.clone(), alone.count.clone())
+    alone.merge_ranks()  # one process: nothing to merge
+    assert all(torch.equal(old, now) for old, now in zip(before, (alone.mean, alone.var, alone.count)))
+
+
+class BoxEnv:
+    """make_env's interface with ManiSkill-like Box observations far from zero mean and unit scale (means 5, -50, 0;
+    scales 1, 10, 100), a 2-d Box action and 3-step episodes (truncated; the step that ends one returns the next one's
+    first observation and the true last one). `returned` logs what reset() and step() returned."""
+
+    observation_space = gym.spaces.Box(-np.inf, np.inf, (3,), np.float32)
+    action_space = gym.spaces.Box(-1.0, 1.0, (2,), np.float32)
+
+    def __init__(self):
+        self.rng, self.t, self.returned = np.random.default_rng(0), 0, []
+
+    def observe(self):
+        return (self.rng.normal(size=3) * [1.0, 10.0, 100.0] + [5.0, -50.0, 0.0]).astype(np.float32)
+
+    def reset(self, seed=None):
+        self.rng, self.t = np.random.default_rng(seed), 0
+        self.returned.append(self.observe())
+        return self.returned[-1]
+
+    def step(self, action):
+        self.t += 1
+        obs, final = self.observe(), None
+        if self.t == 3:
+            obs, final, self.t = self.observe(), obs, 0
+        self.returned.append(obs)
+        return obs, float(np.sum(action)), False, final is not None, final, False
+
+    def close(self):
+        pass
+
+
+def normalized(raw, mean, var):
+    """The normalization of CONVENTIONS.md, written out: ((x - mean) / sqrt(var + 1e-8)) clipped to +-10."""
+    return ((raw - mean) / torch.sqrt(var + 1e-8)).clamp(-10.0, 10.0)
+
+
+def spy_on_policy(monkeypatch, agent, obs_rms):
+    """Records every agent.step call: (the observations it was given, obs_rms's mean, var and count at that moment)."""
+    calls, step = [], agent.step
+
+    def recording_step(obs, state):
+        calls.append((obs.clone(), obs_rms.mean.clone(), obs_rms.var.clone(), float(obs_rms.count)))
+        return step(obs, state)
+
+    monkeypatch.setattr(agent, "step", recording_step)
+    return calls, step
+
+
+def test_the_collector_acts_on_and_stores_normalized_box_observations_and_bootstraps_with_them(monkeypatch):
+    """Box observations (BoxEnv, through the collector users run, env workers simulated): obs_rms is updated with
+    exactly the observations the policy acts on, before it acts on them (its mean and variance are then numpy's over
+    them); the policy sees them normalized with the statistics of that moment; the storage keeps what the policy saw
+    (the learner trains on it); V(s_{t+1}) of a bootstrap is the value of the normalized observation, and bootstrapping
+    does not update the statistics."""
+    monkeypatch.setattr(ver, "make_env", lambda args, **kwargs: BoxEnv())
+    N = 3
+    args = ver.resolve_args(  # (ToyChain-v0 only picks the presets: make_env builds BoxEnvs)
+        ver.Args(num_envs=N, num_steps=4, num_minibatches=1, cuda=False, inference_min_batch=1), world_size=1
+    )
+    env = BoxEnv()
+    slots = ver.SharedSlots.allocate(N, env)
+    obs_rms = ver.RunningMeanStd(slots.obs.shape[1:], "cpu", enabled=True)
+    torch.manual_seed(0)
+    agent = ver.Agent(env.observation_space, env.action_space, False, 0.0, False, hidden_sizes=(16,))
+    calls, step = spy_on_policy(monkeypatch, agent, obs_rms)
+    acted = []  # the raw observations of every action, in order
+
+    class RecordingWorkers(FakeWorkers):
+        def send_step(self, envs):  # the policy's last call acted on these envs, whose slots still hold their obs
+            raw = slots.obs[torch.as_tensor(envs)].clone()
+            seen, mean, var, count = calls[-1]
+            acted.append(raw)
+            assert count == pytest.approx(sum(len(batch) for batch in acted) + 1e-4)  # updated before acting
+            torch.testing.assert_close(seen, normalized(raw, mean, var))
+            assert torch.equal(collector.storage.obs[torch.as_tensor(collector.inflight[envs])], seen)
+            super().send_step(envs)
+
+    collector = ver.Collector(
+        args, RecordingWorkers(args, slots, [0.9, 0.5, 0.2], {"version": 0}), slots, agent, obs_rms, "cpu"
+    )
+    for _ in range(3):
+        collector.collect()
+        collector.start_next_rollout()
+    raw = torch.cat(acted).double().numpy()
+    assert len(raw) >= 3 * 4 * N and (np.abs(raw.mean(0)) > 4).any()
+    assert float(obs_rms.count) == pytest.approx(len(raw) + 1e-4)
+    np.testing.assert_allclose(obs_rms.mean.numpy(), raw.mean(0), rtol=1e-5)
+    np.testing.assert_allclose(obs_rms.var.numpy(), raw.var(0), rtol=1e-4)
+
+    final_obs = torch.tensor([[5.0, -50.0, 0.0], [1e5, -40.0, 10.0]])  # (the second one is clipped)
+    slots.final_obs[:2] = final_obs
+    count, next_values = float(obs_rms.count), collector.storage.next_values
+    collector.bootstrap(np.array([0, 1]), np.array([0, 1]), slots.final_obs)
+    with torch.no_grad():
+        expected, unnormalized = (
+            step(normalized(final_obs, obs_rms.mean, obs_rms.var), None)[1],
+            step(final_obs, None)[1],
+        )
+    torch.testing.assert_close(next_values[:2], expected)
+    assert float(obs_rms.count) == count
+    assert (expected - unnormalized).abs().min() > 1e-3  # (raw observations would give other values)
+
+
+def test_evaluate_normalizes_with_the_current_statistics_and_does_not_update_them(monkeypatch):
+    env = BoxEnv()
+    obs_rms = ver.RunningMeanStd((3,), "cpu", enabled=True)
+    history = np.random.default_rng(0).normal([5.0, -50.0, 0.0], [1.0, 10.0, 100.0], (64, 3))
+    obs_rms.update(torch.as_tensor(history, dtype=torch.float32))
+    mean, var, count = obs_rms.mean.clone(), obs_rms.var.clone(), float(obs_rms.count)
+    torch.manual_seed(0)
+    agent = ver.Agent(env.observation_space, env.action_space, False, 0.0, False, hidden_sizes=(16,))
+    calls, _ = spy_on_policy(monkeypatch, agent, obs_rms)
+    metrics = ver.evaluate(agent, env, obs_rms, num_episodes=2, seed=0, device="cpu")
+    assert metrics["eval/episode_len"] == 3 and len(calls) == 6
+    seen = torch.cat([obs for obs, *_ in calls])
+    torch.testing.assert_close(seen, normalized(torch.as_tensor(np.stack(env.returned[:6])), mean, var))
+    assert float(obs_rms.count) == count and torch.equal(obs_rms.mean, mean)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -841,6 +1021,8 @@ def test_recurrent_save_resume_and_evaluate(tmp_path, device):
     ckpt = torch.load(os.path.join(run_dir, "final_ckpt.pt"), weights_only=False)
     assert ckpt["global_step"] == 256 and ckpt["iteration"] == 4
     assert any(k.startswith("lstm.") for k in ckpt["model"]) and ckpt["optimizer"]["state"]
+    assert set(ckpt["obs_rms"]) == {"mean", "var", "count"}  # CONVENTIONS.md's layout; ToyChain's block index is
+    assert float(ckpt["obs_rms"]["count"]) == pytest.approx(1e-4)  # not normalized: obs_rms was never updated
 
     second = tmp_path / "second"
     proc = run_script(
@@ -914,7 +1096,8 @@ def test_maniskill_evaluation_builds_a_new_scene_for_every_episode_and_ignores_t
     env.env.unwrapped.evaluate = train_env.env.unwrapped.evaluate
     assert train_env.step(np.zeros(train_env.action_space.shape))[2]  # training: the success terminates
     agent = ver.Agent(env.observation_space, env.action_space, False, 0.0, False, hidden_sizes=(8,))
-    metrics = ver.evaluate(agent, env, num_episodes=3, seed=0, device="cpu")
+    obs_rms = ver.RunningMeanStd(env.observation_space.shape, "cpu", enabled=True)
+    metrics = ver.evaluate(agent, env, obs_rms, num_episodes=3, seed=0, device="cpu")
     env.close()
     train_env.close()
     assert metrics["eval/episode_len"] == 5 and metrics["eval/success_once"] == metrics["eval/success_at_end"] == 1.0
@@ -923,41 +1106,34 @@ def test_maniskill_evaluation_builds_a_new_scene_for_every_episode_and_ignores_t
 
 def test_maniskill_cpu_task_with_two_workers(tmp_path):
     """A ManiSkill3 task on CPU simulation, one physx_cpu env per worker process (continuous actions, a recurrent
-    policy with a learned entropy coefficient); ManiSkill tasks bootstrap at every episode end by default."""
-    run_script(
-        [
-            "--env-id",
-            "PickCube-v1",
-            "--num-envs",
-            "2",
-            "--num-steps",
-            "20",
-            "--num-minibatches",
-            "2",
-            "--horizon",
-            "20",
-            "--total-timesteps",
-            "120",
-            "--eval-freq",
-            "0",
-            "--num-eval-episodes",
-            "1",
-            "--recurrent",
-            "--learned-ent-coef",
-            "--ent-coef",
-            "0.01",
-            "--no-cuda",
-        ],
-        tmp_path,
-        timeout=600,
-    )
-    run_dir = only_run_dir(tmp_path)
+    policy with a learned entropy coefficient); ManiSkill tasks bootstrap at every episode end by default. Its Box
+    observations are normalized: the checkpoint holds obs_rms, updated with every observation acted on; a resume
+    restores it (a run resumed at its last step saves it unchanged and evaluates as the first run did at its end), and
+    --evaluate uses it (the same evaluation again)."""
+    common = ["--env-id", "PickCube-v1", "--num-envs", "2", "--num-steps", "20", "--num-minibatches", "2"]
+    common += ["--horizon", "20", "--total-timesteps", "120", "--eval-freq", "0", "--num-eval-episodes", "1"]
+    common += ["--save-model", "--no-cuda", "--recurrent", "--learned-ent-coef", "--ent-coef", "0.01"]
+    run_script(common, tmp_path / "first", timeout=600)
+    run_dir = only_run_dir(tmp_path / "first")
     summary = load_summary(run_dir)
     assert summary["global_step"] == 120 and summary["eval/episode_len"] == 20
     assert {"eval/success_once", "eval/success_at_end", "charts/episodic_return"} <= set(summary)
     config = json.load(open(os.path.join(run_dir, "config.json")))
     assert config["bootstrap_at_done"] == "always"
     assert math.isfinite(summary["losses/value_loss"]) and summary["losses/ent_coef"] != 0.01  # alpha was learned
+    checkpoint = os.path.join(run_dir, "final_ckpt.pt")
+    obs_rms = torch.load(checkpoint, weights_only=True)["obs_rms"]
+    assert 120 <= obs_rms["count"] <= 122 + 1e-3  # the 120 steps' observations, and those of the (<= 2) in flight
+    assert obs_rms["mean"].abs().max() > 0.01 and (obs_rms["var"] - 1).abs().max() > 0.01
+
+    proc = run_script(common + ["--checkpoint", checkpoint], tmp_path / "resumed", timeout=600)
+    assert "resuming from" in proc.stdout
+    resumed_dir = only_run_dir(tmp_path / "resumed")
+    resumed = torch.load(os.path.join(resumed_dir, "final_ckpt.pt"), weights_only=True)["obs_rms"]
+    assert all(torch.equal(resumed[key], obs_rms[key]) for key in ("mean", "var", "count"))
+    assert load_summary(resumed_dir)["eval/return"] == summary["eval/return"]
+    run_script(common + ["--checkpoint", checkpoint, "--evaluate"], tmp_path / "evaluated", timeout=600)
+    assert load_summary(only_run_dir(tmp_path / "evaluated"))["eval/return"] == summary["eval/return"]
 
 
 @pytest.mark.parametrize("mode", ["ver", "sync"])
