@@ -24,7 +24,7 @@ check of the benchmark itself, not a result).
 
   python benchmarks/cleanba_classic.py             # 2 scripts x 2 tasks x 2 architectures x 3 seeds, seed 1 also
                                                    # with 1 actor thread and with a slow learner, CleanRL's ppo.py
-                                                   # on both tasks: about 90 minutes on 2 CPU cores
+                                                   # on both tasks: about 85 minutes on 2 CPU cores
   python benchmarks/cleanba_classic.py --quick     # a few minutes
 """
 
