@@ -108,6 +108,14 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 """
 
 
+def launch(command: list[str], cwd, name: str) -> None:
+    """Runs a training script to its end with one torch thread; raises with the end of its stderr if it fails."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    proc = subprocess.run(command, capture_output=True, text=True, cwd=cwd, env=env)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{name} {' '.join(command[2:])} failed:\n{proc.stderr[-3000:]}")
+
+
 def run_cleanrl(path: Path, task: str, seed: int, total_timesteps: int) -> dict:
     """One run of CleanRL's ppo.py; its episodic returns averaged per iteration (4 envs x 128 steps), as our rows."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -115,15 +123,7 @@ def run_cleanrl(path: Path, task: str, seed: int, total_timesteps: int) -> dict:
     with tempfile.TemporaryDirectory() as out:
         start = time.time()
         args = ["--env-id", task, "--seed", str(seed), "--total-timesteps", str(total_timesteps), "--no-cuda"]
-        proc = subprocess.run(
-            [sys.executable, "-c", CLEANRL_LAUNCHER, str(path.resolve()), *args],
-            capture_output=True,
-            text=True,
-            cwd=out,
-            env=dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1"),
-        )
-        if proc.returncode != 0:
-            raise RuntimeError(f"CleanRL ppo.py {' '.join(args)} failed:\n{proc.stderr[-3000:]}")
+        launch([sys.executable, "-c", CLEANRL_LAUNCHER, str(path.resolve()), *args], out, "CleanRL ppo.py")
         accumulator = EventAccumulator(str(next(Path(out, "runs").iterdir())), size_guidance={"scalars": 0})
         accumulator.Reload()
         episodes = accumulator.Scalars("charts/episodic_return")
@@ -146,15 +146,7 @@ def run(script: Path, args: list[str]) -> dict:
     """One run of a script; returns its per-iteration rows, summary and wall time."""
     with tempfile.TemporaryDirectory() as out:
         start = time.time()
-        proc = subprocess.run(
-            [sys.executable, str(script), "--output-dir", out, "--no-cuda", *args],
-            capture_output=True,
-            text=True,
-            cwd=ROOT,
-            env=dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1"),
-        )
-        if proc.returncode != 0:
-            raise RuntimeError(f"{script.name} {' '.join(args)} failed:\n{proc.stderr[-3000:]}")
+        launch([sys.executable, str(script), "--output-dir", out, "--no-cuda", *args], ROOT, script.name)
         run_dir = next(path for path in Path(out).iterdir() if path.is_dir())
         summary = json.loads((run_dir / "summary.json").read_text())
         lines = (run_dir / "updates.jsonl").read_text().splitlines()
