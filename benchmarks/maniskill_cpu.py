@@ -17,8 +17,8 @@ Writes benchmarks/results/maniskill_cpu.md, maniskill_cpu.json (every run's curv
 (success_once and success_at_end against env steps and against minutes). --quick runs the headline pair of the first
 script with one seed and fewer steps and writes *_quick.* files instead.
 
-  python benchmarks/maniskill_cpu.py            # 20 runs: about 1 h 45 min on 2 cores (estimated from single runs)
-  python benchmarks/maniskill_cpu.py --quick    # ppo_staggered.py, staggered vs naive, seed 1: about 12 minutes
+  python benchmarks/maniskill_cpu.py            # 20 runs: about 1 h 40 min on an idle 2-core machine
+  python benchmarks/maniskill_cpu.py --quick    # ppo_staggered.py, staggered vs naive, seed 1: about 5 minutes idle
   python benchmarks/maniskill_cpu.py --resume   # after a stop: keeps the runs the JSON has, runs the rest
   python benchmarks/maniskill_cpu.py --scripts ppo_ver pql --seeds 2
 """
@@ -46,18 +46,19 @@ THRESHOLD = 0.9  # eval/success_once
 ScriptName = Literal["ppo_staggered", "ppo_ver", "pql"]
 # Per script: (flags of every run, env steps of a full run, env steps of a --quick run). 8 training envs and at least 8
 # eval episodes everywhere; evaluations every ~2-2.5k env steps. The step budgets keep the whole benchmark within the
-# issue's 2 hours on 2 cores (measured: ppo_staggered ~170-190 env steps/s, ppo_ver ~230-290, pql ~75-85 with the
-# flags below, plus 1.5-2 minutes of start-up per run); longer single runs are in README.md.
+# issue's 2 hours on 2 cores (on an idle machine a 50k-step ppo_staggered run took 2.8 minutes, start-up and
+# evaluations included; under load: ppo_staggered ~170-190 env steps/s, ppo_ver ~230-290, pql ~75-85 with the flags
+# below); longer single runs are in README.md.
 COMMON: dict[str, tuple[list[str], int, int]] = {
     # K = 16 (ManiSkill's PPO for tasks without a Table 3 row): one iteration is 128 env steps, eval every 2,560
-    "ppo_staggered": (["--num-envs", "8", "--num-eval-envs", "8", "--eval-freq", "20"], 50_000, 40_000),
+    "ppo_staggered": (["--num-envs", "8", "--num-eval-envs", "8", "--eval-freq", "20"], 100_000, 40_000),
     # T = 16: one iteration is 128 env steps, eval every 2,048; 16 eval episodes one after another
-    "ppo_ver": (["--num-envs", "8", "--num-eval-episodes", "16", "--eval-freq", "16"], 40_000, 30_000),
+    "ppo_ver": (["--num-envs", "8", "--num-eval-episodes", "16", "--eval-freq", "16"], 60_000, 30_000),
     # one Actor step is 8 env steps, eval every 2,000. CPU settings (pql.py's CPU preset, batch 1024 and 8 V-updates
     # per Actor step, runs at ~5 env steps/s here): batch 256 and 4 V-updates (2 P-updates) per Actor step
     "pql": (
         ["--num-envs", "8", "--num-eval-envs", "8", "--eval-freq", "250", "--batch-size", "256", "--beta-a-v", "0.25"],
-        24_000,
+        32_000,
         16_000,
     ),
 }
