@@ -209,6 +209,13 @@ def run_all(options: Options, saved: Path) -> dict:
     return results
 
 
+def late_mean(run: dict) -> float:
+    """Mean eval/success_once over the last quarter of a run's evaluations: where a run ends up, less swayed than its
+    final evaluation by the 8 eval episodes' coin flips."""
+    values = run["curves"]["eval/success_once"]["values"]
+    return float(np.mean(values[-max(1, len(values) // 4) :]))
+
+
 def commit() -> str:
     """The commit the scripts were run at (with "+ changes" when the work tree differs from it)."""
     head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout
@@ -233,13 +240,13 @@ def report(results: dict, options: Options, wall_s: float, suffix: str) -> str:
         "policy, no partial resets, the scene reconfigured at every evaluation reset, 8 eval envs (ppo_ver.py: 16 "
         f"episodes one after another). Steps and minutes to {THRESHOLD}: the first evaluation with eval/success_once "
         f">= {THRESHOLD}, minutes from launching the process (start-up and evaluations included); median over the "
-        "seeds that reached it, and how many did. Final: the last evaluation; best: the highest. Minutes depend on "
+        "seeds that reached it, and how many did. Final: the last evaluation; best: the highest; last quarter: the mean of the last quarter of the evaluations. Minutes depend on "
         "what else ran on the machine; env steps do not.",
         "",
         "| script | arm | seeds reached 0.9 | env steps to 0.9: median (per seed) | minutes to 0.9: median "
-        "| final success_once (per seed) | final success_at_end (per seed) | best success_once (per seed) | steps/s "
-        "| env utilization |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| final success_once (per seed) | final success_at_end (per seed) | best success_once (per seed) "
+        "| success_once, mean of the last quarter (per seed) | steps/s | env utilization |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for script, arms in results.items():
         for arm, runs in arms.items():
@@ -249,6 +256,7 @@ def report(results: dict, options: Options, wall_s: float, suffix: str) -> str:
             hits = ~np.isnan(steps)
             finals = {tag: [run["curves"][tag]["values"][-1] for run in runs] for tag in CURVES}
             best = [max(run["curves"][CURVES[0]]["values"]) for run in runs]
+            late = [late_mean(run) for run in runs]
             utilization = [run["env_utilization"] for run in runs if run["env_utilization"] is not None]
             lines.append(
                 f"| {script}.py | {arm} | {hits.sum()}/{len(runs)} | "
@@ -257,6 +265,7 @@ def report(results: dict, options: Options, wall_s: float, suffix: str) -> str:
                 f"{np.median(finals[CURVES[0]]):.2f} ({', '.join(f'{v:.2f}' for v in finals[CURVES[0]])}) | "
                 f"{np.median(finals[CURVES[1]]):.2f} ({', '.join(f'{v:.2f}' for v in finals[CURVES[1]])}) | "
                 f"{np.median(best):.2f} ({', '.join(f'{v:.2f}' for v in best)}) | "
+                f"{np.median(late):.2f} ({', '.join(f'{v:.2f}' for v in late)}) | "
                 f"{np.median([run['sps'] or np.nan for run in runs]):.0f} | "
                 f"{f'{np.mean(utilization):.2f}' if utilization else '-'} |"
             )
