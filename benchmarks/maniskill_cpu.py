@@ -21,6 +21,7 @@ script with one seed and fewer steps and writes *_quick.* files instead.
   python benchmarks/maniskill_cpu.py --quick    # ppo_staggered.py, staggered vs naive, seed 1: about 5 minutes idle
   python benchmarks/maniskill_cpu.py --resume   # after a stop: keeps the runs the JSON has, runs the rest
   python benchmarks/maniskill_cpu.py --scripts ppo_ver pql --seeds 2
+  python benchmarks/maniskill_cpu.py --env-id PickCube-v1 --scripts ppo_staggered --arms 1 --seeds 1 --steps 600000
 """
 
 from __future__ import annotations
@@ -85,6 +86,11 @@ class Options:
     """scripts to run, in this order"""
     seeds: int = 3
     """seeds 1..seeds of each script's headline pair (the third arm: seed 1)"""
+    env_id: str = ENV_ID
+    """the ManiSkill3 task; another than PushCube-v1 writes maniskill_cpu_{env_id}* files (e.g. PickCube-v1 with
+    --scripts ppo_staggered --arms 1 --seeds 1 --steps 600000: one arm, where the curve of a harder task goes)"""
+    arms: int = 3
+    """the first ARMS of each script (1: the paper's method only; 2: the headline pair)"""
     quick: bool = False
     """the headline pair of the first of --scripts, seed 1, fewer steps; writes *_quick.* files (not the result)"""
     steps: Optional[int] = None
@@ -111,9 +117,9 @@ def read_scalars(run_dir: Path) -> dict[str, list[tuple[float, int, float]]]:
     }
 
 
-def run_one(script: str, flags: list[str], seed: int, total_timesteps: int) -> dict:
+def run_one(env_id: str, script: str, flags: list[str], seed: int, total_timesteps: int) -> dict:
     """One run of `script` as a user runs it; its evaluation curves against env steps and minutes since launch."""
-    command = [f"{script}.py", "--env-id", ENV_ID, "--no-cuda", "--total-timesteps", str(total_timesteps)]
+    command = [f"{script}.py", "--env-id", env_id, "--no-cuda", "--total-timesteps", str(total_timesteps)]
     command += [*COMMON[script][0], *flags]
     with tempfile.TemporaryDirectory() as out:
         launched = time.time()
@@ -167,7 +173,7 @@ def plan(options: Options) -> list[tuple[str, str, list[str], int, int]]:
     seeds = range(1, 2 if options.quick else options.seeds + 1)
     for script in scripts:
         _, full_steps, quick_steps = COMMON[script]
-        arms = ARMS[script][:2] if options.quick else ARMS[script]
+        arms = ARMS[script][: 2 if options.quick else options.arms]
         for seed in seeds:
             chosen = [(name, flags) for index, (name, flags) in enumerate(arms) if index < 2 or seed == 1]
             for name, flags in chosen if seed % 2 == 1 else chosen[::-1]:
@@ -190,7 +196,7 @@ def run_all(options: Options, saved: Path) -> dict:
         if kept:
             results.setdefault(script, {}).setdefault(arm, []).append(kept[0])
             continue
-        run = run_one(script, flags, seed, steps)
+        run = run_one(options.env_id, script, flags, seed, steps)
         results.setdefault(script, {}).setdefault(arm, []).append(run)
         reached_steps, reached_minutes = to_threshold(run)
         final = run["curves"]["eval/success_once"]["values"][-1]
@@ -229,7 +235,7 @@ def fmt(value: float, digits: int = 0) -> str:
 
 def report(results: dict, options: Options, wall_s: float, suffix: str) -> str:
     lines = [
-        f"# ManiSkill3 {ENV_ID} on CPU simulation: ppo_staggered.py, ppo_ver.py and pql.py beside their baselines"
+        f"# ManiSkill3 {options.env_id} on CPU simulation: ppo_staggered.py, ppo_ver.py and pql.py beside their baselines"
         + (" (--quick: a check of the benchmark, not the result)" if options.quick else ""),
         "",
         f"Written by `python benchmarks/maniskill_cpu.py {' '.join(options.argv)}` on {platform.node()} "
@@ -300,14 +306,14 @@ def plot(results: dict, options: Options, suffix: str) -> None:
                 axes[row, column].set_ylabel(tag)
                 axes[row, column].set_ylim(-0.05, 1.05)
         axes[0, 0].legend(fontsize=8)
-        figure.suptitle(f"{script}.py on {ENV_ID}, physx_cpu, 8 envs (one line per seed)")
+        figure.suptitle(f"{script}.py on {options.env_id}, physx_cpu, 8 envs (one line per seed)")
         figure.tight_layout()
         figure.savefig(Path(options.out) / f"maniskill_cpu_{script}{suffix}.png", dpi=100)
         plt.close(figure)
 
 
 def main(options: Options) -> None:
-    suffix = "_quick" if options.quick else ""
+    suffix = ("" if options.env_id == ENV_ID else f"_{options.env_id}") + ("_quick" if options.quick else "")
     options.commit = commit()  # what the runs measure (a --replot takes the saved one)
     options.load = os.getloadavg()[0]  # what else ran: the minutes depend on it
     out = Path(options.out)
