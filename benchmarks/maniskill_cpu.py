@@ -17,11 +17,11 @@ Writes benchmarks/results/maniskill_cpu.md, maniskill_cpu.json (every run's curv
 (success_once and success_at_end against env steps and against minutes). --quick runs the headline pair of the first
 script with one seed and fewer steps and writes *_quick.* files instead.
 
-  python benchmarks/maniskill_cpu.py            # 20 runs: about 1 h 40 min on an idle 2-core machine
+  python benchmarks/maniskill_cpu.py            # 20 runs: 108 minutes on an idle 2-core machine
   python benchmarks/maniskill_cpu.py --quick    # ppo_staggered.py, staggered vs naive, seed 1: about 5 minutes idle
   python benchmarks/maniskill_cpu.py --resume   # after a stop: keeps the runs the JSON has, runs the rest
   python benchmarks/maniskill_cpu.py --scripts ppo_ver pql --seeds 2
-  python benchmarks/maniskill_cpu.py --env-id PickCube-v1 --scripts ppo_staggered --arms 1 --seeds 1 --steps 600000
+  python benchmarks/maniskill_cpu.py --env-id PickCube-v1 --scripts ppo_staggered --arms 1 --seeds 1 --steps 360000
 """
 
 from __future__ import annotations
@@ -47,9 +47,8 @@ THRESHOLD = 0.9  # eval/success_once
 ScriptName = Literal["ppo_staggered", "ppo_ver", "pql"]
 # Per script: (flags of every run, env steps of a full run, env steps of a --quick run). 8 training envs and at least 8
 # eval episodes everywhere; evaluations every ~2-2.5k env steps. The step budgets keep the whole benchmark within the
-# issue's 2 hours on 2 cores (on an idle machine a 50k-step ppo_staggered run took 2.8 minutes, start-up and
-# evaluations included; under load: ppo_staggered ~170-190 env steps/s, ppo_ver ~230-290, pql ~75-85 with the flags
-# below); longer single runs are in README.md.
+# issue's 2 hours on 2 cores (measured on an idle machine, start-up and evaluations included: ppo_staggered 4.6-5.1
+# minutes a run, ppo_ver 4.0-4.4, pql 6 and DDPG(n) 9; 108 minutes in all); longer single runs are in README.md.
 COMMON: dict[str, tuple[list[str], int, int]] = {
     # K = 16 (ManiSkill's PPO for tasks without a Table 3 row): one iteration is 128 env steps, eval every 2,560
     "ppo_staggered": (["--num-envs", "8", "--num-eval-envs", "8", "--eval-freq", "20"], 100_000, 40_000),
@@ -88,7 +87,7 @@ class Options:
     """seeds 1..seeds of each script's headline pair (the third arm: seed 1)"""
     env_id: str = ENV_ID
     """the ManiSkill3 task; another than PushCube-v1 writes maniskill_cpu_{env_id}* files (e.g. PickCube-v1 with
-    --scripts ppo_staggered --arms 1 --seeds 1 --steps 600000: one arm, where the curve of a harder task goes)"""
+    --scripts ppo_staggered --arms 1 --seeds 1 --steps 360000: one arm, where the curve of a harder task goes)"""
     arms: int = 3
     """the first ARMS of each script (1: the paper's method only; 2: the headline pair)"""
     quick: bool = False
@@ -235,19 +234,23 @@ def fmt(value: float, digits: int = 0) -> str:
 
 def report(results: dict, options: Options, wall_s: float, suffix: str) -> str:
     lines = [
-        f"# ManiSkill3 {options.env_id} on CPU simulation: ppo_staggered.py, ppo_ver.py and pql.py beside their baselines"
+        f"# ManiSkill3 {options.env_id} on CPU simulation: "
+        + ", ".join(f"{script}.py" for script in results)
+        + (" beside their baselines" if options.arms > 1 else ", the paper's method")
         + (" (--quick: a check of the benchmark, not the result)" if options.quick else ""),
         "",
         f"Written by `python benchmarks/maniskill_cpu.py {' '.join(options.argv)}` on {platform.node()} "
         f"({platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, no GPU) in {wall_s / 60:.0f} min, "
         f"scripts at commit {options.commit}, "
         + (f"load average {options.load:.1f} at the start. " if options.load is not None else "load not recorded. ")
-        + "physx_cpu simulation, one process per env, 8 training envs. Evaluation (ManiSkill's protocol): deterministic "
-        "policy, no partial resets, the scene reconfigured at every evaluation reset, 8 eval envs (ppo_ver.py: 16 "
+        + "physx_cpu simulation, one process per env, 8 training envs. Evaluation (ManiSkill's protocol): "
+        "deterministic policy, no partial resets, the scene reconfigured at every evaluation reset, 8 eval envs "
+        "(ppo_ver.py: 16 "
         f"episodes one after another). Steps and minutes to {THRESHOLD}: the first evaluation with eval/success_once "
         f">= {THRESHOLD}, minutes from launching the process (start-up and evaluations included); median over the "
-        "seeds that reached it, and how many did. Final: the last evaluation; best: the highest; last quarter: the mean of the last quarter of the evaluations. Minutes depend on "
-        "what else ran on the machine; env steps do not.",
+        "seeds that reached it, and how many did. Final: the last evaluation; best: the highest; last quarter: the "
+        "mean of the last quarter of the evaluations. Minutes depend on what else ran on the machine; env steps do "
+        "not.",
         "",
         "| script | arm | seeds reached 0.9 | env steps to 0.9: median (per seed) | minutes to 0.9: median "
         "| final success_once (per seed) | final success_at_end (per seed) | best success_once (per seed) "
