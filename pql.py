@@ -25,10 +25,11 @@ Map from the paper to this file
   App. B.1, Table B.1/B.2    Args defaults (batch 8192, buffer 5M, Adam lr 5e-4, tau 0.05, clip 0.5, n = 3)
   App. C, PQL-D              --distributional: 51 atoms on [-10, 10], categorical_projection
 Departures from the original code: Adam as App. B.1 says (the original uses AdamW, weight decay 0.01); the n-step
-discount comes from --gamma (the original hard-codes 0.99); episode ends follow --bootstrap-at-done (truncated: a
-time limit bootstraps Q'(true final observation) and a termination bootstraps 0; always: both bootstrap, ManiSkill's
-default, whose successes terminate with positive reward); the original treats time-outs as terminal. Autoreset
-(autoreset_modes.txt): same-step only, as ManiSkill; the true last observation is info["final_obs"].
+discount comes from --gamma (the original hard-codes 0.99; ManiSkill: 0.8, see README.md); episode ends follow
+--bootstrap-at-done (truncated: a time limit bootstraps Q'(true final observation) and a termination bootstraps 0;
+always: both bootstrap, ManiSkill's default, whose successes terminate with positive reward); the original treats
+time-outs as terminal. Autoreset (autoreset_modes.txt): same-step only, as ManiSkill; the true last observation is
+info["final_obs"].
 Evaluation runs in the Actor and the learners soon wait for it (summary.json's eval_time_s says for how long).
 Examples: README.md.
 """
@@ -110,15 +111,15 @@ class Args:
     """device of the V-learner: its replay buffer and the Q functions (default: as --actor-device)"""
     p_learner_device: Optional[str] = None
     """device of the P-learner: its state buffer and the policy (default: as --actor-device)"""
-    beta_a_v: float = 1 / 8
-    """beta_a:v = f_a / f_v, Actor steps (of all N envs) per V-learner update (Sec. 3.2; default 1:8)"""
+    beta_a_v: Optional[float] = None
+    """beta_a:v = f_a / f_v, Actor steps (of all N envs) per V-learner update (Sec. 3.2; default 1:8; 1:4 on CPU)"""
     beta_p_v: float = 1 / 2
     """beta_p:v = f_p / f_v, P-learner updates per V-learner update (Sec. 3.2; default 1:2)"""
 
     total_timesteps: Optional[int] = None
     """training env steps, warm-up included (default: 30M GPU simulation, 200k CPU simulation, 64 * 600 toy chain)"""
-    gamma: float = 0.99
-    """discount factor (Table B.1)"""
+    gamma: Optional[float] = None
+    """discount factor (default: 0.99 toy chain (Table B.1); 0.8 ManiSkill, its own PPO and SAC baselines' value)"""
     nstep: int = 3
     """n of the n-step returns (Table B.1, App. C: n = 3 works best)"""
     tau: float = 0.05
@@ -164,6 +165,8 @@ TOY_PRESET = dict(
     batch_size=1024,
     total_timesteps=64 * 600,
     eval_freq=25,
+    gamma=0.99,
+    beta_a_v=1 / 8,
     norm_obs=False,
     hidden_dims=(256, 256),
     bootstrap_at_done="truncated",
@@ -175,12 +178,16 @@ MANISKILL_GPU = dict(
     batch_size=8192,
     total_timesteps=30_000_000,
     eval_freq=200,
+    gamma=0.8,
+    beta_a_v=1 / 8,
     norm_obs=True,
     hidden_dims=(512, 256, 128),
     bootstrap_at_done="always",
 )
 # ManiSkill3 with CPU simulation (one worker process per env): for trying things out.
-MANISKILL_CPU = dict(MANISKILL_GPU, num_envs=8, num_eval_envs=8, batch_size=1024, total_timesteps=200_000, eval_freq=50)
+MANISKILL_CPU = dict(
+    MANISKILL_GPU, num_envs=8, num_eval_envs=8, batch_size=256, beta_a_v=1 / 4, total_timesteps=200_000, eval_freq=250
+)
 LOG_EVERY = 5  # Actor steps between two writes of the training scalars
 NUM_ATOMS, V_MIN, V_MAX = 51, -10.0, 10.0  # PQL-D's support (App. C)
 RATIO_EPS = 1e-9  # slack of the speed-ratio comparisons (Sec. 3.2) for floating-point ratios
@@ -945,14 +952,8 @@ def main(args: Args) -> dict:
     if args.track:
         import wandb
 
-        wandb.init(
-            project=args.wandb_project_name,
-            entity=args.wandb_entity,
-            sync_tensorboard=True,
-            config=asdict(args),
-            name=run_name,
-            save_code=True,
-        )
+        run = dict(project=args.wandb_project_name, entity=args.wandb_entity, name=run_name, config=asdict(args))
+        wandb.init(**run, sync_tensorboard=True, save_code=True)
     writer = SummaryWriter(str(run_dir))
     last: dict[str, float] = {}  # the last value of every scalar, for summary.json
 

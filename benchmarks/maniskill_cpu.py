@@ -54,13 +54,9 @@ COMMON: dict[str, tuple[list[str], int, int]] = {
     "ppo_staggered": (["--num-envs", "8", "--num-eval-envs", "8", "--eval-freq", "20"], 100_000, 40_000),
     # T = 16: one iteration is 128 env steps, eval every 2,048; 16 eval episodes one after another
     "ppo_ver": (["--num-envs", "8", "--num-eval-episodes", "16", "--eval-freq", "16"], 60_000, 30_000),
-    # one Actor step is 8 env steps, eval every 2,000. CPU settings (pql.py's CPU preset, batch 1024 and 8 V-updates
-    # per Actor step, runs at ~5 env steps/s here): batch 256 and 4 V-updates (2 P-updates) per Actor step
-    "pql": (
-        ["--num-envs", "8", "--num-eval-envs", "8", "--eval-freq", "250", "--batch-size", "256", "--beta-a-v", "0.25"],
-        32_000,
-        16_000,
-    ),
+    # one Actor step is 8 env steps, eval every 2,000; pql.py's CPU preset: batch 256, 4 V-updates (2 P-updates) per
+    # Actor step, gamma 0.8 (with 0.99, the paper's Isaac Gym value, no seed succeeded in 32k steps: README.md)
+    "pql": (["--num-envs", "8", "--num-eval-envs", "8", "--eval-freq", "250"], 32_000, 16_000),
 }
 # Per script: (arm name, its flags); the first two are the headline pair.
 ARMS: dict[str, list[tuple[str, list[str]]]] = {
@@ -116,10 +112,15 @@ def read_scalars(run_dir: Path) -> dict[str, list[tuple[float, int, float]]]:
     }
 
 
+def command_line(env_id: str, script: str, flags: list[str], total_timesteps: int) -> list[str]:
+    """The run's command, seed and output directory left out."""
+    command = [f"{script}.py", "--env-id", env_id, "--no-cuda", "--total-timesteps", str(total_timesteps)]
+    return command + [*COMMON[script][0], *flags]
+
+
 def run_one(env_id: str, script: str, flags: list[str], seed: int, total_timesteps: int) -> dict:
     """One run of `script` as a user runs it; its evaluation curves against env steps and minutes since launch."""
-    command = [f"{script}.py", "--env-id", env_id, "--no-cuda", "--total-timesteps", str(total_timesteps)]
-    command += [*COMMON[script][0], *flags]
+    command = command_line(env_id, script, flags, total_timesteps)
     with tempfile.TemporaryDirectory() as out:
         launched = time.time()
         proc = subprocess.run(
@@ -187,15 +188,16 @@ def run_all(options: Options, saved: Path) -> dict:
     results: dict[str, dict[str, list[dict]]] = {}
     earlier, start = (json.loads(saved.read_text()) if options.resume and saved.exists() else {}), time.time()
     for script, arm, flags, seed, steps in plan(options):
+        command = "python " + " ".join(command_line(options.env_id, script, flags, steps))
         kept = [
-            run
+            dict(run, commit=run.get("commit", earlier.get("commit")))
             for run in earlier.get("results", {}).get(script, {}).get(arm, [])
-            if run["seed"] == seed and f"--total-timesteps {steps} " in run["command"]
+            if run["seed"] == seed and run["command"] == command
         ]
-        if kept:
+        if kept:  # the same command and seed: a run of a scripts' commit that may be older than this one
             results.setdefault(script, {}).setdefault(arm, []).append(kept[0])
             continue
-        run = run_one(options.env_id, script, flags, seed, steps)
+        run = dict(run_one(options.env_id, script, flags, seed, steps), commit=options.commit)
         results.setdefault(script, {}).setdefault(arm, []).append(run)
         reached_steps, reached_minutes = to_threshold(run)
         final = run["curves"]["eval/success_once"]["values"][-1]
@@ -228,6 +230,17 @@ def commit() -> str:
     return head.strip() + (" + changes" if changed.stdout.strip() else "")
 
 
+def at_commits(results: dict, default: str) -> str:
+    """The commits the runs measured, per script when they differ (a --resume keeps older runs)."""
+    commits = {
+        s: sorted({run.get("commit") or default for runs in arms.values() for run in runs})
+        for s, arms in results.items()
+    }
+    if len({c for cs in commits.values() for c in cs}) == 1:
+        return next(iter(commits.values()))[0]
+    return "; ".join(f"{script}.py {', '.join(cs)}" for script, cs in commits.items())
+
+
 def fmt(value: float, digits: int = 0) -> str:
     return "not reached" if np.isnan(value) else f"{value:,.{digits}f}"
 
@@ -241,7 +254,7 @@ def report(results: dict, options: Options, wall_s: float, suffix: str) -> str:
         "",
         f"Written by `python benchmarks/maniskill_cpu.py {' '.join(options.argv)}` on {platform.node()} "
         f"({platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, no GPU) in {wall_s / 60:.0f} min, "
-        f"scripts at commit {options.commit}, "
+        f"scripts at commit {at_commits(results, options.commit)}, "
         + (f"load average {options.load:.1f} at the start. " if options.load is not None else "load not recorded. ")
         + "physx_cpu simulation, one process per env, 8 training envs. Evaluation (ManiSkill's protocol): "
         "deterministic policy, no partial resets, the scene reconfigured at every evaluation reset, 8 eval envs "

@@ -413,20 +413,24 @@ def test_running_mean_std_matches_numpy():
 # ----------------------------------------------------------------------------------------------------------------------
 def test_defaults_are_table_b1(capsys):
     a = pql.Args()
-    assert (a.batch_size, a.buffer_size, a.learning_rate, a.max_grad_norm, a.nstep, a.tau, a.gamma) == (
+    assert (a.batch_size, a.buffer_size, a.learning_rate, a.max_grad_norm, a.nstep, a.tau) == (
         None,
         5_000_000,
         5e-4,
         0.5,
         3,
         0.05,
-        0.99,
     )
-    assert (a.warm_up_steps, a.sigma_min, a.sigma_max, a.beta_a_v, a.beta_p_v) == (32, 0.05, 0.8, 1 / 8, 1 / 2)
+    assert (a.warm_up_steps, a.sigma_min, a.sigma_max, a.beta_p_v) == (32, 0.05, 0.8, 1 / 2)
     assert (pql.NUM_ATOMS, pql.V_MIN, pql.V_MAX) == (51, -10.0, 10.0)
-    assert pql.MANISKILL_GPU["num_envs"] == 4096 and pql.MANISKILL_GPU["batch_size"] == 8192
+    gpu = pql.MANISKILL_GPU  # Table B.1, but ManiSkill's own discount (its PPO and SAC baselines): 0.99 learned nothing
+    assert (gpu["num_envs"], gpu["batch_size"], gpu["beta_a_v"], gpu["gamma"]) == (4096, 8192, 1 / 8, 0.8)
+    toy = pql.resolve_args(pql.Args(env_id=pql.TOY_ENV_ID, cuda=False))
+    assert (toy.gamma, toy.beta_a_v) == (0.99, 1 / 8)
     r = pql.resolve_args(pql.Args(env_id="PickCube-v1", cuda=False))
     assert r.sim_backend == "physx_cpu" and r.num_envs == 8 and r.resolved_horizon == 50
+    assert (r.gamma, r.batch_size, r.beta_a_v, r.eval_freq) == (0.8, 256, 1 / 4, 250)  # CPU preset (README, pql)
+    assert pql.resolve_args(pql.Args(env_id="PickCube-v1", cuda=False, gamma=0.99, beta_a_v=0.5)).gamma == 0.99
     assert "note: without CUDA, PickCube-v1 runs a short trial on CPU simulation (8 envs" in capsys.readouterr().out
     assert r.actor_device == r.v_learner_device == r.p_learner_device == "cpu" and r.norm_obs
 
@@ -926,11 +930,11 @@ def test_maniskill_cpu_simulation_smoke(tmp_path):
     run_dir = only_run_dir(tmp_path)
     summary = read_summary(run_dir)
     assert summary["global_step"] == 120 and summary["pql/learning_steps"] == 50
-    assert summary["pql/v_updates"] == 400 and summary["pql/ratio_a_v"] == 0.125
+    assert summary["pql/v_updates"] == 200 and summary["pql/ratio_a_v"] == 0.25  # the CPU preset's beta_a:v, 1:4
     assert summary["eval/episode_len"] == 20 and "eval/success_once" in summary and "eval/return" in summary
     assert "charts/episodic_return" in summary  # episodes of 20 steps ended during training
     config = json.load(open(os.path.join(run_dir, "config.json")))
-    assert config["sim_backend"] == "physx_cpu" and config["norm_obs"] is True
+    assert config["sim_backend"] == "physx_cpu" and config["norm_obs"] is True and config["gamma"] == 0.8
     assert config["bootstrap_at_done"] == "always"  # ManiSkill's default (CONVENTIONS.md)
 
 
