@@ -24,7 +24,7 @@ check of the benchmark itself, not a result).
 
   python benchmarks/cleanba_classic.py             # 2 scripts x 2 tasks x 2 architectures x 3 seeds, seed 1 also
                                                    # with 1 actor thread and with a slow learner, CleanRL's ppo.py
-                                                   # on both tasks: about 85 minutes on 2 CPU cores
+                                                   # on both tasks, 3 seeds: about 95 minutes on 2 CPU cores
   python benchmarks/cleanba_classic.py --quick     # a few minutes
 """
 
@@ -38,6 +38,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import Counter
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -75,7 +76,7 @@ class Options:
     """keep the runs the saved json already holds (same steps), run the rest"""
     cleanrl: str = str(ROOT / ".cleanrl" / "ppo.py")
     """CleanRL's ppo.py (not part of this project: a git-ignored copy); skipped if absent"""
-    cleanrl_seeds: int = 1
+    cleanrl_seeds: int = 3
     """seeds 1..cleanrl_seeds of CleanRL's ppo.py on each task"""
 
 
@@ -158,6 +159,13 @@ def run(script: Path, args: list[str]) -> dict:
     }
 
 
+def commit() -> str:
+    """The commit the scripts were run at (with "+ changes" when the work tree's scripts differ from it)."""
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout
+    changed = subprocess.run(["git", "status", "--porcelain", "--", "*.py"], capture_output=True, text=True, cwd=ROOT)
+    return head.strip() + (" + changes" if changed.stdout.strip() else "")
+
+
 def run_key(algo: str, task: str, architecture: str, threads: int, seed: int, delay: float = 0.0) -> str:
     return f"{algo}|{task}|{architecture}|{threads}|{seed}|{delay}"
 
@@ -170,7 +178,7 @@ def run_all(options: Options, saved: Path) -> dict:
 
     def record(key: str, make_run) -> None:
         if key not in runs:
-            runs[key] = {**make_run(), "total_timesteps": options.total_timesteps}
+            runs[key] = {**make_run(), "total_timesteps": options.total_timesteps, "commit": commit()}
             saved.write_text(json.dumps(runs))
         print(f"{key}: final return {final_return(runs[key]['rows']):.1f}, {runs[key]['wall']:.0f} s", flush=True)
 
@@ -234,7 +242,9 @@ def report(runs: dict, options: Options, suffix: str) -> None:
         + (" (--quick: a check of the benchmark, not a result)" if options.quick else ""),
         "",
         f"Written by `benchmarks/cleanba_classic.py` on {platform.node()} ({platform.processor() or platform.machine()}), "
-        f"{os.cpu_count()} CPUs, seeds {seeds}, {options.total_timesteps} env steps per run. Final return: mean "
+        f"{os.cpu_count()} CPUs, seeds {seeds}, {options.total_timesteps} env steps per run, scripts at commit "
+        + "; ".join(f"{c} ({n} runs)" for c, n in Counter(run.get("commit", "?") for run in runs.values()).items())
+        + ". Final return: mean "
         "charts/episodic_return over the last 5% of iterations; steps to threshold: first iteration whose 5-iteration "
         "mean reaches it (475 CartPole-v1, -100 Acrobot-v1).",
         "",

@@ -5,6 +5,7 @@ it, raw game scores in the logged returns (SpaceInvaders), and runs as a user ru
 torchrun with gloo, --save-model then --evaluate and resume, Ctrl-C, a crashing actor), including the paper's
 reproducibility claim: a slower learner gives bit-identical per-update losses and returns."""
 
+import dataclasses
 import glob
 import json
 import os
@@ -278,12 +279,11 @@ def test_classic_control_presets_and_every_flag_overrides_them():
         500_000,
         6e-4,
     )
-    assert (
-        cartpole.rmsprop_eps == 0.1
-        and ci.resolve_args(ci.Args(env_id="CartPole-v1", rmsprop_eps=0.01)).rmsprop_eps == 0.01
-    )
+    assert (cartpole.rmsprop_eps, cartpole.max_grad_norm, cartpole.num_minibatches) == (0.1, 1000.0, 8)  # not Table 3's
+    flags = dict(rmsprop_eps=0.01, max_grad_norm=40.0, num_minibatches=4)
+    assert dataclasses.asdict(ci.resolve_args(ci.Args(env_id="CartPole-v1", **flags))).items() >= flags.items()
     custom = ci.resolve_args(ci.Args(env_id="Acrobot-v1", local_num_envs=8, num_steps=10, total_timesteps=1000))
-    assert (custom.local_num_envs, custom.num_steps, custom.num_iterations) == (8, 10, 12)
+    assert (custom.local_num_envs, custom.num_steps, custom.num_iterations, custom.minibatch_size) == (8, 10, 12, 10)
     logits, value = ci.Agent(custom)(torch.zeros(5, 6))
     assert logits.shape == (5, 3) and value.shape == (5,)
     with pytest.raises(ci.ArgsError, match="classic-control task"):
