@@ -741,7 +741,7 @@ def learner_process(role, args, sizes, inbox, outbox, counters, stop, run_dir, t
         torch.set_num_threads(threads)
         torch.backends.cudnn.deterministic = args.torch_deterministic
         device = torch.device(getattr(args, f"{role}_device"))
-        if device.type == "cuda":
+        if device.type == "cuda" and device.index is not None:  # plain "cuda" is the current device already
             torch.cuda.set_device(device)
         learner = (VLearner if role == "v_learner" else PLearner)(args, *sizes, device)
         updates = "v_updates" if role == "v_learner" else "p_updates"
