@@ -18,8 +18,9 @@ CleanRL's ppo.py itself runs beside ours (--cleanrl-seeds seeds, default 1, same
 clone of vwxyzjn/cleanrl). It runs unmodified through a launcher that gives it Gymnasium 0.29's vector-env behaviour
 (same-step autoreset, per-env final_info), which the installed Gymnasium 1.x changed.
 
-Writes benchmarks/results/cleanba_classic.md, cleanba_classic.json and cleanba_classic.png (return against env steps and
-against wall-clock time). The json is rewritten after every run; --resume keeps the runs it already holds. --quick runs every code path once with 1 seed and 20k steps and writes *_quick.* files (a
+Writes benchmarks/results/cleanba_classic.md, cleanba_classic.json.gz (every run's per-update rows, gzipped: 38 MB as
+plain json) and cleanba_classic.png (return against env steps and against wall-clock time). The json is rewritten
+after every run; --resume keeps the runs it already holds. --quick runs every code path once with 1 seed and 20k steps and writes *_quick.* files (a
 check of the benchmark itself, not a result).
 
   python benchmarks/cleanba_classic.py             # 2 scripts x 2 tasks x 2 architectures x 3 seeds, seed 1 also
@@ -30,6 +31,7 @@ check of the benchmark itself, not a result).
 
 from __future__ import annotations
 
+import gzip
 import itertools
 import json
 import os
@@ -170,16 +172,22 @@ def run_key(algo: str, task: str, architecture: str, threads: int, seed: int, de
     return f"{algo}|{task}|{architecture}|{threads}|{seed}|{delay}"
 
 
+def load(saved: Path) -> dict:
+    with gzip.open(saved, "rt") as f:
+        return json.loads(f.read())
+
+
 def run_all(options: Options, saved: Path) -> dict:
     """Every run, task by task; the json is rewritten after each (a stopped benchmark goes on with --resume)."""
-    runs = json.loads(saved.read_text()) if options.resume and saved.exists() else {}
+    runs = load(saved) if options.resume and saved.exists() else {}
     runs = {key: value for key, value in runs.items() if value.get("total_timesteps") == options.total_timesteps}
     seeds = range(1, 2 if options.quick else options.seeds + 1)
 
     def record(key: str, make_run) -> None:
         if key not in runs:
             runs[key] = {**make_run(), "total_timesteps": options.total_timesteps, "commit": commit()}
-            saved.write_text(json.dumps(runs))
+            with gzip.open(saved, "wt") as f:
+                f.write(json.dumps(runs))
         print(f"{key}: final return {final_return(runs[key]['rows']):.1f}, {runs[key]['wall']:.0f} s", flush=True)
 
     def ours(algo: str, task: str, architecture: str, threads: int, seed: int, delay: float = 0.0) -> None:
@@ -350,9 +358,9 @@ def main(options: Options) -> None:
         options.total_timesteps = 20_000
     suffix = "_quick" if options.quick else ""
     Path(options.output).mkdir(parents=True, exist_ok=True)
-    saved = Path(options.output) / f"cleanba_classic{suffix}.json"
+    saved = Path(options.output) / f"cleanba_classic{suffix}.json.gz"
     if options.replot:
-        runs = json.loads(saved.read_text())
+        runs = load(saved)
     else:
         runs = run_all(options, saved)
     report(runs, options, suffix)
