@@ -1,0 +1,72 @@
+#!/usr/bin/env bash
+# The checks a lent GPU machine (no network, CUDA torch already installed, Python 3.12) runs, in one call.
+#
+#   bash benchmarks/gpu_checks.sh pack   # here, on the machine with network: writes .whl/site.tar.xz (about 40 MB)
+#   bash benchmarks/gpu_checks.sh run    # there, with .whl carried: unpacks, then runs the checks into $OUT
+#
+# pack: wheels for Python 3.12 of what the scripts import beside torch (../shared/gpu/wheelhouse.py picks them),
+# installed into one folder and cut down to what importing them needs. Left out: ManiSkill's meshes and textures
+# (its asset metadata stays: mani_skill reads it on import), SAPIEN's C++ headers and sensor patterns, jedi's typeshed
+# copy, and the motion-planning and git packages nothing imports. No ManiSkill scene can be built from it; the
+# PhysX GPU library (physx_cuda) is not in any wheel: SAPIEN downloads it from GitHub on first use.
+#
+# run: in the order of their value per minute, each under its own time limit (seconds, env vars):
+#   T_TESTS (300)  every CUDA test case (pytest -k cuda) except those that simulate ManiSkill on the GPU
+#   T_SPEED (200)  benchmarks/speed.py --skip-maniskill: ppo_staggered's ToyChain speed on the CPU and on CUDA
+#   T_VER (240)    benchmarks/ver_throughput.py --experiment gpu at one spread level, one repeat
+# Logs and results go to $OUT (at most 8 files come back from there).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+
+pack() {
+  local house site
+  house=$(mktemp -d) site=$(mktemp -d)
+  python3 ../shared/gpu/wheelhouse.py --out "$house" || return 1
+  mkdir -p "$house/all" .whl
+  cp "$house"/part*/* "$house/all/"
+  (cd "$house/all" && for first in *.whl.piece-00; do
+    [ -e "$first" ] || continue
+    cat "${first%.piece-00}".piece-* >"${first%.piece-00}" && rm -f "${first%.piece-00}".piece-*
+  done && rm -f gitpython-* gitdb-* smmap-* mplib-* toppra-*)
+  python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+    --platform any -d "$house/all" pexpect ptyprocess || return 1
+  python3 -m pip install -q --no-deps --no-compile --target "$site" --python-version 3.12 --implementation cp \
+    --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform any --only-binary=:all: \
+    "$house"/all/*.whl || return 1
+  find "$site/mani_skill/assets" -type f -size +300k -delete
+  find "$site/mani_skill/assets" -type f \( -name '*.glb' -o -name '*.obj' -o -name '*.stl' -o -name '*.STL' \
+    -o -name '*.dae' -o -name '*.png' -o -name '*.ply' \) -delete
+  find "$site/mani_skill/utils/scene_builder" -type f ! -name '*.py' -size +200k -delete
+  rm -rf "$site/jedi/third_party" "$site/sapien/include" "$site/sapien/sensor/assets"
+  tar -C "$site" -cf - . | xz -T0 -3 >.whl/site.tar.xz
+  rm -rf "$house" "$site"
+  grep -qx '/.whl/' .git/info/exclude || echo /.whl/ >>.git/info/exclude
+  ls -la .whl/site.tar.xz
+}
+
+run() {
+  local t0=$SECONDS
+  mkdir -p /tmp/site && tar -C /tmp/site -xJf .whl/site.tar.xz || return 1
+  export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
+  {
+    date -u
+    nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
+    python3 -c "import torch, tensordict, mani_skill.envs; print(torch.__version__, torch.cuda.get_device_name(0))"
+  } 2>&1 | tee "$OUT/env.log"
+  timeout "${T_TESTS:-300}" python3 -m pytest tests -q -rs -p no:cacheprovider --durations=0 \
+    -k "cuda and not stackcube_preset and not simulation_runs_on" 2>&1 | tee "$OUT/cuda_tests.log"
+  echo "tests done at $((SECONDS - t0)) s"
+  mkdir -p "$OUT/bench"
+  timeout "${T_SPEED:-200}" python3 benchmarks/speed.py --skip-maniskill --repeats 3 --output "$OUT/bench" 2>&1 |
+    tee "$OUT/speed.log"
+  echo "speed done at $((SECONDS - t0)) s"
+  timeout "${T_VER:-240}" python3 benchmarks/ver_throughput.py --experiment gpu --spreads 1.5 --repeats 1 \
+    --gpu-ranks 2 --output "$OUT/bench" 2>&1 | tee "$OUT/ver.log"
+  echo "all done at $((SECONDS - t0)) s"
+}
+
+case "${1:-}" in
+  pack) pack ;;
+  run) run ;;
+  *) echo "usage: bash benchmarks/gpu_checks.sh pack|run" >&2; exit 2 ;;
+esac
