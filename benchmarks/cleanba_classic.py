@@ -186,8 +186,10 @@ def run_all(options: Options, saved: Path) -> dict:
     def record(key: str, make_run) -> None:
         if key not in runs:
             runs[key] = {**make_run(), "total_timesteps": options.total_timesteps, "commit": commit()}
-            with gzip.open(saved, "wt") as f:
+            partial = saved.with_name(saved.name + ".partial")  # a stop while writing leaves the last file whole
+            with gzip.open(partial, "wt", compresslevel=6) as f:
                 f.write(json.dumps(runs))
+            partial.replace(saved)
         print(f"{key}: final return {final_return(runs[key]['rows']):.1f}, {runs[key]['wall']:.0f} s", flush=True)
 
     def ours(algo: str, task: str, architecture: str, threads: int, seed: int, delay: float = 0.0) -> None:
