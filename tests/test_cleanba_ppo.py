@@ -783,7 +783,7 @@ def check_learns_cartpole(tmp_path, script, extra):
 
 
 def test_learns_cartpole_through_envpool(tmp_path):
-    """Issue 27: the script learns CartPole-v1 through EnvPool and holds it, each seed as a user runs it: the classic
+    """The script learns CartPole-v1 through EnvPool and holds it, each seed as a user runs it: the classic
     preset (CleanRL's ppo.py settings with its value clipping, 500k steps) with its 512-step batch as 16 envs x 32
     steps, about 100 s per seed on 2 loaded cores. Asserted: the median over seeds 1-3 of the final return (eval/return
     after training) is above 400. Measured for seeds 1-5: eval/return 435.4, 500.0, 500.0, 500.0, 500.0 (mean
