@@ -17,7 +17,7 @@ Map from the paper to this file
   Sec. 4.1, App. A         resolve_args                                  (local_num_envs, world_size, batch sizes)
   Sec. 4.2                 cleanba/rollout_queue_get_time, cleanba/params_queue_get_time
   Sec. 5 (Machado et al.)  make_env                                      (sticky actions, full action space)
-  App. A Alg. 1, Table 2   compute_gae, ppo_loss_terms, Learner          (Adam eps 1e-5, lr 2.5e-4 annealed)
+  App. A Alg. 1, Table 2   learner_targets, compute_gae, ppo_loss_terms, Learner  (Adam eps 1e-5, lr 2.5e-4 annealed)
   Sec. 5 (Espeholt 2018)   Agent                                         (IMPALA ResNet 16/32/32, 256 hidden)
   Sec. 3 (Fig. 2)          --debug-learner-delay                         (a slow learner: same numbers, slower)
 Autoreset: EnvPool's next-step mode (ToyChain-v0 runs in the same mode): the step after an episode end only resets
@@ -41,6 +41,7 @@ import math
 import os
 import queue
 import sys
+import textwrap
 import threading
 import time
 from dataclasses import asdict, dataclass, field
@@ -64,7 +65,7 @@ class Args:
     exp_name: str = os.path.basename(__file__)[: -len(".py")]
     """name of this experiment (part of the run directory name)"""
     seed: int = 1
-    """seed of the network, the environments and the action sampling"""
+    """seed of the network, the environments and the action sampling (>= 0)"""
     torch_deterministic: bool = True
     """deterministic torch algorithms: on CUDA an op without a deterministic kernel raises an error"""
     cuda: bool = True
@@ -80,68 +81,69 @@ class Args:
     save_model: bool = False
     """write checkpoints (ckpt_{global_step}.pt every --checkpoint-freq iterations, final_ckpt.pt at the end)"""
     checkpoint_freq: int = 500
-    """with --save-model, write ckpt_{global_step}.pt every this many iterations"""
+    """with --save-model, write ckpt_{global_step}.pt every this many iterations (>= 1)"""
     checkpoint: Optional[str] = None
     """a checkpoint to resume training from (model, optimizer, iteration), or to evaluate with --evaluate"""
     evaluate: bool = False
     """only evaluate the policy of --checkpoint, then exit"""
     num_eval_episodes: int = 10
-    """episodes of the final evaluation (one per eval env; 0: none) and of --evaluate"""
+    """episodes of the final evaluation (one per eval env; 0: none) and of --evaluate (>= 0; >= 1 with --evaluate)"""
 
     env_id: str = "Breakout-v5"
     """an EnvPool Atari task (Breakout-v5, Pong-v5, ...), an EnvPool classic-control task (CartPole-v1, Acrobot-v1)
     or ToyChain-v0"""
     max_episode_steps: int = 27000
-    """Atari: episode time limit in agent steps, 27,000 = 108,000 frames (Sec. 5; a truncation); classic control
-    keeps its task's own limit (CartPole-v1, Acrobot-v1: 500 steps, a truncation)"""
+    """Atari: episode time limit in agent steps (>= 1), 27,000 = 108,000 frames (Sec. 5; a truncation); classic
+    control keeps its task's own limit (CartPole-v1, Acrobot-v1: 500 steps, a truncation)"""
     bootstrap_at_done: Literal["always", "truncated"] = "truncated"
     """truncated: a time limit bootstraps V(last observation), a termination 0; always: every episode end bootstraps"""
     toy: ToyChainConfig = field(default_factory=ToyChainConfig)
     """ToyChain-v0 settings (always next-step autoreset, as EnvPool)"""
 
     local_num_envs: Optional[int] = None
-    """envs per learner process, split evenly over its actor threads (default: 128 Atari, 4 classic, 32 ToyChain). The
-    original Cleanba's --local-num-envs counts envs per ACTOR THREAD: ours = theirs x num_actor_threads x devices"""
+    """envs per learner process, split evenly over its actor threads (default: Atari 128, Table 2; classic 4; ToyChain
+    32). The original Cleanba's --local-num-envs counts envs per ACTOR THREAD: ours = theirs x threads x devices"""
     num_actor_threads: int = 2
-    """actor threads per actor device, each with its own EnvPool and queues (hardware, not a hyperparameter)"""
+    """actor threads per actor device (>= 1), each with its own EnvPool and queues (hardware, not a hyperparameter)"""
     actor_device_ids: Optional[list[int]] = None
-    """CUDA devices (local indices) of this process's actor threads (default: the learner's device)"""
+    """CUDA devices (local indices) of this process's actor threads (default: the learner's device); needs CUDA"""
     concurrency: bool = False
     """Cleanba's architecture (data of the second-latest policy); default: synchronous (Sec. 5.3)"""
     debug_learner_delay: float = 0.0
-    """seconds the learner sleeps after each update (Sec. 3): a slower learner must give exactly the same run"""
+    """seconds (>= 0) the learner sleeps after each update (Sec. 3): a slower learner must give exactly the same run"""
 
     total_timesteps: Optional[int] = None
-    """env steps of all processes together (default: 50M Atari, Table 2; 500k classic; 64,000 ToyChain)"""
+    """env steps of all processes together, at least one batch (default: Atari 50M, Table 2; classic 500k; ToyChain
+    64,000)"""
     learning_rate: float = 2.5e-4
-    """Adam learning rate (Table 2)"""
+    """Adam learning rate (> 0; Table 2)"""
     anneal_lr: bool = True
     """linearly decay the learning rate to 0 (Table 2)"""
     num_steps: Optional[int] = None
-    """rollout length per env and update (default: 128 Atari, Table 2; 128 classic; 10 ToyChain)"""
+    """rollout length per env and update, >= 1 (default: Atari 128, Table 2; classic 128; ToyChain 10)"""
     gamma: float = 0.99
-    """discount factor (Table 2)"""
+    """discount factor in [0, 1] (Table 2)"""
     gae_lambda: float = 0.95
-    """GAE lambda (Table 2)"""
+    """GAE lambda in [0, 1] (Table 2)"""
     num_minibatches: int = 4
-    """minibatches per epoch (Table 2)"""
+    """minibatches per epoch (>= 1; Table 2)"""
     update_epochs: int = 4
-    """epochs over each batch (Table 2)"""
+    """epochs over each batch (>= 1; Table 2)"""
     norm_adv: bool = True
     """normalize advantages per minibatch (App. A Alg. 1), over the whole minibatch of all learners"""
     clip_coef: Optional[float] = None
-    """PPO clipping coefficient (default: 0.1 Atari, Table 2, and ToyChain; 0.2 classic, as CleanRL's ppo.py)"""
+    """PPO clipping coefficient, > 0 (default: Atari 0.1, Table 2; classic 0.2, as CleanRL's ppo.py; ToyChain 0.1)"""
     ent_coef: float = 0.01
-    """entropy coefficient (Table 2)"""
+    """entropy coefficient (>= 0; Table 2)"""
     vf_coef: float = 0.5
-    """value-loss coefficient (Table 2)"""
+    """value-loss coefficient (>= 0; Table 2)"""
     clip_vloss: Optional[bool] = None
-    """clip the value loss around the actor's values by clip_coef (default: False Atari, Table 2, and ToyChain; True
-    classic, as CleanRL's ppo.py)"""
+    """clip the value loss around the actor's values by clip_coef (default: Atari False, Table 2; classic True, as
+    CleanRL's ppo.py; ToyChain False)"""
     max_grad_norm: float = 0.5
-    """global gradient-norm clip (Table 2)"""
+    """global gradient-norm clip (> 0; Table 2)"""
     target_kl: Optional[float] = None
-    """stop an update's epochs once the approx KL exceeds this (off, as in Table 2)"""
+    """stop an update's epochs once the approx KL exceeds this (> 0; default off, as in Table 2)"""
 
     # filled in by resolve_args (App. A)
     world_size: tyro.conf.Suppress[int] = 1
@@ -177,7 +179,10 @@ def env_family(env_id: str) -> Optional[str]:
         return "classic"
     from envpool.registration import registry
 
-    return "atari" if env_id in registry.specs and registry.specs[env_id][0] == "envpool.atari" else None
+    if env_id not in registry.specs:
+        return None
+    module, _spec_class, _config = registry.specs[env_id]  # where EnvPool implements the task
+    return "atari" if module == "envpool.atari" else None
 
 
 def resolve_args(args: Args, world_size: int = 1) -> Args:
@@ -194,9 +199,44 @@ def resolve_args(args: Args, world_size: int = 1) -> Args:
         )
     if family == "toy" and args.toy.autoreset_mode != "next_step":
         raise ArgsError("--toy.autoreset-mode: this script consumes next-step autoreset (EnvPool's); use next_step")
+    if family == "toy":
+        try:
+            args.toy.validate()
+        except ValueError as error:
+            raise ArgsError(str(error)) from error
     for name, value in PRESETS[family].items():
         if getattr(args, name) is None:
             setattr(args, name, value)
+    fewest = 1 if args.evaluate else 0  # the episodes --evaluate needs
+    # the domain of every numeric flag: (flag, value, within the domain, the domain)
+    checks = [
+        ("--seed", args.seed, args.seed >= 0, ">= 0"),
+        ("--checkpoint-freq", args.checkpoint_freq, args.checkpoint_freq >= 1, ">= 1"),
+        ("--num-eval-episodes", args.num_eval_episodes, args.num_eval_episodes >= fewest, f">= {fewest}"),
+        ("--max-episode-steps", args.max_episode_steps, args.max_episode_steps >= 1, ">= 1"),
+        ("--local-num-envs", args.local_num_envs, args.local_num_envs >= 1, ">= 1"),
+        ("--num-actor-threads", args.num_actor_threads, args.num_actor_threads >= 1, ">= 1"),
+        ("--debug-learner-delay", args.debug_learner_delay, args.debug_learner_delay >= 0.0, ">= 0"),
+        ("--total-timesteps", args.total_timesteps, args.total_timesteps >= 1, ">= 1"),
+        ("--learning-rate", args.learning_rate, args.learning_rate > 0.0, "> 0"),
+        ("--num-steps", args.num_steps, args.num_steps >= 1, ">= 1"),
+        ("--gamma", args.gamma, 0.0 <= args.gamma <= 1.0, "in [0, 1]"),
+        ("--gae-lambda", args.gae_lambda, 0.0 <= args.gae_lambda <= 1.0, "in [0, 1]"),
+        ("--num-minibatches", args.num_minibatches, args.num_minibatches >= 1, ">= 1"),
+        ("--update-epochs", args.update_epochs, args.update_epochs >= 1, ">= 1"),
+        ("--clip-coef", args.clip_coef, args.clip_coef > 0.0, "> 0"),
+        ("--ent-coef", args.ent_coef, args.ent_coef >= 0.0, ">= 0"),
+        ("--vf-coef", args.vf_coef, args.vf_coef >= 0.0, ">= 0"),
+        ("--max-grad-norm", args.max_grad_norm, args.max_grad_norm > 0.0, "> 0"),
+        ("--target-kl", args.target_kl, args.target_kl is None or args.target_kl > 0.0, "> 0"),
+    ]
+    for flag, value, within, domain in checks:
+        if not within:
+            raise ArgsError(f"{flag} {value}: must be {domain}")
+    cuda_devices = torch.cuda.device_count() if args.cuda else 0
+    for device_id in args.actor_device_ids or []:
+        if not 0 <= device_id < cuda_devices:
+            raise ArgsError(f"--actor-device-ids {device_id}: must be a CUDA device index in [0, {cuda_devices})")
     threads = args.num_actor_threads * len(args.actor_device_ids or [0])
     if args.local_num_envs % threads:
         raise ArgsError(
@@ -225,13 +265,25 @@ def resolve_args(args: Args, world_size: int = 1) -> Args:
     return args
 
 
+def format_settings(args: Args) -> str:
+    """The resolved settings, printed at start: `name=value` pairs in field order (the nested ToyChain ones as
+    `toy.horizon=200`), several to a line of at most 120 characters."""
+    pairs = []
+    for name, value in asdict(args).items():
+        if isinstance(value, dict):
+            pairs.extend(f"{name}.{inner_name}={inner_value}" for inner_name, inner_value in value.items())
+        else:
+            pairs.append(f"{name}={value}")
+    return "settings:\n" + textwrap.fill(" ".join(pairs), width=120, break_long_words=False, break_on_hyphens=False)
+
+
 # ---- Environments: EnvPool Atari and classic control, ToyChain-v0 behind EnvPool's API (all next-step autoreset) ----
 def env_seeds(seed: int, rank: int, first_env: int, num_envs: int, start_iteration: int) -> list[int]:
     """One seed per env from its global index, so that an env gets the same seed whatever the number of actor
     threads it is split over; resuming at a later iteration draws new ones."""
     return [
-        int(np.random.SeedSequence([seed, rank, first_env + i, start_iteration]).generate_state(1)[0] >> 1)
-        for i in range(num_envs)
+        int(np.random.SeedSequence([seed, rank, first_env + env, start_iteration]).generate_state(1)[0] >> 1)
+        for env in range(num_envs)
     ]
 
 
@@ -289,10 +341,22 @@ def compute_gae(rewards, values, last_value, no_bootstrap, dones, gamma: float, 
     deltas = rewards + gamma * (1.0 - no_bootstrap.float()) * next_values - values
     advantages = torch.zeros_like(rewards)
     lastgaelam = torch.zeros_like(rewards[0])
-    for t in reversed(range(rewards.shape[0])):
-        lastgaelam = deltas[t] + gamma * gae_lambda * (1.0 - dones[t].float()) * lastgaelam
-        advantages[t] = lastgaelam
+    for step in reversed(range(rewards.shape[0])):
+        lastgaelam = deltas[step] + gamma * gae_lambda * (1.0 - dones[step].float()) * lastgaelam
+        advantages[step] = lastgaelam
     return advantages, advantages + values
+
+
+def learner_targets(batch: dict, args: Args):
+    """The learner's GAE targets (advantages, returns) of a (T, N) batch: with --bootstrap-at-done truncated, a time
+    limit bootstraps V(the episode's true last observation), a termination 0; with always, every end bootstraps."""
+    dones = batch["terminations"] | batch["truncations"]
+    if args.bootstrap_at_done == "truncated":
+        no_bootstrap = batch["terminations"]
+    else:
+        no_bootstrap = torch.zeros_like(dones)
+    values = batch["values"]
+    return compute_gae(batch["rewards"], values, batch["last_value"], no_bootstrap, dones, args.gamma, args.gae_lambda)
 
 
 def ppo_loss_terms(newlogprob, entropy, newvalue, minibatch: dict, clip_coef: float, clip_vloss: bool = False) -> dict:
@@ -361,8 +425,8 @@ class ResidualBlock(nn.Module):
         self.conv0 = nn.Conv2d(channels, channels, 3, padding=1)
         self.conv1 = nn.Conv2d(channels, channels, 3, padding=1)
 
-    def forward(self, x):
-        return x + self.conv1(F.relu(self.conv0(F.relu(x))))
+    def forward(self, inputs):
+        return inputs + self.conv1(F.relu(self.conv0(F.relu(inputs))))
 
 
 def conv_sequence(in_channels: int, out_channels: int) -> nn.Sequential:
@@ -487,7 +551,7 @@ class ActorThread(threading.Thread):
     @torch.no_grad()
     def policy(self, obs: torch.Tensor, iteration: int, step: int):
         """Actions, log-probabilities and values for this thread's envs; the noise rows are those of its envs.
-        One blocking device-to-host copy per env step, and the thread's one generator re-seeded (issue 25)."""
+        One blocking device-to-host copy per env step, and the thread's one generator re-seeded."""
         logits, value = self.agent(obs.to(self.device))
         self.generator.manual_seed(noise_seed(self.args.seed, self.rank, iteration, step))
         uniform = torch.rand((self.args.local_num_envs, logits.shape[-1]), generator=self.generator, device=self.device)
@@ -511,7 +575,8 @@ class ActorThread(threading.Thread):
         alive = lambda: not self.stop.is_set()  # noqa: E731
         env_ids = np.arange(args.envs_per_thread, dtype=np.int32)
         envs.async_reset()
-        obs = torch.tensor(envs.recv()[0])
+        reset_obs, *_ = envs.recv()
+        obs = torch.tensor(reset_obs)
         episodes = Episodes(args.envs_per_thread)
         policy_version = 0
         for actor_iteration in range(1, args.num_iterations - self.start_iteration + 2):
@@ -541,7 +606,8 @@ class ActorThread(threading.Thread):
                 storage["truncations"].append(truncated)
                 episodes.step(reward, info, terminated | truncated)
             rollout = {key: torch.stack(rows) for key, rows in storage.items()}
-            rollout["last_value"] = self.policy(obs, iteration, args.num_steps)[2]  # V(o_T): bootstraps the last row
+            _, _, last_value = self.policy(obs, iteration, args.num_steps)
+            rollout["last_value"] = last_value  # V(o_T): bootstraps the last row
             rollout["policy_version"] = policy_version
             rollout["episodes"] = episodes.sums
             rollout["params_queue_get_time"] = params_queue_get_time
@@ -572,13 +638,10 @@ class Learner:
         # Table 2: the learning rate decays linearly to 0; iteration i (1-based) uses lr0 (1 - (i - 1) / num_iterations)
         lr = args.learning_rate * (1.0 - (iteration - 1.0) / args.num_iterations if args.anneal_lr else 1.0)
         self.optimizer.param_groups[0]["lr"] = lr
-        dones = batch["terminations"] | batch["truncations"]
-        no_bootstrap = batch["terminations"] if args.bootstrap_at_done == "truncated" else torch.zeros_like(dones)
-        advantages, returns = compute_gae(
-            batch["rewards"], batch["values"], batch["last_value"], no_bootstrap, dones, args.gamma, args.gae_lambda
-        )
+        advantages, returns = learner_targets(batch, args)
         flat = {key: batch[key].flatten(0, 1) for key in ("obs", "actions", "logprobs", "values", "valid")}
-        flat.update(advantages=advantages.flatten(), returns=returns.flatten())
+        flat["advantages"] = advantages.flatten()
+        flat["returns"] = returns.flatten()
 
         generator = torch.Generator().manual_seed(noise_seed(args.seed, self.rank, iteration, 0, stream=1))
         totals = {name: 0.0 for name in (*self.STATS, "count")}
@@ -598,7 +661,8 @@ class Learner:
                 break
         out = {name: float(totals[name] / max(totals["count"], 1.0)) for name in self.STATS}
         valid = flat["valid"]
-        returns, values = flat["returns"] * valid, batch["values"].flatten() * valid  # 0 on the reset rows
+        returns = flat["returns"] * valid  # 0 on the reset rows
+        values = flat["values"] * valid
         moments = [(returns - values).square().sum(), returns.sum(), returns.square().sum(), valid.sum()]
         error_sq, total, total_sq, count = all_reduce_sum(torch.stack(moments).double(), args.world_size).tolist()
         var_returns = (total_sq - total * total / max(count, 1.0)) / max(count, 1.0)
@@ -637,8 +701,14 @@ class Logger:
         if args.track:
             import wandb
 
-            settings = dict(sync_tensorboard=True, config=asdict(args), name=run_name, save_code=True)
-            wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, **settings)
+            wandb.init(
+                project=args.wandb_project_name,
+                entity=args.wandb_entity,
+                sync_tensorboard=True,
+                config=asdict(args),
+                name=run_name,
+                save_code=True,
+            )
         self.writer = SummaryWriter(str(run_dir))
         self.jsonl = open(run_dir / "updates.jsonl", "a")
         self.last: dict[str, float] = {}
@@ -658,8 +728,12 @@ class Logger:
 def save_checkpoint(path: Path, agent, optimizer, iteration: int, global_step: int) -> None:
     """Model, optimizer, iteration and global step (all randomness derives from the seed and the iteration), written
     to a temporary file and renamed, so that a crash never leaves a half-written checkpoint."""
-    state = dict(model=agent.state_dict(), optimizer=optimizer.state_dict(), global_step=global_step)
-    state["iteration"] = iteration
+    state = {
+        "model": agent.state_dict(),
+        "optimizer": optimizer.state_dict(),
+        "global_step": global_step,
+        "iteration": iteration,
+    }
     torch.save(state, path.with_name(path.name + ".tmp"))
     os.replace(path.with_name(path.name + ".tmp"), path)
 
@@ -668,23 +742,23 @@ def save_checkpoint(path: Path, agent, optimizer, iteration: int, global_step: i
 def evaluate(args: Args, agent: nn.Module, device: torch.device) -> dict:
     """num_eval_episodes episodes, one per env of a separate pool (seeds apart from training), stepped and counted as
     the actors do (Episodes): eval/return is the raw game score."""
-    n = args.num_eval_episodes
-    envs = make_env(args, n, env_seeds(args.seed, 10_000, 0, n, 0))
+    count = args.num_eval_episodes
+    envs = make_env(args, count, env_seeds(args.seed, 10_000, 0, count, 0))
     generator = torch.Generator(device=device).manual_seed(args.seed + 12345)
-    episodes = Episodes(n)
-    finished = torch.zeros(n, dtype=torch.bool)  # each env counts its first episode only
+    episodes = Episodes(count)
+    finished = torch.zeros(count, dtype=torch.bool)  # each env counts its first episode only
     envs.async_reset()
-    obs = envs.recv()[0]
+    obs, *_ = envs.recv()
     while not bool(finished.all()):
         logits, _ = agent(torch.tensor(obs).to(device))
         action = sample_actions(logits, torch.rand(logits.shape, generator=generator, device=device))
-        envs.send(action.cpu().numpy(), np.arange(n, dtype=np.int32))
+        envs.send(action.cpu().numpy(), np.arange(count, dtype=np.int32))
         obs, reward, terminated, truncated, info = envs.recv()
         finished |= episodes.step(reward, info, torch.tensor(terminated | truncated), counted=~finished)
     envs.close()
-    out = {"eval/return": episodes.sums["returns"] / n, "eval/episode_len": episodes.sums["lengths"] / n}
+    out = {"eval/return": episodes.sums["returns"] / count, "eval/episode_len": episodes.sums["lengths"] / count}
     if args.env_id == TOY_ENV_ID:
-        out["eval/success_at_end"] = episodes.sums["successes"] / n
+        out["eval/success_at_end"] = episodes.sums["successes"] / count
     return out
 
 
@@ -695,7 +769,8 @@ def publish_params(agent: nn.Module, actors: list[ActorThread], version: int) ->
     snapshots = {}
     for actor in actors:
         if actor.device not in snapshots:
-            snapshots[actor.device] = {k: v.detach().to(actor.device, copy=True) for k, v in agent.state_dict().items()}
+            params = agent.state_dict()
+            snapshots[actor.device] = {name: params[name].detach().to(actor.device, copy=True) for name in params}
             if actor.device.type == "cuda":
                 torch.cuda.synchronize(actor.device)
         blocking(partial(actor.params_queue.put, (version, snapshots[actor.device])), actor.is_alive)
@@ -711,14 +786,15 @@ def train(args: Args, learner: Learner, actors: list, logger, run_dir, start_ite
         publish_params(agent, actors, start_iteration)  # pi_start to every actor before it starts
         for actor in actors:
             actor.start()
-        train_start, start_step = time.time(), global_step
+        train_start = time.time()
+        start_step = global_step
         for iteration in range(start_iteration, args.num_iterations + 1):
             # 1. Rollouts: rollout_Q.get() from every actor thread
             start = time.perf_counter()
             rollouts = [blocking(actor.rollout_queue.get, actor.is_alive) for actor in actors]
             rollout_queue_get_time = time.perf_counter() - start
-            batch = {key: torch.cat([r[key].to(device) for r in rollouts], dim=1) for key in ROLLOUT_KEYS}
-            batch["last_value"] = torch.cat([r["last_value"].to(device) for r in rollouts])
+            batch = {key: torch.cat([rollout[key].to(device) for rollout in rollouts], dim=1) for key in ROLLOUT_KEYS}
+            batch["last_value"] = torch.cat([rollout["last_value"].to(device) for rollout in rollouts])
 
             # 2. Update, then param_Q.put(): pi_{iteration + 1}
             start = time.perf_counter()
@@ -732,31 +808,39 @@ def train(args: Args, learner: Learner, actors: list, logger, run_dir, start_ite
                 time.sleep(args.debug_learner_delay)  # Sec. 3: a slow learner changes the wall clock, nothing else
 
             # 3. Log and checkpoint
-            keys = ("count", "returns", "lengths", "successes")
-            episodes = torch.tensor([[r["episodes"][k] for k in keys] for r in rollouts], dtype=torch.float64)
-            count, returns, lengths, successes = all_reduce_sum(episodes.sum(0).to(device), args.world_size).tolist()
+            episode_keys = ("count", "returns", "lengths", "successes")
+            sums = [[rollout["episodes"][key] for key in episode_keys] for rollout in rollouts]
+            sums = torch.tensor(sums, dtype=torch.float64).sum(0).to(device)
+            count, returns, lengths, successes = all_reduce_sum(sums, args.world_size).tolist()  # named back at once
             if rank != 0:
                 continue
-            data_version = rollouts[0]["policy_version"]
-            row = {f"losses/{name}": value for name, value in losses.items() if name != "learning_rate"}
-            row.update(
-                {
-                    "charts/learning_rate": losses["learning_rate"],
-                    "charts/SPS": (global_step - start_step) / (time.time() - train_start),
-                    "cleanba/data_policy_version": data_version,
-                    "cleanba/learner_policy_version": iteration,
-                    "cleanba/policy_lag": iteration - data_version,
-                    # Sec. 4.2: rollout_Q.get() longer than param_Q.get(): the actors are the bottleneck
-                    "cleanba/rollout_queue_get_time": rollout_queue_get_time,
-                    "cleanba/params_queue_get_time": float(np.mean([r["params_queue_get_time"] for r in rollouts])),
-                    "time/rollout": float(np.mean([r["rollout_time"] for r in rollouts])),
-                    "time/update": update_time,
-                }
-            )
+            data_version = rollouts[0]["policy_version"]  # the same in every actor thread's rollout
+            row = {
+                "losses/policy_loss": losses["policy_loss"],
+                "losses/value_loss": losses["value_loss"],
+                "losses/entropy": losses["entropy"],
+                "losses/old_approx_kl": losses["old_approx_kl"],
+                "losses/approx_kl": losses["approx_kl"],
+                "losses/clipfrac": losses["clipfrac"],
+                "losses/explained_variance": losses["explained_variance"],
+                "charts/learning_rate": losses["learning_rate"],
+                "charts/SPS": (global_step - start_step) / (time.time() - train_start),
+                "cleanba/data_policy_version": data_version,
+                "cleanba/learner_policy_version": iteration,
+                "cleanba/policy_lag": iteration - data_version,
+                # Sec. 4.2: rollout_Q.get() longer than param_Q.get(): the actors are the bottleneck
+                "cleanba/rollout_queue_get_time": rollout_queue_get_time,
+                "cleanba/params_queue_get_time": float(
+                    np.mean([rollout["params_queue_get_time"] for rollout in rollouts])
+                ),
+                "time/rollout": float(np.mean([rollout["rollout_time"] for rollout in rollouts])),
+                "time/update": update_time,
+            }
             if count > 0:
-                row.update({"charts/episodic_return": returns / count, "charts/episodic_length": lengths / count})
-                if args.env_id == TOY_ENV_ID:
-                    row["charts/success_rate"] = successes / count
+                row["charts/episodic_return"] = returns / count
+                row["charts/episodic_length"] = lengths / count
+            if count > 0 and args.env_id == TOY_ENV_ID:
+                row["charts/success_rate"] = successes / count
             logger.scalars(row, global_step)
             if args.save_model and iteration % args.checkpoint_freq == 0:
                 save_checkpoint(run_dir / f"ckpt_{global_step}.pt", agent, learner.optimizer, iteration, global_step)
@@ -769,17 +853,21 @@ def train(args: Args, learner: Learner, actors: list, logger, run_dir, start_ite
 
 
 def main(args: Args) -> dict:
-    rank, world_size = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     args = resolve_args(args, world_size)
+    if rank == 0:
+        print(format_settings(args))
     use_cuda = args.cuda and torch.cuda.is_available()
     if use_cuda:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # before the first cuBLAS call
         learner_device = torch.device("cuda", local_rank)  # torchrun: learner process LOCAL_RANK on GPU LOCAL_RANK
         torch.cuda.set_device(learner_device)
-        actor_devices = [torch.device("cuda", i) for i in (args.actor_device_ids or [local_rank])]
+        actor_devices = [torch.device("cuda", device_id) for device_id in (args.actor_device_ids or [local_rank])]
     else:
-        learner_device, actor_devices = torch.device("cpu"), [torch.device("cpu")]
+        learner_device = torch.device("cpu")
+        actor_devices = [torch.device("cpu")]
     if world_size > 1 and not dist.is_initialized():
         dist.init_process_group("nccl" if use_cuda else "gloo")
     torch.use_deterministic_algorithms(args.torch_deterministic)  # on CUDA: an error for a non-deterministic op
@@ -789,18 +877,24 @@ def main(args: Args) -> dict:
 
     agent = Agent(args).to(learner_device)
     learner = Learner(args, agent, learner_device, rank)
-    start_iteration, global_step = 1, 0
+    start_iteration = 1
+    global_step = 0
     if args.checkpoint:
-        state = torch.load(args.checkpoint, map_location="cpu", weights_only=True)
-        agent.load_state_dict(state["model"])
-        learner.optimizer.load_state_dict(state["optimizer"])
-        start_iteration, global_step = state["iteration"] + 1, state["global_step"]
+        try:
+            state = torch.load(args.checkpoint, map_location="cpu", weights_only=True)
+            agent.load_state_dict(state["model"])
+            learner.optimizer.load_state_dict(state["optimizer"])
+        except Exception as error:  # not a checkpoint, or one of another task's network
+            raise ArgsError(f"--checkpoint {args.checkpoint}: not a checkpoint of this network") from error
+        start_iteration = state["iteration"] + 1
+        global_step = state["global_step"]
         print(f"resuming from {args.checkpoint} at iteration {start_iteration}, global step {global_step}")
     if world_size > 1:  # every learner starts from rank 0's parameters
         for param in agent.parameters():
             dist.broadcast(param.data, src=0)
 
-    logger, run_dir = None, None
+    logger = None
+    run_dir = None
     if rank == 0:
         run_name = f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}"
         run_dir = Path(args.output_dir) / run_name
@@ -808,14 +902,15 @@ def main(args: Args) -> dict:
         (run_dir / "config.json").write_text(json.dumps(asdict(args), indent=2))
         logger = Logger(run_dir, args, run_name)
     progress = {"iteration": start_iteration - 1, "global_step": global_step, "interrupted": False}
-    start_time, start_step = time.time(), global_step
+    start_time = time.time()
+    start_step = global_step
     stop = threading.Event()
     actors = []
     try:
         if not args.evaluate:
             for device_index, device in enumerate(actor_devices):
-                for j in range(args.num_actor_threads):
-                    index = device_index * args.num_actor_threads + j
+                for thread in range(args.num_actor_threads):
+                    index = device_index * args.num_actor_threads + thread
                     actors.append(ActorThread(args, index, device, rank, start_iteration, agent, stop))
             progress = train(args, learner, actors, logger, run_dir, start_iteration, global_step)
             if "actor_error" in progress:
@@ -838,10 +933,10 @@ def main(args: Args) -> dict:
         for actor in actors:
             actor.join(timeout=10)
         wall_time = time.time() - start_time
-        summary = {**progress, "world_size": world_size, "wall_time_s": wall_time}
-        summary["sps"] = (progress["global_step"] - start_step) / wall_time
+        sps = (progress["global_step"] - start_step) / wall_time
+        summary = {**progress, "world_size": world_size, "wall_time_s": wall_time, "sps": sps}
         if rank == 0:
-            summary.update(logger.last)
+            summary = {**summary, **logger.last}
             (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
             logger.close()
         if world_size > 1 and dist.is_initialized():

@@ -5,6 +5,7 @@ the logged returns (SpaceInvaders), and runs as a user runs the script (both arc
 --save-model then --evaluate and resume, Ctrl-C, a crashing actor), including the paper's reproducibility claim: a
 slower learner gives bit-identical per-update losses and returns."""
 
+import dataclasses
 import glob
 import json
 import os
@@ -103,6 +104,31 @@ def test_gae_next_step_autoreset_hand_worked():
     # --bootstrap-at-done always: the termination bootstraps too, row1 2 + .9*7 - 1 = 7.3, A0 = 1.4 + .72*7.3
     adv, _ = cp.compute_gae(rewards, values, torch.tensor([9.0]), torch.zeros_like(terms), terms | truncs, gamma, lam)
     np.testing.assert_allclose(adv.view(-1)[valid].numpy(), [6.656, 7.3, 5.1], rtol=1e-6)
+
+
+def test_the_learner_bootstraps_a_time_limit_truncation_with_the_value_of_the_last_observation():
+    # The learner's own targets (Learner.update calls learner_targets). Env 0, next-step autoreset: s0 -> s1, which
+    # ends at the time limit (row 1 truncated); row 2 is the stale reset row whose obs is s1's true last observation,
+    # V = 5; then s0' -> terminated (row 3), row 4 stale with V = 7; V(o_T) = 9.
+    args = cp.Args(env_id="ToyChain-v0", gamma=0.9, gae_lambda=0.8)
+    batch = {
+        "rewards": col(1.0, 2.0, 0.0, 3.0, 0.0),
+        "values": col(0.5, 1.0, 5.0, 1.5, 7.0),
+        "last_value": torch.tensor([9.0]),
+        "terminations": col(0, 0, 0, 1, 0, dtype=torch.bool),
+        "truncations": col(0, 1, 0, 0, 0, dtype=torch.bool),
+    }
+    valid = torch.tensor([True, True, False, True, False])
+    advantages, returns = cp.learner_targets(batch, args)
+    # truncated: row 1: 2 + .9 * V(last obs) 5 - 1 = 5.5 (bootstrapped); row 3: 3 - 1.5 = 1.5 (a termination: 0)
+    # row 0: 1 + .9 * 1 - .5 = 1.4, A0 = 1.4 + .9 * .8 * 5.5 = 5.36. Every end cut to 0 would give row 1 2 - 1 = 1.
+    np.testing.assert_allclose(advantages.view(-1)[valid].numpy(), [5.36, 5.5, 1.5], rtol=1e-6)
+    np.testing.assert_allclose(returns.view(-1)[valid].numpy(), [5.86, 6.5, 3.0], rtol=1e-6)
+    # always: the termination bootstraps too, row 3: 3 + .9 * 7 - 1.5 = 7.8
+    advantages, _ = cp.learner_targets(
+        batch, cp.Args(env_id="ToyChain-v0", gamma=0.9, gae_lambda=0.8, bootstrap_at_done="always")
+    )
+    np.testing.assert_allclose(advantages.view(-1)[valid].numpy(), [5.36, 5.5, 7.8], rtol=1e-6)
 
 
 def test_ppo_loss_terms_hand_worked():
@@ -267,6 +293,90 @@ def test_bad_input_is_rejected_with_the_flag_named(kwargs, message):
         cp.resolve_args(cp.Args(**kwargs))
 
 
+# every numeric flag with a value outside its domain: (Args field or toy field, value, the domain in the message)
+OUT_OF_DOMAIN = [
+    ("seed", -1, ">= 0"),
+    ("checkpoint_freq", 0, ">= 1"),
+    ("num_eval_episodes", -1, ">= 0"),
+    ("max_episode_steps", 0, ">= 1"),
+    ("local_num_envs", 0, ">= 1"),
+    ("local_num_envs", -4, ">= 1"),
+    ("num_actor_threads", 0, ">= 1"),
+    ("actor_device_ids", [-1], "a CUDA device index"),
+    ("debug_learner_delay", -0.5, ">= 0"),
+    ("total_timesteps", -10, ">= 1"),
+    ("learning_rate", -1e-3, "> 0"),
+    ("learning_rate", 0.0, "> 0"),
+    ("num_steps", 0, ">= 1"),
+    ("gamma", 1.5, "in [0, 1]"),
+    ("gamma", float("nan"), "in [0, 1]"),
+    ("gae_lambda", -0.1, "in [0, 1]"),
+    ("num_minibatches", 0, ">= 1"),
+    ("update_epochs", 0, ">= 1"),
+    ("clip_coef", -0.2, "> 0"),
+    ("ent_coef", -0.01, ">= 0"),
+    ("vf_coef", -0.5, ">= 0"),
+    ("max_grad_norm", 0.0, "> 0"),
+    ("target_kl", -0.01, "> 0"),
+    ("toy.horizon", 0, ">= 1"),
+    ("toy.block_length", 0, ">= 1"),
+    ("toy.num_actions", 1, ">= 2"),
+    ("toy.progression_prob", 1.5, "in [0, 1]"),
+    ("toy.mastery_threshold", -1, ">= 0"),
+    ("toy.reset_lambda", -1.0, ">= 0"),
+    ("toy.step_time_mean", -1.0, ">= 0"),
+    ("toy.step_time_spread", -1.0, ">= 0"),
+    ("toy.step_time_jitter", -1.0, ">= 0"),
+    ("toy.crash_at_step", -1, ">= 0"),
+]
+
+
+@pytest.mark.parametrize("name, value, domain", OUT_OF_DOMAIN)
+def test_every_numeric_flag_outside_its_domain_is_rejected_naming_flag_value_and_domain(name, value, domain):
+    if name.startswith("toy."):
+        field = name[len("toy.") :]
+        args = cp.Args(env_id="ToyChain-v0", toy=cp.ToyChainConfig(**{field: value}))
+    else:
+        args = cp.Args(env_id="ToyChain-v0", **{name: value})
+    flag = "--" + name.replace("_", "-")
+    shown = value[0] if isinstance(value, list) else value
+    with pytest.raises(cp.ArgsError) as error:
+        cp.resolve_args(args)
+    message = str(error.value)
+    assert message.startswith(flag) and str(shown) in message and domain in message, message
+
+
+def test_every_numeric_flag_has_a_row_in_the_out_of_domain_table():
+    numeric = set()
+    for field in dataclasses.fields(cp.Args):  # annotations are strings here (from __future__ import annotations)
+        if "Suppress" not in field.type and ("int" in field.type or "float" in field.type):
+            numeric.add(field.name)
+    for field in dataclasses.fields(cp.ToyChainConfig):
+        if field.type in (int, float, "int", "float") and field.name != "task_seed":  # any integer seeds the task
+            numeric.add("toy." + field.name)
+    assert numeric == {name for name, _, _ in OUT_OF_DOMAIN}
+
+
+def test_settings_are_printed_in_field_order_in_lines_of_at_most_120_characters():
+    args = cp.resolve_args(cp.Args(env_id="ToyChain-v0", toy=cp.ToyChainConfig(horizon=40)))
+    lines = cp.format_settings(args).splitlines()
+    assert lines[0] == "settings:" and 1 < len(lines) < 15 and all(len(line) <= 120 for line in lines)
+    pairs = " ".join(lines[1:]).split(" ")
+    assert pairs[0] == "exp_name=cleanba_ppo" and pairs[-1] == "num_iterations=200"
+    assert pairs.index("env_id=ToyChain-v0") < pairs.index("toy.horizon=40") < pairs.index("local_num_envs=32")
+    assert "clip_coef=0.1" in pairs and "total_timesteps=64000" in pairs  # the preset's values, resolved
+
+
+def test_evaluate_needs_an_episode_and_a_checkpoint_of_this_network(tmp_path):
+    path = tmp_path / "model.pt"
+    path.write_text("not a checkpoint")
+    with pytest.raises(cp.ArgsError, match=r"\-\-num\-eval\-episodes 0: must be >= 1"):
+        cp.resolve_args(cp.Args(env_id="ToyChain-v0", evaluate=True, checkpoint=str(path), num_eval_episodes=0))
+    assert cp.resolve_args(cp.Args(env_id="ToyChain-v0", num_eval_episodes=0)).num_eval_episodes == 0
+    with pytest.raises(cp.ArgsError, match="no such file"):
+        cp.resolve_args(cp.Args(env_id="ToyChain-v0", checkpoint=str(tmp_path / "missing.pt")))
+
+
 # ----------------------------------------------------------------------------------------------------------------------
 # The actor thread and the learner, in process
 # ----------------------------------------------------------------------------------------------------------------------
@@ -325,7 +435,7 @@ def test_the_actor_acts_with_the_params_it_receives():
 
 
 def check_the_actor_syncs_the_host_once_per_env_step(script, monkeypatch):
-    """Shared with test_cleanba_impala.py (issue 25, 2.4). On a GPU every copy to the host, .item(), bool(tensor) and
+    """Shared with test_cleanba_impala.py. On a GPU every copy to the host, .item(), bool(tensor) and
     torch.cuda.synchronize blocks the actor until the device is done. With the actor thread stepping on the CPU, count
     those calls (and torch.Generator constructions) over one rollout of T steps: at most one per step plus one for
     the last observation, and no generator built per step. Three copies per step (the old actor) make 3T + 3."""
@@ -404,7 +514,7 @@ def test_the_actor_marks_the_next_step_reset_rows():
 
 
 def check_the_reset_rows_do_not_reach_the_update(script):
-    """Shared with test_cleanba_impala.py (issue 25, part 3). A next-step reset row (valid False) carries no
+    """Shared with test_cleanba_impala.py. A next-step reset row (valid False) carries no
     transition: its observation is the episode's true last one and bootstraps the row before, but its action,
     behaviour log-probability and reward must not reach the loss. Two learners from the same initialization run
     Learner.update on batches that differ only in those three on the reset rows (extreme values there): their
@@ -571,9 +681,10 @@ def scalars(run_dir, tag):
 @pytest.mark.parametrize("device", DEVICES)
 def test_toy_chain_run_trains_on_the_data_version_of_table_1(tmp_path, concurrency, device):
     args = TOY + ["--total-timesteps", "800", "--concurrency" if concurrency else "--no-concurrency"]
-    run_script(args + (["--no-cuda"] if device == "cpu" else []), tmp_path)
+    proc = run_script(args + (["--no-cuda"] if device == "cpu" else []), tmp_path)
     summary, rows, run_dir = read_run(tmp_path)
     assert summary["global_step"] == 800 and summary["iteration"] == 20 and summary["sps"] > 0
+    assert proc.stdout.count("settings:") == 1 and "toy.horizon=20" in proc.stdout and "local_num_envs=8" in proc.stdout
     # Table 1: update i trains on data of pi_i (synchronous) or, from update 2 on, of pi_{i-1} (Cleanba's)
     expected = [max(i - 1, 1) for i in range(1, 21)] if concurrency else list(range(1, 21))
     assert [r["cleanba/data_policy_version"] for r in rows] == expected
@@ -672,7 +783,7 @@ def check_learns_cartpole(tmp_path, script, extra):
 
 
 def test_learns_cartpole_through_envpool(tmp_path):
-    """Issue 27: the script learns CartPole-v1 through EnvPool and holds it, each seed as a user runs it: the classic
+    """The script learns CartPole-v1 through EnvPool and holds it, each seed as a user runs it: the classic
     preset (CleanRL's ppo.py settings with its value clipping, 500k steps) with its 512-step batch as 16 envs x 32
     steps, about 100 s per seed on 2 loaded cores. Asserted: the median over seeds 1-3 of the final return (eval/return
     after training) is above 400. Measured for seeds 1-5: eval/return 435.4, 500.0, 500.0, 500.0, 500.0 (mean
@@ -734,6 +845,24 @@ def test_bad_flag_exits_early_with_a_message_and_writes_nothing(tmp_path):
     proc = run_script(["--env-id", "ToyChain-v0", "--local-num-envs", "7"], tmp_path, check=False)
     assert proc.returncode == 2 and "error: --local-num-envs 7 does not split over 2 actor threads" in proc.stderr
     assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--gamma", "1.5"], "error: --gamma 1.5: must be in [0, 1]"),
+        (["--toy.horizon", "0"], "--toy.horizon must be >= 1"),
+        (["--checkpoint", "model.pt"], "error: --checkpoint model.pt: not a checkpoint of this network"),
+    ],
+)
+def test_bad_input_at_the_command_line_exits_2_with_one_line_and_no_traceback(tmp_path, flags, message):
+    (tmp_path / "model.pt").write_text("not a checkpoint")
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    cmd = [sys.executable, SCRIPT, "--env-id", "ToyChain-v0", "--output-dir", "runs", *flags]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stderr.strip().splitlines() == [proc.stderr.strip()] and message in proc.stderr, proc.stderr
+    assert not (tmp_path / "runs").exists()
 
 
 def check_a_failing_actor_ends_the_run_with_its_error(tmp_path, monkeypatch, script, **kwargs):
