@@ -912,7 +912,8 @@ def main(args: Args) -> dict:
             agent.load_state_dict(state["model"])
             learner.optimizer.load_state_dict(state["optimizer"])
         except Exception as error:  # not a checkpoint of this script, or of another network (env, settings)
-            raise ArgsError(f"--checkpoint {args.checkpoint}: not a checkpoint of this network ({error})") from None
+            reason = " ".join(f"{type(error).__name__}: {error}".split())[:300]  # one line
+            raise ArgsError(f"--checkpoint {args.checkpoint}: not a checkpoint of this network ({reason})") from None
         start_iteration = state["iteration"] + 1
         global_step = state["global_step"]
         print(f"resuming from {args.checkpoint} at iteration {start_iteration}, global step {global_step}")
