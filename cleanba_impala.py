@@ -301,8 +301,8 @@ def env_seeds(seed: int, rank: int, first_env: int, num_envs: int, start_iterati
     """One seed per env from its global index, so that an env gets the same seed whatever the number of actor
     threads it is split over; resuming at a later iteration draws new ones."""
     return [
-        int(np.random.SeedSequence([seed, rank, first_env + i, start_iteration]).generate_state(1)[0] >> 1)
-        for i in range(num_envs)
+        int(np.random.SeedSequence([seed, rank, first_env + env, start_iteration]).generate_state(1)[0] >> 1)
+        for env in range(num_envs)
     ]
 
 
@@ -375,9 +375,9 @@ def vtrace(
         deltas = rhos.clamp(max=rho_bar) * (rewards + discounts * next_values - values)
         errors = torch.zeros_like(values)
         accumulated = torch.zeros_like(values[0])
-        for t in reversed(range(values.shape[0])):
-            accumulated = deltas[t] + traces[t] * accumulated
-            errors[t] = accumulated
+        for step in reversed(range(values.shape[0])):
+            accumulated = deltas[step] + traces[step] * accumulated
+            errors[step] = accumulated
         vs = values + errors
         vs_next = torch.cat([vs[1:], next_values[-1:]], dim=0)
         values_next = torch.cat([values[1:], next_values[-1:]], dim=0)
@@ -459,8 +459,8 @@ class ResidualBlock(nn.Module):
         self.conv0 = nn.Conv2d(channels, channels, 3, padding=1)
         self.conv1 = nn.Conv2d(channels, channels, 3, padding=1)
 
-    def forward(self, x):
-        return x + self.conv1(F.relu(self.conv0(F.relu(x))))
+    def forward(self, inputs):
+        return inputs + self.conv1(F.relu(self.conv0(F.relu(inputs))))
 
 
 def conv_sequence(in_channels: int, out_channels: int) -> nn.Sequential:
@@ -479,8 +479,14 @@ class Agent(nn.Module):
     def __init__(self, args: Args):
         super().__init__()
         self.obs_scale = 255.0 if env_family(args.env_id) == "atari" else 1.0  # Atari: uint8 frames
+        self.num_blocks = args.toy.num_blocks if args.env_id == TOY_ENV_ID else 0  # ToyChain: one-hot block index
+        if args.env_id in CLASSIC_ENVS:  # no shared torso: two networks, as CleanRL's ppo.py
+            obs_size, num_actions = CLASSIC_ENVS[args.env_id]
+            self.torso = nn.Identity()
+            self.actor = tanh_mlp(obs_size, num_actions, std=0.01)
+            self.critic = tanh_mlp(obs_size, 1, std=1.0)
+            return
         if args.env_id == TOY_ENV_ID:
-            self.num_blocks = args.toy.num_blocks
             num_actions = args.toy.num_actions
             hidden = 64
             self.torso = nn.Sequential(
@@ -489,12 +495,7 @@ class Agent(nn.Module):
                 layer_init(nn.Linear(hidden, hidden)),
                 nn.ReLU(),
             )
-        elif args.env_id in CLASSIC_ENVS:  # no shared torso: two networks, as CleanRL's ppo.py
-            obs_size, num_actions = CLASSIC_ENVS[args.env_id]
-            self.num_blocks = 0
-            self.torso = nn.Identity()
         else:
-            self.num_blocks = 0
             num_actions = 18  # the full action space (Sec. 5)
             hidden = 256
             self.torso = nn.Sequential(
@@ -506,12 +507,8 @@ class Agent(nn.Module):
                 layer_init(nn.Linear(32 * 11 * 11, hidden)),
                 nn.ReLU(),
             )
-        if args.env_id in CLASSIC_ENVS:
-            self.actor = tanh_mlp(obs_size, num_actions, std=0.01)
-            self.critic = tanh_mlp(obs_size, 1, std=1.0)
-        else:
-            self.actor = layer_init(nn.Linear(hidden, num_actions), std=0.01)
-            self.critic = layer_init(nn.Linear(hidden, 1), std=1.0)
+        self.actor = layer_init(nn.Linear(hidden, num_actions), std=0.01)
+        self.critic = layer_init(nn.Linear(hidden, 1), std=1.0)
 
     def forward(self, obs: torch.Tensor):
         if self.num_blocks:
@@ -577,7 +574,6 @@ class ActorThread(threading.Thread):
     def __init__(self, args: Args, index: int, device, rank: int, start_iteration: int, template: nn.Module, stop):
         super().__init__(daemon=True, name=f"actor-{index}")
         self.args = args
-        self.index = index
         self.device = device
         self.rank = rank
         self.start_iteration = start_iteration
@@ -799,7 +795,8 @@ def publish_params(agent: nn.Module, actors: list[ActorThread], version: int) ->
     snapshots = {}
     for actor in actors:
         if actor.device not in snapshots:
-            snapshots[actor.device] = {k: v.detach().to(actor.device, copy=True) for k, v in agent.state_dict().items()}
+            state = agent.state_dict()
+            snapshots[actor.device] = {name: state[name].detach().to(actor.device, copy=True) for name in state}
             if actor.device.type == "cuda":
                 torch.cuda.synchronize(actor.device)
         blocking(partial(actor.params_queue.put, (version, snapshots[actor.device])), actor.is_alive)
@@ -822,8 +819,9 @@ def train(args: Args, learner: Learner, actors: list, logger, run_dir, start_ite
             start = time.perf_counter()
             rollouts = [blocking(actor.rollout_queue.get, actor.is_alive) for actor in actors]
             rollout_queue_get_time = time.perf_counter() - start
-            batch = {key: torch.cat([r[key].to(learner.device) for r in rollouts], dim=1) for key in ROLLOUT_KEYS}
-            batch["next_obs"] = torch.cat([r["next_obs"].to(learner.device) for r in rollouts])
+            batch = {key: torch.cat([rollout[key] for rollout in rollouts], dim=1) for key in ROLLOUT_KEYS}
+            batch["next_obs"] = torch.cat([rollout["next_obs"] for rollout in rollouts])
+            batch = {key: value.to(learner.device) for key, value in batch.items()}
 
             # 2. Update, then param_Q.put(): pi_{iteration + 1}
             start = time.perf_counter()
@@ -837,10 +835,10 @@ def train(args: Args, learner: Learner, actors: list, logger, run_dir, start_ite
                 time.sleep(args.debug_learner_delay)  # Sec. 3: a slow learner changes the wall clock, nothing else
 
             # 3. Log and checkpoint
-            keys = ("count", "returns", "lengths", "successes")
-            episodes = torch.tensor([[r["episodes"][k] for k in keys] for r in rollouts], dtype=torch.float64)
-            summed = all_reduce_sum(episodes.sum(0).to(learner.device), args.world_size)  # one all-reduce
-            count, returns, lengths, successes = summed.tolist()
+            names = ("count", "returns", "lengths", "successes")
+            episodes = [[rollout["episodes"][name] for name in names] for rollout in rollouts]
+            summed = torch.tensor(episodes, dtype=torch.float64, device=learner.device).sum(0)
+            count, returns, lengths, successes = all_reduce_sum(summed, args.world_size).tolist()  # one all-reduce
             if learner.rank != 0:
                 continue
             data_version = rollouts[0]["policy_version"]  # the same in every actor thread
@@ -859,8 +857,10 @@ def train(args: Args, learner: Learner, actors: list, logger, run_dir, start_ite
                 "cleanba/policy_lag": iteration - data_version,
                 # Sec. 4.2: rollout_Q.get() longer than param_Q.get(): the actors are the bottleneck
                 "cleanba/rollout_queue_get_time": rollout_queue_get_time,
-                "cleanba/params_queue_get_time": float(np.mean([r["params_queue_get_time"] for r in rollouts])),
-                "time/rollout": float(np.mean([r["rollout_time"] for r in rollouts])),
+                "cleanba/params_queue_get_time": float(
+                    np.mean([rollout["params_queue_get_time"] for rollout in rollouts])
+                ),
+                "time/rollout": float(np.mean([rollout["rollout_time"] for rollout in rollouts])),
                 "time/update": update_time,
             }
             if count > 0:
@@ -891,7 +891,7 @@ def main(args: Args) -> dict:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # before the first cuBLAS call
         learner_device = torch.device("cuda", local_rank)  # torchrun: learner process LOCAL_RANK on GPU LOCAL_RANK
         torch.cuda.set_device(learner_device)
-        actor_devices = [torch.device("cuda", i) for i in (args.actor_device_ids or [local_rank])]
+        actor_devices = [torch.device("cuda", index) for index in (args.actor_device_ids or [local_rank])]
     else:
         learner_device = torch.device("cpu")
         actor_devices = [learner_device]
@@ -937,8 +937,8 @@ def main(args: Args) -> dict:
     try:
         if not args.evaluate:
             for device_index, device in enumerate(actor_devices):
-                for j in range(args.num_actor_threads):
-                    index = device_index * args.num_actor_threads + j
+                for thread in range(args.num_actor_threads):
+                    index = device_index * args.num_actor_threads + thread
                     actors.append(ActorThread(args, index, device, rank, start_iteration, agent, stop))
             progress = train(args, learner, actors, logger, run_dir, start_iteration, global_step)
             if "actor_error" in progress:
@@ -961,17 +961,10 @@ def main(args: Args) -> dict:
         for actor in actors:
             actor.join(timeout=10)
         wall_time = time.time() - start_time
-        summary = {
-            "iteration": progress["iteration"],
-            "global_step": progress["global_step"],
-            "interrupted": progress["interrupted"],
-            "world_size": world_size,
-            "wall_time_s": wall_time,
-            "sps": (progress["global_step"] - start_step) / wall_time,
-        }
+        sps = (progress["global_step"] - start_step) / wall_time
+        last = logger.last if rank == 0 else {}  # the last value of every logged scalar
+        summary = {**progress, "world_size": world_size, "wall_time_s": wall_time, "sps": sps, **last}
         if rank == 0:
-            for name, value in logger.last.items():  # the last value of every logged scalar
-                summary[name] = value
             (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
             logger.close()
         if world_size > 1 and dist.is_initialized():
