@@ -603,7 +603,7 @@ def test_envpool_atari_protocol():
 
 
 def test_learns_cartpole_through_envpool(tmp_path):
-    """Issue 27: the script learns CartPole-v1 through EnvPool and holds it, each seed as a user runs it (the classic
+    """The script learns CartPole-v1 through EnvPool and holds it, each seed as a user runs it (the classic
     preset: 16 envs x 20 steps, 8 minibatches, clip 1,000, RMSprop epsilon 0.1, 500k steps; 80 s per seed on 2 idle
     cores). Asserted: the median over seeds 1-3 of the final return (eval/return after training) is above 400.
     Measured for seeds 1-5 (c5a1b18): eval/return 484.6, 500.0, 442.1, 500.0, 500.0; synchronous 415.5, 497.4, 477.8,
