@@ -70,7 +70,7 @@ class Args:
     exp_name: str = os.path.basename(__file__)[: -len(".py")]
     """name of this experiment (part of the run directory name)"""
     seed: int = 1
-    """seed of the network, the environments and the action sampling"""
+    """seed of the network, the environments and the action sampling (>= 0)"""
     torch_deterministic: bool = True
     """deterministic torch algorithms: on CUDA an op without a deterministic kernel raises an error"""
     cuda: bool = True
@@ -86,65 +86,69 @@ class Args:
     save_model: bool = False
     """write checkpoints (ckpt_{global_step}.pt every --checkpoint-freq iterations, final_ckpt.pt at the end)"""
     checkpoint_freq: int = 500
-    """with --save-model, write ckpt_{global_step}.pt every this many iterations"""
+    """with --save-model, write ckpt_{global_step}.pt every this many iterations (>= 1)"""
     checkpoint: Optional[str] = None
     """a checkpoint to resume training from (model, optimizer, iteration), or to evaluate with --evaluate"""
     evaluate: bool = False
     """only evaluate the policy of --checkpoint, then exit"""
     num_eval_episodes: int = 10
-    """episodes of the final evaluation (one per eval env; 0: none) and of --evaluate"""
+    """episodes of the final evaluation (one per eval env; >= 0, 0: none) and of --evaluate"""
 
     env_id: str = "Breakout-v5"
     """an EnvPool Atari task (Breakout-v5, Pong-v5, ...), an EnvPool classic-control task (CartPole-v1, Acrobot-v1)
     or ToyChain-v0"""
     max_episode_steps: int = 27000
-    """Atari: episode time limit in agent steps, 27,000 = 108,000 frames (Sec. 5; a truncation); classic control
-    keeps its task's own limit (CartPole-v1, Acrobot-v1: 500 steps, a truncation)"""
+    """Atari: episode time limit in agent steps (>= 1), 27,000 = 108,000 frames (Sec. 5; a truncation); classic
+    control keeps its task's own limit (CartPole-v1, Acrobot-v1: 500 steps, a truncation)"""
     bootstrap_at_done: Literal["always", "truncated"] = "truncated"
     """truncated: a time limit bootstraps V(last observation), a termination 0; always: every episode end bootstraps"""
     toy: ToyChainConfig = field(default_factory=ToyChainConfig)
     """ToyChain-v0 settings (always next-step autoreset, as EnvPool)"""
 
     local_num_envs: Optional[int] = None
-    """envs per learner process, split evenly over its actor threads (default: 128 Atari, 16 classic, 32 ToyChain). The
-    original Cleanba's --local-num-envs counts envs per ACTOR THREAD: ours = theirs x num_actor_threads x devices"""
+    """envs per learner process (>= 1), split evenly over its actor threads (default: Atari 128, Table 3; classic
+    control 16; ToyChain 32). The original Cleanba's --local-num-envs counts envs per ACTOR THREAD: ours = theirs x
+    num_actor_threads x devices"""
     num_actor_threads: int = 2
-    """actor threads per actor device, each with its own EnvPool and queues (hardware, not a hyperparameter)"""
+    """actor threads per actor device (>= 1), each with its own EnvPool and queues (hardware, not a hyperparameter)"""
     actor_device_ids: Optional[list[int]] = None
-    """CUDA devices (local indices) of this process's actor threads (default: the learner's device)"""
+    """CUDA devices (local indices) of this process's actor threads (default: the learner's device); needs CUDA"""
     concurrency: bool = True
     """Cleanba's architecture (data of the second-latest policy); --no-concurrency: synchronous"""
     debug_learner_delay: float = 0.0
-    """seconds the learner sleeps after each update (Sec. 3): a slower learner must give exactly the same run"""
+    """seconds (>= 0) the learner sleeps after each update (Sec. 3): a slower learner must give exactly the same run"""
 
     total_timesteps: Optional[int] = None
-    """env steps of all processes together (default: 50M Atari, Table 3; 500k classic; 64,000 ToyChain)"""
+    """env steps of all processes together, at least one batch (default: Atari 50M, Table 3; classic control 500k;
+    ToyChain 64,000)"""
     learning_rate: float = 6e-4
-    """RMSprop learning rate (Table 3)"""
+    """RMSprop learning rate (> 0; Table 3)"""
     anneal_lr: bool = True
     """linearly decay the learning rate to 0 (Table 3)"""
     num_steps: Optional[int] = None
-    """rollout (unroll) length per env and update (default: 20 Atari, Table 3; 20 classic; 10 ToyChain)"""
+    """rollout (unroll) length per env and update (>= 1; default: Atari 20, Table 3; classic control 20; ToyChain 10)"""
     gamma: float = 0.99
-    """discount factor (Table 3)"""
+    """discount factor (in [0, 1]; Table 3)"""
     vtrace_lambda: float = 1.0
-    """lambda, the V-trace mixing parameter (Table 3)"""
+    """lambda, the V-trace mixing parameter (in [0, 1]; Table 3)"""
     clip_rho_threshold: float = 1.0
-    """rho-bar, clip of the importance ratios in the V-trace targets (Table 3); c-bar is 1 (rlax's and Cleanba's)"""
+    """rho-bar (> 0), clip of the importance ratios in the V-trace targets (Table 3); c-bar is 1 (rlax's, Cleanba's)"""
     clip_pg_rho_threshold: float = 1.0
-    """rho-bar_pg, clip of the importance ratios of the policy-gradient advantages (Table 3)"""
+    """rho-bar_pg (> 0), clip of the importance ratios of the policy-gradient advantages (Table 3)"""
     num_minibatches: Optional[int] = None
-    """minibatches per update, each a group of whole env sequences; one pass (default: 4, Table 3; 8 classic control)"""
+    """minibatches per update (>= 1), each a group of whole env sequences; one pass (default: Atari 4, Table 3;
+    classic control 8; ToyChain 4)"""
     ent_coef: float = 0.01
-    """entropy coefficient (Table 3)"""
+    """entropy coefficient (>= 0; Table 3)"""
     vf_coef: float = 0.5
-    """baseline coefficient: the loss has vf_coef x 0.5 x sum (v_s - V)^2 (Table 3, as Cleanba and torchbeast)"""
+    """baseline coefficient (>= 0): the loss has vf_coef x 0.5 x sum (v_s - V)^2 (Table 3, as Cleanba and torchbeast)"""
     max_grad_norm: Optional[float] = None
-    """global gradient-norm clip (default: 40, Table 3; 1,000 classic control)"""
+    """global gradient-norm clip (> 0; default: Atari 40, Table 3; classic control 1,000; ToyChain 40)"""
     rmsprop_eps: Optional[float] = None
-    """RMSprop epsilon, added outside the square root as in PyTorch (default: 0.01, Table 3; 0.1 classic control)"""
+    """RMSprop epsilon (> 0), added outside the square root as in PyTorch (default: Atari 0.01, Table 3; classic
+    control 0.1; ToyChain 0.01)"""
     rmsprop_alpha: float = 0.99
-    """RMSprop decay (Table 3)"""
+    """RMSprop decay (in [0, 1); Table 3)"""
 
     # filled in by resolve_args (App. A)
     world_size: tyro.conf.Suppress[int] = 1
@@ -186,7 +190,10 @@ def env_family(env_id: str) -> Optional[str]:
         return "classic"
     from envpool.registration import registry
 
-    return "atari" if env_id in registry.specs and registry.specs[env_id][0] == "envpool.atari" else None
+    if env_id not in registry.specs:
+        return None
+    import_path, _spec_class, _config = registry.specs[env_id]
+    return "atari" if import_path == "envpool.atari" else None
 
 
 def resolve_args(args: Args, world_size: int = 1) -> Args:
@@ -203,9 +210,46 @@ def resolve_args(args: Args, world_size: int = 1) -> Args:
         )
     if family == "toy" and args.toy.autoreset_mode != "next_step":
         raise ArgsError("--toy.autoreset-mode: this script consumes next-step autoreset (EnvPool's); use next_step")
+    if family == "toy":
+        try:
+            args.toy.validate()  # every --toy.* flag, each named with its value and domain
+        except ValueError as error:
+            raise ArgsError(str(error)) from None
     for name, value in PRESETS[family].items():
         if getattr(args, name) is None:
             setattr(args, name, value)
+    # the domain of every numeric flag: (flag, value, within the domain, the domain)
+    checks = [
+        ("--seed", args.seed, args.seed >= 0, ">= 0"),
+        ("--checkpoint-freq", args.checkpoint_freq, args.checkpoint_freq >= 1, ">= 1"),
+        ("--num-eval-episodes", args.num_eval_episodes, args.num_eval_episodes >= 0, ">= 0"),
+        ("--max-episode-steps", args.max_episode_steps, args.max_episode_steps >= 1, ">= 1"),
+        ("--local-num-envs", args.local_num_envs, args.local_num_envs >= 1, ">= 1"),
+        ("--num-actor-threads", args.num_actor_threads, args.num_actor_threads >= 1, ">= 1"),
+        ("--debug-learner-delay", args.debug_learner_delay, args.debug_learner_delay >= 0.0, ">= 0"),
+        ("--total-timesteps", args.total_timesteps, args.total_timesteps >= 1, ">= 1"),
+        ("--learning-rate", args.learning_rate, args.learning_rate > 0.0, "> 0"),
+        ("--num-steps", args.num_steps, args.num_steps >= 1, ">= 1"),
+        ("--gamma", args.gamma, 0.0 <= args.gamma <= 1.0, "in [0, 1]"),
+        ("--vtrace-lambda", args.vtrace_lambda, 0.0 <= args.vtrace_lambda <= 1.0, "in [0, 1]"),
+        ("--clip-rho-threshold", args.clip_rho_threshold, args.clip_rho_threshold > 0.0, "> 0"),
+        ("--clip-pg-rho-threshold", args.clip_pg_rho_threshold, args.clip_pg_rho_threshold > 0.0, "> 0"),
+        ("--num-minibatches", args.num_minibatches, args.num_minibatches >= 1, ">= 1"),
+        ("--ent-coef", args.ent_coef, args.ent_coef >= 0.0, ">= 0"),
+        ("--vf-coef", args.vf_coef, args.vf_coef >= 0.0, ">= 0"),
+        ("--max-grad-norm", args.max_grad_norm, args.max_grad_norm > 0.0, "> 0"),
+        ("--rmsprop-eps", args.rmsprop_eps, args.rmsprop_eps > 0.0, "> 0"),
+        ("--rmsprop-alpha", args.rmsprop_alpha, 0.0 <= args.rmsprop_alpha < 1.0, "in [0, 1)"),
+    ]
+    for flag, value, within, domain in checks:
+        if not within:
+            raise ArgsError(f"{flag} {value}: must be {domain}")
+    if args.evaluate and args.num_eval_episodes < 1:
+        raise ArgsError(f"--num-eval-episodes {args.num_eval_episodes}: must be >= 1 with --evaluate")
+    cuda_devices = torch.cuda.device_count() if args.cuda else 0
+    for device_id in args.actor_device_ids or []:
+        if not 0 <= device_id < cuda_devices:
+            raise ArgsError(f"--actor-device-ids {device_id}: must be a CUDA device index in [0, {cuda_devices})")
     threads = args.num_actor_threads * len(args.actor_device_ids or [0])
     if args.local_num_envs % threads:
         raise ArgsError(
@@ -226,7 +270,7 @@ def resolve_args(args: Args, world_size: int = 1) -> Args:
     args.minibatch_size = args.local_minibatch_size * world_size
     args.num_iterations = args.total_timesteps // args.batch_size
     if args.num_iterations < 1 and not args.evaluate:
-        raise ArgsError(f"--total-timesteps {args.total_timesteps} is less than one batch ({args.batch_size})")
+        raise ArgsError(f"--total-timesteps {args.total_timesteps}: must be at least one batch ({args.batch_size})")
     if args.evaluate and not args.checkpoint:
         raise ArgsError("--evaluate needs --checkpoint PATH")
     if args.checkpoint and not os.path.isfile(args.checkpoint):
@@ -234,13 +278,31 @@ def resolve_args(args: Args, world_size: int = 1) -> Args:
     return args
 
 
+def format_settings(args: Args) -> str:
+    """The resolved settings as printed at start: `settings:`, then name=value pairs in field order (the nested toy
+    settings as toy.horizon=...), several to a line of at most 120 characters."""
+    pairs = []
+    for name, value in asdict(args).items():
+        if isinstance(value, dict):
+            pairs.extend(f"{name}.{key}={item}" for key, item in value.items())
+        else:
+            pairs.append(f"{name}={value}")
+    lines = ["settings:"]
+    for pair in pairs:
+        if len(lines) > 1 and len(lines[-1]) + 1 + len(pair) <= 120:
+            lines[-1] += " " + pair
+        else:
+            lines.append("  " + pair)
+    return "\n".join(lines)
+
+
 # ---- Environments: EnvPool Atari and classic control, ToyChain-v0 behind EnvPool's API (all next-step autoreset) ----
 def env_seeds(seed: int, rank: int, first_env: int, num_envs: int, start_iteration: int) -> list[int]:
     """One seed per env from its global index, so that an env gets the same seed whatever the number of actor
     threads it is split over; resuming at a later iteration draws new ones."""
     return [
-        int(np.random.SeedSequence([seed, rank, first_env + i, start_iteration]).generate_state(1)[0] >> 1)
-        for i in range(num_envs)
+        int(np.random.SeedSequence([seed, rank, first_env + env, start_iteration]).generate_state(1)[0] >> 1)
+        for env in range(num_envs)
     ]
 
 
@@ -313,9 +375,9 @@ def vtrace(
         deltas = rhos.clamp(max=rho_bar) * (rewards + discounts * next_values - values)
         errors = torch.zeros_like(values)
         accumulated = torch.zeros_like(values[0])
-        for t in reversed(range(values.shape[0])):
-            accumulated = deltas[t] + traces[t] * accumulated
-            errors[t] = accumulated
+        for step in reversed(range(values.shape[0])):
+            accumulated = deltas[step] + traces[step] * accumulated
+            errors[step] = accumulated
         vs = values + errors
         vs_next = torch.cat([vs[1:], next_values[-1:]], dim=0)
         values_next = torch.cat([values[1:], next_values[-1:]], dim=0)
@@ -330,19 +392,33 @@ def impala_loss(agent: nn.Module, batch: dict, args: Args):
     The learner evaluates its network on o_0 .. o_{T-1} and o_T (batch["next_obs"]); the ratios are pi/mu, its own
     log-probabilities over the actor's. Returns (loss, the sums of the logged terms and the number of valid rows)."""
     obs = batch["obs"]
-    T, n = obs.shape[:2]
-    logits, values = agent(torch.cat([obs, batch["next_obs"].unsqueeze(0)]).flatten(0, 1))
-    logits, values = logits[: T * n].view(T, n, -1), values.view(T + 1, n)
+    num_steps, num_envs = obs.shape[:2]
+    all_logits, all_values = agent(torch.cat([obs, batch["next_obs"].unsqueeze(0)]).flatten(0, 1))
+    logits = all_logits[: num_steps * num_envs].view(num_steps, num_envs, -1)  # the policy at o_0 .. o_{T-1}
+    values = all_values.view(num_steps + 1, num_envs)  # V(o_0) .. V(o_T)
     logprob, entropy = logprob_entropy(logits, batch["actions"])
     log_rhos = logprob.detach() - batch["logprobs"]
-    dones = batch["terminations"] | batch["truncations"]
-    no_bootstrap = batch["terminations"] if args.bootstrap_at_done == "truncated" else torch.zeros_like(dones)
-    coefficients = (args.gamma, args.vtrace_lambda, args.clip_rho_threshold, args.clip_pg_rho_threshold)
+    dones = batch["terminations"] | batch["truncations"]  # every end cuts the trace
+    if args.bootstrap_at_done == "truncated":
+        no_bootstrap = batch["terminations"]  # a truncation bootstraps V(last observation), the reset row's
+    else:
+        no_bootstrap = torch.zeros_like(dones)  # every end bootstraps V(last observation)
     fixed = values.detach()  # the targets and advantages carry no gradient
-    vs, pg_advantages = vtrace(fixed[:T], fixed[1:], batch["rewards"], no_bootstrap, dones, log_rhos, *coefficients)
+    vs, pg_advantages = vtrace(
+        fixed[:-1],
+        fixed[1:],
+        batch["rewards"],
+        no_bootstrap,
+        dones,
+        log_rhos,
+        gamma=args.gamma,
+        lambda_=args.vtrace_lambda,
+        rho_bar=args.clip_rho_threshold,
+        pg_rho_bar=args.clip_pg_rho_threshold,
+    )
     valid = batch["valid"].float()  # next-step reset rows carry no transition
     policy_loss = (-logprob * pg_advantages * valid).sum()
-    value_loss = (0.5 * (vs - values[:T]).square() * valid).sum()
+    value_loss = (0.5 * (vs - values[:num_steps]).square() * valid).sum()
     entropy = (entropy * valid).sum()
     loss = policy_loss + args.vf_coef * value_loss - args.ent_coef * entropy
     with torch.no_grad():
@@ -383,8 +459,8 @@ class ResidualBlock(nn.Module):
         self.conv0 = nn.Conv2d(channels, channels, 3, padding=1)
         self.conv1 = nn.Conv2d(channels, channels, 3, padding=1)
 
-    def forward(self, x):
-        return x + self.conv1(F.relu(self.conv0(F.relu(x))))
+    def forward(self, inputs):
+        return inputs + self.conv1(F.relu(self.conv0(F.relu(inputs))))
 
 
 def conv_sequence(in_channels: int, out_channels: int) -> nn.Sequential:
@@ -403,20 +479,25 @@ class Agent(nn.Module):
     def __init__(self, args: Args):
         super().__init__()
         self.obs_scale = 255.0 if env_family(args.env_id) == "atari" else 1.0  # Atari: uint8 frames
+        self.num_blocks = args.toy.num_blocks if args.env_id == TOY_ENV_ID else 0  # ToyChain: one-hot block index
+        if args.env_id in CLASSIC_ENVS:  # no shared torso: two networks, as CleanRL's ppo.py
+            obs_size, num_actions = CLASSIC_ENVS[args.env_id]
+            self.torso = nn.Identity()
+            self.actor = tanh_mlp(obs_size, num_actions, std=0.01)
+            self.critic = tanh_mlp(obs_size, 1, std=1.0)
+            return
         if args.env_id == TOY_ENV_ID:
-            self.num_blocks, num_actions, hidden = args.toy.num_blocks, args.toy.num_actions, 64
+            num_actions = args.toy.num_actions
+            hidden = 64
             self.torso = nn.Sequential(
                 layer_init(nn.Linear(self.num_blocks, hidden)),
                 nn.ReLU(),
                 layer_init(nn.Linear(hidden, hidden)),
                 nn.ReLU(),
             )
-        elif args.env_id in CLASSIC_ENVS:  # no shared torso: two networks, as CleanRL's ppo.py
-            obs_size, num_actions = CLASSIC_ENVS[args.env_id]
-            self.num_blocks = 0
-            self.torso = nn.Identity()
         else:
-            self.num_blocks, num_actions, hidden = 0, 18, 256  # the full action space (Sec. 5)
+            num_actions = 18  # the full action space (Sec. 5)
+            hidden = 256
             self.torso = nn.Sequential(
                 conv_sequence(4, 16),
                 conv_sequence(16, 32),
@@ -426,12 +507,8 @@ class Agent(nn.Module):
                 layer_init(nn.Linear(32 * 11 * 11, hidden)),
                 nn.ReLU(),
             )
-        if args.env_id in CLASSIC_ENVS:
-            self.actor = tanh_mlp(obs_size, num_actions, std=0.01)
-            self.critic = tanh_mlp(obs_size, 1, std=1.0)
-        else:
-            self.actor = layer_init(nn.Linear(hidden, num_actions), std=0.01)
-            self.critic = layer_init(nn.Linear(hidden, 1), std=1.0)
+        self.actor = layer_init(nn.Linear(hidden, num_actions), std=0.01)
+        self.critic = layer_init(nn.Linear(hidden, 1), std=1.0)
 
     def forward(self, obs: torch.Tensor):
         if self.num_blocks:
@@ -496,8 +573,11 @@ class ActorThread(threading.Thread):
 
     def __init__(self, args: Args, index: int, device, rank: int, start_iteration: int, template: nn.Module, stop):
         super().__init__(daemon=True, name=f"actor-{index}")
-        self.args, self.index, self.device, self.rank = args, index, device, rank
-        self.start_iteration, self.stop = start_iteration, stop
+        self.args = args
+        self.device = device
+        self.rank = rank
+        self.start_iteration = start_iteration
+        self.stop = stop
         self.params_queue: queue.Queue = queue.Queue(maxsize=1)
         self.rollout_queue: queue.Queue = queue.Queue(maxsize=1)
         self.error: Optional[BaseException] = None
@@ -510,7 +590,7 @@ class ActorThread(threading.Thread):
     @torch.no_grad()
     def policy(self, obs: torch.Tensor, iteration: int, step: int):
         """Actions and their log-probabilities under the actor's policy mu; the noise rows are those of its envs.
-        One blocking device-to-host copy per env step, and the thread's one generator re-seeded (issue 25)."""
+        One blocking device-to-host copy per env step, and the thread's one generator re-seeded at every step."""
         logits, _ = self.agent(obs.to(self.device))
         self.generator.manual_seed(noise_seed(self.args.seed, self.rank, iteration, step))
         uniform = torch.rand((self.args.local_num_envs, logits.shape[-1]), generator=self.generator, device=self.device)
@@ -518,6 +598,9 @@ class ActorThread(threading.Thread):
         logprob, _ = logprob_entropy(logits, action)
         action, logprob = torch.stack([action.float(), logprob]).cpu()  # one device-to-host copy
         return action.long(), logprob
+
+    def running(self) -> bool:
+        return not self.stop.is_set()
 
     def run(self) -> None:
         try:
@@ -530,18 +613,19 @@ class ActorThread(threading.Thread):
             self.envs.close()
 
     def actor_loop(self) -> None:
-        args, envs = self.args, self.envs
-        alive = lambda: not self.stop.is_set()  # noqa: E731
+        args = self.args
+        envs = self.envs
         env_ids = np.arange(args.envs_per_thread, dtype=np.int32)
         envs.async_reset()
-        obs = torch.tensor(envs.recv()[0])
+        first_obs, _, _, _, _ = envs.recv()
+        obs = torch.tensor(first_obs)
         episodes = Episodes(args.envs_per_thread)
         policy_version = 0
         for actor_iteration in range(1, args.num_iterations - self.start_iteration + 2):
             iteration = self.start_iteration + actor_iteration - 1  # the learner iteration that will train on it
             start = time.perf_counter()
             if should_get_params(actor_iteration, args.concurrency):
-                policy_version, params = blocking(self.params_queue.get, alive)
+                policy_version, params = blocking(self.params_queue.get, self.running)
                 self.agent.load_state_dict(params)
             params_queue_get_time = time.perf_counter() - start
             rollout_start = time.perf_counter()
@@ -557,18 +641,17 @@ class ActorThread(threading.Thread):
                 storage["valid"].append(~episodes.stale)  # False on a next-step reset row (its action is ignored)
                 next_obs, reward, terminated, truncated, info = envs.recv()  # o_{t+1}, r_t and the flags of a_t
                 obs = torch.tensor(next_obs)
-                terminated, truncated = torch.tensor(terminated), torch.tensor(truncated)
                 storage["rewards"].append(torch.tensor(reward, dtype=torch.float32))
-                storage["terminations"].append(terminated)
-                storage["truncations"].append(truncated)
-                episodes.step(reward, info, terminated | truncated)
+                storage["terminations"].append(torch.tensor(terminated))
+                storage["truncations"].append(torch.tensor(truncated))
+                episodes.step(reward, info, torch.tensor(terminated | truncated))
             rollout = {key: torch.stack(rows) for key, rows in storage.items()}
             rollout["next_obs"] = obs  # o_T: the learner's V(o_T) bootstraps the last row
             rollout["policy_version"] = policy_version
             rollout["episodes"] = episodes.sums
             rollout["params_queue_get_time"] = params_queue_get_time
             rollout["rollout_time"] = time.perf_counter() - rollout_start
-            blocking(partial(self.rollout_queue.put, rollout), alive)
+            blocking(partial(self.rollout_queue.put, rollout), self.running)
 
 
 # ---- Learner (Fig. 1 right: `def learner()`) ----
@@ -584,7 +667,10 @@ class Learner:
     STATS = ("policy_loss", "value_loss", "entropy", "approx_kl", "rho_mean", "rho_clipfrac")
 
     def __init__(self, args: Args, agent: nn.Module, device: torch.device, rank: int):
-        self.args, self.agent, self.device, self.rank = args, agent, device, rank
+        self.args = args
+        self.agent = agent
+        self.device = device
+        self.rank = rank
         # Table 3: RMSprop with eps 0.01 (outside the square root) and decay 0.99, no momentum, not centred.
         self.optimizer = torch.optim.RMSprop(
             agent.parameters(), lr=args.learning_rate, alpha=args.rmsprop_alpha, eps=args.rmsprop_eps
@@ -624,7 +710,9 @@ class Learner:
         self.optimizer.step()
         names = (*self.STATS, "count")
         summed = all_reduce_sum(torch.stack([sums[name] for name in names]), args.world_size)  # one all-reduce
-        return {**dict(zip(names, summed)), "grad_norm": grad_norm.detach().double().to(self.device)}
+        stats = dict(zip(names, summed))  # named back at once
+        stats["grad_norm"] = grad_norm.detach().double().to(self.device)
+        return stats
 
 
 # ---- Logging, checkpoints, evaluation ----
@@ -636,8 +724,14 @@ class Logger:
         if args.track:
             import wandb
 
-            settings = dict(sync_tensorboard=True, config=asdict(args), name=run_name, save_code=True)
-            wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, **settings)
+            wandb.init(
+                project=args.wandb_project_name,
+                entity=args.wandb_entity,
+                sync_tensorboard=True,
+                config=asdict(args),
+                name=run_name,
+                save_code=True,
+            )
         self.writer = SummaryWriter(str(run_dir))
         self.jsonl = open(run_dir / "updates.jsonl", "a")
         self.last: dict[str, float] = {}
@@ -657,9 +751,12 @@ class Logger:
 def save_checkpoint(path: Path, agent, optimizer, iteration: int, global_step: int) -> None:
     """Model, optimizer, iteration and global step (all randomness derives from the seed and the iteration), written
     to a temporary file and renamed, so that a crash never leaves a half-written checkpoint."""
-    state = dict(
-        model=agent.state_dict(), optimizer=optimizer.state_dict(), global_step=global_step, iteration=iteration
-    )
+    state = {
+        "model": agent.state_dict(),
+        "optimizer": optimizer.state_dict(),
+        "global_step": global_step,
+        "iteration": iteration,
+    }
     torch.save(state, path.with_name(path.name + ".tmp"))
     os.replace(path.with_name(path.name + ".tmp"), path)
 
@@ -668,23 +765,26 @@ def save_checkpoint(path: Path, agent, optimizer, iteration: int, global_step: i
 def evaluate(args: Args, agent: nn.Module, device: torch.device) -> dict:
     """num_eval_episodes episodes, one per env of a separate pool (seeds apart from training), stepped and counted as
     the actors do (Episodes): eval/return is the raw game score."""
-    n = args.num_eval_episodes
-    envs = make_env(args, n, env_seeds(args.seed, 10_000, 0, n, 0))
+    num_episodes = args.num_eval_episodes
+    envs = make_env(args, num_episodes, env_seeds(args.seed, 10_000, 0, num_episodes, 0))
     generator = torch.Generator(device=device).manual_seed(args.seed + 12345)
-    episodes = Episodes(n)
-    finished = torch.zeros(n, dtype=torch.bool)  # each env counts its first episode only
+    episodes = Episodes(num_episodes)
+    finished = torch.zeros(num_episodes, dtype=torch.bool)  # each env counts its first episode only
     envs.async_reset()
-    obs = envs.recv()[0]
+    obs, _, _, _, _ = envs.recv()
     while not bool(finished.all()):
         logits, _ = agent(torch.tensor(obs).to(device))
         action = sample_actions(logits, torch.rand(logits.shape, generator=generator, device=device))
-        envs.send(action.cpu().numpy(), np.arange(n, dtype=np.int32))
+        envs.send(action.cpu().numpy(), np.arange(num_episodes, dtype=np.int32))
         obs, reward, terminated, truncated, info = envs.recv()
         finished |= episodes.step(reward, info, torch.tensor(terminated | truncated), counted=~finished)
     envs.close()
-    out = {"eval/return": episodes.sums["returns"] / n, "eval/episode_len": episodes.sums["lengths"] / n}
+    out = {
+        "eval/return": episodes.sums["returns"] / num_episodes,
+        "eval/episode_len": episodes.sums["lengths"] / num_episodes,
+    }
     if args.env_id == TOY_ENV_ID:
-        out["eval/success_at_end"] = episodes.sums["successes"] / n
+        out["eval/success_at_end"] = episodes.sums["successes"] / num_episodes
     return out
 
 
@@ -695,7 +795,8 @@ def publish_params(agent: nn.Module, actors: list[ActorThread], version: int) ->
     snapshots = {}
     for actor in actors:
         if actor.device not in snapshots:
-            snapshots[actor.device] = {k: v.detach().to(actor.device, copy=True) for k, v in agent.state_dict().items()}
+            state = agent.state_dict()
+            snapshots[actor.device] = {name: state[name].detach().to(actor.device, copy=True) for name in state}
             if actor.device.type == "cuda":
                 torch.cuda.synchronize(actor.device)
         blocking(partial(actor.params_queue.put, (version, snapshots[actor.device])), actor.is_alive)
@@ -705,20 +806,22 @@ def train(args: Args, learner: Learner, actors: list, logger, run_dir, start_ite
     """Starts the actor threads and runs iterations start_iteration .. num_iterations (iteration i turns pi_i into
     pi_{i+1}). Ctrl-C or a failed actor thread ends it where it is. Returns {"iteration", "global_step"} of the last
     finished iteration, "interrupted" and, if an actor thread failed, its error as "actor_error"."""
-    agent, device, rank = learner.agent, learner.device, learner.rank
+    agent = learner.agent
     finished = start_iteration - 1
     try:
         publish_params(agent, actors, start_iteration)  # pi_start to every actor before it starts
         for actor in actors:
             actor.start()
-        train_start, start_step = time.time(), global_step
+        train_start = time.time()
+        start_step = global_step
         for iteration in range(start_iteration, args.num_iterations + 1):
             # 1. Rollouts: rollout_Q.get() from every actor thread
             start = time.perf_counter()
             rollouts = [blocking(actor.rollout_queue.get, actor.is_alive) for actor in actors]
             rollout_queue_get_time = time.perf_counter() - start
-            batch = {key: torch.cat([r[key].to(device) for r in rollouts], dim=1) for key in ROLLOUT_KEYS}
-            batch["next_obs"] = torch.cat([r["next_obs"].to(device) for r in rollouts])
+            batch = {key: torch.cat([rollout[key] for rollout in rollouts], dim=1) for key in ROLLOUT_KEYS}
+            batch["next_obs"] = torch.cat([rollout["next_obs"] for rollout in rollouts])
+            batch = {key: value.to(learner.device) for key, value in batch.items()}
 
             # 2. Update, then param_Q.put(): pi_{iteration + 1}
             start = time.perf_counter()
@@ -732,16 +835,21 @@ def train(args: Args, learner: Learner, actors: list, logger, run_dir, start_ite
                 time.sleep(args.debug_learner_delay)  # Sec. 3: a slow learner changes the wall clock, nothing else
 
             # 3. Log and checkpoint
-            keys = ("count", "returns", "lengths", "successes")
-            episodes = torch.tensor([[r["episodes"][k] for k in keys] for r in rollouts], dtype=torch.float64)
-            count, returns, lengths, successes = all_reduce_sum(episodes.sum(0).to(device), args.world_size).tolist()
-            if rank != 0:
+            names = ("count", "returns", "lengths", "successes")
+            episodes = [[rollout["episodes"][name] for name in names] for rollout in rollouts]
+            summed = torch.tensor(episodes, dtype=torch.float64, device=learner.device).sum(0)
+            count, returns, lengths, successes = all_reduce_sum(summed, args.world_size).tolist()  # one all-reduce
+            if learner.rank != 0:
                 continue
-            data_version = rollouts[0]["policy_version"]
-            row = {f"losses/{name}": value for name, value in losses.items() if name != "learning_rate"}
-            row["cleanba/rho_mean"] = row.pop("losses/rho_mean")  # how far behind the behaviour policy is
-            row["cleanba/rho_clipfrac"] = row.pop("losses/rho_clipfrac")
-            row |= {
+            data_version = rollouts[0]["policy_version"]  # the same in every actor thread
+            row = {
+                "losses/policy_loss": losses["policy_loss"],
+                "losses/value_loss": losses["value_loss"],
+                "losses/entropy": losses["entropy"],
+                "losses/approx_kl": losses["approx_kl"],
+                "losses/grad_norm": losses["grad_norm"],
+                "cleanba/rho_mean": losses["rho_mean"],  # how far behind the behaviour policy is
+                "cleanba/rho_clipfrac": losses["rho_clipfrac"],
                 "charts/learning_rate": losses["learning_rate"],
                 "charts/SPS": (global_step - start_step) / (time.time() - train_start),
                 "cleanba/data_policy_version": data_version,
@@ -749,12 +857,15 @@ def train(args: Args, learner: Learner, actors: list, logger, run_dir, start_ite
                 "cleanba/policy_lag": iteration - data_version,
                 # Sec. 4.2: rollout_Q.get() longer than param_Q.get(): the actors are the bottleneck
                 "cleanba/rollout_queue_get_time": rollout_queue_get_time,
-                "cleanba/params_queue_get_time": float(np.mean([r["params_queue_get_time"] for r in rollouts])),
-                "time/rollout": float(np.mean([r["rollout_time"] for r in rollouts])),
+                "cleanba/params_queue_get_time": float(
+                    np.mean([rollout["params_queue_get_time"] for rollout in rollouts])
+                ),
+                "time/rollout": float(np.mean([rollout["rollout_time"] for rollout in rollouts])),
                 "time/update": update_time,
             }
             if count > 0:
-                row.update({"charts/episodic_return": returns / count, "charts/episodic_length": lengths / count})
+                row["charts/episodic_return"] = returns / count
+                row["charts/episodic_length"] = lengths / count
                 if args.env_id == TOY_ENV_ID:
                     row["charts/success_rate"] = successes / count
             logger.scalars(row, global_step)
@@ -769,17 +880,21 @@ def train(args: Args, learner: Learner, actors: list, logger, run_dir, start_ite
 
 
 def main(args: Args) -> dict:
-    rank, world_size = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     args = resolve_args(args, world_size)
+    if rank == 0:
+        print(format_settings(args), flush=True)
     use_cuda = args.cuda and torch.cuda.is_available()
     if use_cuda:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # before the first cuBLAS call
         learner_device = torch.device("cuda", local_rank)  # torchrun: learner process LOCAL_RANK on GPU LOCAL_RANK
         torch.cuda.set_device(learner_device)
-        actor_devices = [torch.device("cuda", i) for i in (args.actor_device_ids or [local_rank])]
+        actor_devices = [torch.device("cuda", index) for index in (args.actor_device_ids or [local_rank])]
     else:
-        learner_device, actor_devices = torch.device("cpu"), [torch.device("cpu")]
+        learner_device = torch.device("cpu")
+        actor_devices = [learner_device]
     if world_size > 1 and not dist.is_initialized():
         dist.init_process_group("nccl" if use_cuda else "gloo")
     torch.use_deterministic_algorithms(args.torch_deterministic)  # on CUDA: an error for a non-deterministic op
@@ -789,18 +904,25 @@ def main(args: Args) -> dict:
 
     agent = Agent(args).to(learner_device)
     learner = Learner(args, agent, learner_device, rank)
-    start_iteration, global_step = 1, 0
+    start_iteration = 1
+    global_step = 0
     if args.checkpoint:
-        state = torch.load(args.checkpoint, map_location="cpu", weights_only=True)
-        agent.load_state_dict(state["model"])
-        learner.optimizer.load_state_dict(state["optimizer"])
-        start_iteration, global_step = state["iteration"] + 1, state["global_step"]
+        try:
+            state = torch.load(args.checkpoint, map_location="cpu", weights_only=True)
+            agent.load_state_dict(state["model"])
+            learner.optimizer.load_state_dict(state["optimizer"])
+        except Exception as error:  # not a checkpoint of this script, or of another network (env, settings)
+            reason = " ".join(f"{type(error).__name__}: {error}".split())[:300]  # one line
+            raise ArgsError(f"--checkpoint {args.checkpoint}: not a checkpoint of this network ({reason})") from None
+        start_iteration = state["iteration"] + 1
+        global_step = state["global_step"]
         print(f"resuming from {args.checkpoint} at iteration {start_iteration}, global step {global_step}")
     if world_size > 1:  # every learner starts from rank 0's parameters
         for param in agent.parameters():
             dist.broadcast(param.data, src=0)
 
-    logger, run_dir = None, None
+    logger = None
+    run_dir = None
     if rank == 0:
         run_name = f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}"
         run_dir = Path(args.output_dir) / run_name
@@ -808,14 +930,15 @@ def main(args: Args) -> dict:
         (run_dir / "config.json").write_text(json.dumps(asdict(args), indent=2))
         logger = Logger(run_dir, args, run_name)
     progress = {"iteration": start_iteration - 1, "global_step": global_step, "interrupted": False}
-    start_time, start_step = time.time(), global_step
+    start_time = time.time()
+    start_step = global_step
     stop = threading.Event()
     actors = []
     try:
         if not args.evaluate:
             for device_index, device in enumerate(actor_devices):
-                for j in range(args.num_actor_threads):
-                    index = device_index * args.num_actor_threads + j
+                for thread in range(args.num_actor_threads):
+                    index = device_index * args.num_actor_threads + thread
                     actors.append(ActorThread(args, index, device, rank, start_iteration, agent, stop))
             progress = train(args, learner, actors, logger, run_dir, start_iteration, global_step)
             if "actor_error" in progress:
@@ -838,10 +961,10 @@ def main(args: Args) -> dict:
         for actor in actors:
             actor.join(timeout=10)
         wall_time = time.time() - start_time
-        summary = {**progress, "world_size": world_size, "wall_time_s": wall_time}
-        summary["sps"] = (progress["global_step"] - start_step) / wall_time
+        sps = (progress["global_step"] - start_step) / wall_time
+        last = logger.last if rank == 0 else {}  # the last value of every logged scalar
+        summary = {**progress, "world_size": world_size, "wall_time_s": wall_time, "sps": sps, **last}
         if rank == 0:
-            summary.update(logger.last)
             (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
             logger.close()
         if world_size > 1 and dist.is_initialized():

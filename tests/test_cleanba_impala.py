@@ -243,6 +243,54 @@ def test_impala_loss_and_gradient_match_an_independent_jax_computation():
         np.testing.assert_allclose(p.grad.numpy(), np.asarray(ref_grads[name]), rtol=1e-4, atol=1e-5, err_msg=name)
 
 
+class ValueTable(torch.nn.Module):
+    """A stand-in network for impala_loss: a uniform policy over 2 actions and V(o) = values[o] for an observation
+    index o, so that the targets can be worked out by hand."""
+
+    def __init__(self, values):
+        super().__init__()
+        self.values = torch.tensor(values, dtype=torch.float64)
+
+    def forward(self, obs):
+        return torch.zeros(len(obs), 2, dtype=torch.float64), self.values[obs]
+
+
+@pytest.mark.parametrize(
+    "end, bootstrap_at_done, value_loss, advantage_sum",
+    [
+        ("truncations", "truncated", 18.37625, 8.45),  # a time limit bootstraps V(last observation)
+        ("terminations", "truncated", 0.905, -0.1),  # a termination bootstraps 0
+        ("terminations", "always", 18.37625, 8.45),  # every end bootstraps
+    ],
+)
+def test_the_learner_bootstraps_a_time_limit_with_the_value_of_the_last_observation(
+    end, bootstrap_at_done, value_loss, advantage_sum
+):
+    """The V-trace targets of impala_loss on one env, T = 3, gamma 0.9, lambda 1, on-policy (rho = 1). The episode
+    ends at row 1; row 2 is EnvPool's next-step reset row (not valid): its observation is the episode's true last one,
+    V = 5; V(o_T) = 4 bootstraps row 2. V(o_0..o_3) = 1, 2, 5, 4; rewards 1, 1, 0.
+    Bootstrapped: v_1 = 1 + 0.9 * 5 = 5.5, v_0 = 1 + 0.9 * v_1 = 5.95 (the trace stops at the end), pg advantages
+    4.95 and 3.5: value loss 0.5 (4.95^2 + 3.5^2) = 18.37625, advantages 8.45. Not bootstrapped: v_1 = 1, v_0 = 1.9,
+    advantages 0.9 and -1: value loss 0.5 (0.9^2 + 1^2) = 0.905, advantages -0.1. The policy is uniform, so
+    policy_loss = log 2 x the sum of the advantages over the valid rows."""
+    args = toy_args(gamma=0.9, bootstrap_at_done=bootstrap_at_done, toy=ci.ToyChainConfig(num_actions=2))
+    no_end = torch.zeros(3, 1, dtype=torch.bool)
+    batch = dict(
+        obs=torch.tensor([[0], [1], [2]]),
+        next_obs=torch.tensor([3]),
+        actions=torch.zeros(3, 1, dtype=torch.long),
+        logprobs=torch.full((3, 1), -np.log(2.0), dtype=torch.float64),
+        rewards=torch.tensor([[1.0], [1.0], [0.0]], dtype=torch.float64),
+        terminations=no_end.clone(),
+        truncations=no_end.clone(),
+        valid=torch.tensor([[True], [True], [False]]),
+    )
+    batch[end][1] = True
+    _, sums = ci.impala_loss(ValueTable([1.0, 2.0, 5.0, 4.0]), batch, args)
+    np.testing.assert_allclose(float(sums["value_loss"]), value_loss, rtol=1e-6)
+    np.testing.assert_allclose(float(sums["policy_loss"]), np.log(2.0) * advantage_sum, rtol=1e-6)
+
+
 def test_resolve_args_fills_table_3():
     a = ci.resolve_args(ci.Args(env_id="Breakout-v5"))
     assert (a.local_num_envs, a.num_steps, a.num_minibatches, a.learning_rate, a.max_grad_norm) == (
@@ -293,6 +341,103 @@ def test_classic_control_presets_and_every_flag_overrides_them():
 def test_minibatches_of_whole_sequences_are_checked():
     with pytest.raises(ci.ArgsError, match=r"\-\-num\-minibatches 4"):
         ci.resolve_args(ci.Args(env_id="ToyChain-v0", local_num_envs=6, num_actor_threads=1, num_minibatches=4))
+
+
+def toy_config(**kwargs):
+    return ci.ToyChainConfig(**kwargs)
+
+
+OUT_OF_DOMAIN = [
+    ("--seed", dict(seed=-1)),
+    ("--checkpoint-freq", dict(checkpoint_freq=0)),
+    ("--num-eval-episodes", dict(num_eval_episodes=-1)),
+    ("--num-eval-episodes", dict(num_eval_episodes=0, evaluate=True, checkpoint="ckpt.pt")),
+    ("--max-episode-steps", dict(max_episode_steps=0)),
+    ("--local-num-envs", dict(local_num_envs=0)),
+    ("--local-num-envs", dict(local_num_envs=-4)),
+    ("--num-actor-threads", dict(num_actor_threads=0)),
+    ("--actor-device-ids", dict(actor_device_ids=[-1])),
+    ("--actor-device-ids", dict(actor_device_ids=[torch.cuda.device_count()])),
+    ("--debug-learner-delay", dict(debug_learner_delay=-0.5)),
+    ("--total-timesteps", dict(total_timesteps=0)),
+    ("--total-timesteps", dict(total_timesteps=10)),  # less than one batch
+    ("--learning-rate", dict(learning_rate=-1e-3)),
+    ("--learning-rate", dict(learning_rate=0.0)),
+    ("--num-steps", dict(num_steps=0)),
+    ("--gamma", dict(gamma=1.5)),
+    ("--gamma", dict(gamma=float("nan"))),
+    ("--vtrace-lambda", dict(vtrace_lambda=-0.1)),
+    ("--clip-rho-threshold", dict(clip_rho_threshold=0.0)),
+    ("--clip-pg-rho-threshold", dict(clip_pg_rho_threshold=-1.0)),
+    ("--num-minibatches", dict(num_minibatches=0)),
+    ("--ent-coef", dict(ent_coef=-0.01)),
+    ("--vf-coef", dict(vf_coef=-0.5)),
+    ("--max-grad-norm", dict(max_grad_norm=0.0)),
+    ("--rmsprop-eps", dict(rmsprop_eps=0.0)),
+    ("--rmsprop-alpha", dict(rmsprop_alpha=1.0)),
+    ("--toy.horizon", dict(toy=toy_config(horizon=0))),
+    ("--toy.block-length", dict(toy=toy_config(block_length=0))),
+    ("--toy.horizon", dict(toy=toy_config(horizon=21))),  # not a multiple of the block length
+    ("--toy.num-actions", dict(toy=toy_config(num_actions=1))),
+    ("--toy.progression-prob", dict(toy=toy_config(progression_prob=1.5))),
+    ("--toy.mastery-threshold", dict(toy=toy_config(mastery_threshold=-1))),
+    ("--toy.reset-lambda", dict(toy=toy_config(reset_lambda=-1.0))),
+    ("--toy.step-time-mean", dict(toy=toy_config(step_time_mean=-0.1))),
+    ("--toy.step-time-spread", dict(toy=toy_config(step_time_spread=-0.1))),
+    ("--toy.step-time-jitter", dict(toy=toy_config(step_time_jitter=-0.1))),
+    ("--toy.crash-at-step", dict(toy=toy_config(crash_at_step=-1))),
+    ("--checkpoint", dict(checkpoint="no/such/ckpt.pt")),
+]
+
+
+@pytest.mark.parametrize("flag, fields", OUT_OF_DOMAIN, ids=[f"{flag}={fields}" for flag, fields in OUT_OF_DOMAIN])
+def test_every_numeric_flag_outside_its_domain_is_refused_naming_the_flag(flag, fields, tmp_path, monkeypatch):
+    """Every numeric flag (and --checkpoint) has a domain; a value outside it raises ArgsError naming the flag and
+    the value, before any env or thread starts."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "ckpt.pt").write_bytes(b"")
+    defaults = dict(env_id="ToyChain-v0", num_actor_threads=1, cuda=False)
+    with pytest.raises(ci.ArgsError) as error:
+        ci.resolve_args(ci.Args(**{**defaults, **fields}))
+    assert str(error.value).startswith(flag + " "), str(error.value)
+
+
+def test_every_numeric_flag_is_in_the_domain_table():
+    """The table above covers every numeric flag of Args and of the nested toy settings, and nothing else."""
+    numeric = {int, float, "int", "float", "Optional[int]", "Optional[float]", "Optional[list[int]]"}
+    flags = {"--" + f.name.replace("_", "-") for f in dataclasses.fields(ci.Args) if f.type in numeric}
+    flags |= {"--toy." + f.name.replace("_", "-") for f in dataclasses.fields(ci.ToyChainConfig) if f.type in numeric}
+    any_integer = {"--toy.task-seed"}  # seeds the task's target actions: every integer is one
+    assert flags - any_integer == {flag for flag, _ in OUT_OF_DOMAIN} - {"--checkpoint"}
+
+
+@pytest.mark.parametrize(
+    "flags, name",
+    [
+        (["--num-steps", "0"], "--num-steps 0"),
+        (["--toy.progression-prob", "1.5"], "--toy.progression-prob"),
+        (["--checkpoint", "NOT_A_CHECKPOINT"], "--checkpoint"),  # found, but not a checkpoint: refused when loaded
+    ],
+)
+def test_bad_input_at_the_command_line_exits_2_with_one_line_naming_the_flag(tmp_path, flags, name):
+    (tmp_path / "NOT_A_CHECKPOINT").write_text("not a checkpoint")
+    flags = [str(tmp_path / flag) if flag == "NOT_A_CHECKPOINT" else flag for flag in flags]
+    proc = run_script(TOY + ["--no-cuda", *flags], tmp_path / "runs", check=False)
+    assert proc.returncode == 2 and name in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert not os.path.exists(tmp_path / "runs")  # refused before the run directory exists
+
+
+def test_format_settings_lists_every_resolved_setting_in_field_order():
+    args = ci.resolve_args(ci.Args(env_id="ToyChain-v0", num_actor_threads=1))
+    text = ci.format_settings(args)
+    lines = text.splitlines()
+    assert lines[0] == "settings:" and all(len(line) <= 120 for line in lines)
+    pairs = text.split()[1:]
+    assert pairs[:2] == ["exp_name=cleanba_impala", "seed=1"]
+    for pair in ("toy.horizon=200", "num_steps=10", "num_minibatches=4", "rmsprop_eps=0.01", "batch_size=320"):
+        assert pair in pairs, pair
+    assert pairs.index("bootstrap_at_done=truncated") < pairs.index("toy.horizon=200") < pairs.index("num_steps=10")
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -358,7 +503,9 @@ def test_toy_chain_run_trains_on_the_data_version_of_table_1(tmp_path, concurren
         "--num-minibatches",
         "2",
     ]
-    run_script(args + (["--no-cuda"] if device == "cpu" else []), tmp_path)
+    proc = run_script(args + (["--no-cuda"] if device == "cpu" else []), tmp_path)
+    assert proc.stdout.startswith("settings:\n") and proc.stdout.count("settings:") == 1
+    assert " num_steps=5 " in proc.stdout and " toy.horizon=20 " in proc.stdout
     summary, rows, run_dir = read_run(tmp_path)
     assert summary["global_step"] == 800 and summary["iteration"] == 20 and summary["sps"] > 0
     # Table 1: update i trains on data of pi_i (synchronous) or, from update 2 on, of pi_{i-1} (Cleanba's)
@@ -403,7 +550,8 @@ def test_a_slower_learner_gives_bit_identical_losses_and_returns(tmp_path):
             tmp_path / delay,
         )
         runs[delay] = read_run(tmp_path / delay)
-    fast, slow = ([{k: v for k, v in row.items() if k not in TIMERS} for row in runs[d][1]] for d in ("0", "0.25"))
+    fast = [{k: v for k, v in row.items() if k not in TIMERS} for row in runs["0"][1]]
+    slow = [{k: v for k, v in row.items() if k not in TIMERS} for row in runs["0.25"][1]]
     assert fast == slow and any("charts/episodic_return" in row for row in fast)
     assert runs["0"][0]["eval/return"] == runs["0.25"][0]["eval/return"]
     assert runs["0.25"][0]["wall_time_s"] >= 10 * 0.25  # the delay took effect: 10 updates, 0.25 s after each
@@ -455,7 +603,7 @@ def test_envpool_atari_protocol():
 
 
 def test_learns_cartpole_through_envpool(tmp_path):
-    """Issue 27: the script learns CartPole-v1 through EnvPool and holds it, each seed as a user runs it (the classic
+    """The script learns CartPole-v1 through EnvPool and holds it, each seed as a user runs it (the classic
     preset: 16 envs x 20 steps, 8 minibatches, clip 1,000, RMSprop epsilon 0.1, 500k steps; 80 s per seed on 2 idle
     cores). Asserted: the median over seeds 1-3 of the final return (eval/return after training) is above 400.
     Measured for seeds 1-5 (c5a1b18): eval/return 484.6, 500.0, 442.1, 500.0, 500.0; synchronous 415.5, 497.4, 477.8,
@@ -467,7 +615,10 @@ def test_learns_cartpole_through_envpool(tmp_path):
 
 def test_torchrun_two_learners_with_gloo(tmp_path):
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
-    run_script(TOY + ["--total-timesteps", "800", "--no-cuda", "--num-minibatches", "2"], tmp_path, launcher=launcher)
+    proc = run_script(
+        TOY + ["--total-timesteps", "800", "--no-cuda", "--num-minibatches", "2"], tmp_path, launcher=launcher
+    )
+    assert proc.stdout.count("settings:") == 1  # printed by rank 0 only
     summary, rows, run_dir = read_run(tmp_path)  # only rank 0 writes
     config = json.load(open(os.path.join(run_dir, "config.json")))
     # App. A: 2 learners x 8 envs x 5 steps = a global batch of 80 (10 updates of 800 steps)
