@@ -204,8 +204,8 @@ class WorkerError(RuntimeError):
 
 # ---- Argument resolution: presets, derived sizes, checks (all before any env or process starts) -----------------------
 def check_domains(args: Args) -> None:
-    """Every numeric flag within its domain (presets filled in), else ArgsError "--flag VALUE: must be DOMAIN"."""
-    toy = args.toy
+    """Every numeric flag within its domain (presets filled in), else ArgsError "--flag VALUE: must be DOMAIN". The
+    --toy.* flags are checked by ToyChainWorkerConfig.validate (resolve_args)."""
     in_unit = "in [0, 1]"
     rows = [  # (flag, value, within its domain, the domain)
         ("--seed", args.seed, args.seed >= 0, ">= 0"),
@@ -224,23 +224,10 @@ def check_domains(args: Args) -> None:
         ("--vf-coef", args.vf_coef, args.vf_coef >= 0, ">= 0"),
         ("--max-grad-norm", args.max_grad_norm, args.max_grad_norm > 0, "> 0"),
         ("--target-kl", args.target_kl, args.target_kl is None or args.target_kl > 0, "> 0"),
-        ("--inference-min-batch", args.inference_min_batch, (args.inference_min_batch or 1) >= 1, ">= 1"),
+        ("--inference-min-batch", args.inference_min_batch, args.inference_min_batch >= 1, ">= 1"),
         ("--sync-frac", args.sync_frac, 0 <= args.sync_frac <= 1, in_unit),
         ("--eval-freq", args.eval_freq, args.eval_freq >= 0, ">= 0 (0: only at the end)"),
         ("--num-eval-episodes", args.num_eval_episodes, args.num_eval_episodes >= 1, ">= 1"),
-        ("--toy.horizon", toy.horizon, toy.horizon >= 1, ">= 1"),
-        ("--toy.block-length", toy.block_length, toy.block_length >= 1, ">= 1"),
-        ("--toy.num-actions", toy.num_actions, toy.num_actions >= 2, ">= 2"),
-        ("--toy.progression-prob", toy.progression_prob, 0 <= toy.progression_prob <= 1, in_unit),
-        ("--toy.mastery-threshold", toy.mastery_threshold, toy.mastery_threshold >= 0, ">= 0"),
-        ("--toy.reset-lambda", toy.reset_lambda, toy.reset_lambda >= 0, ">= 0"),
-        ("--toy.task-seed", toy.task_seed, toy.task_seed >= 0, ">= 0"),
-        ("--toy.step-time-mean", toy.step_time_mean, toy.step_time_mean >= 0, ">= 0"),
-        ("--toy.step-time-spread", toy.step_time_spread, toy.step_time_spread >= 0, ">= 0"),
-        ("--toy.step-time-jitter", toy.step_time_jitter, toy.step_time_jitter >= 0, ">= 0"),
-        ("--toy.crash-at-step", toy.crash_at_step, toy.crash_at_step >= 0, ">= 0 (0: never)"),
-        ("--toy.slow-rank-factor", toy.slow_rank_factor, toy.slow_rank_factor > 0, "> 0"),
-        ("--toy.slow-env-factor", toy.slow_env_factor, toy.slow_env_factor > 0, "> 0"),
     ]
     for flag, value, ok, domain in rows:
         if not ok:
@@ -260,11 +247,16 @@ def resolve_args(args: Args, world_size: Optional[int] = None) -> Args:
     for name, value in PRESETS[kind].items():
         if getattr(resolved, name) is None:
             setattr(resolved, name, value)
+    if resolved.sync:  # step all N envs, wait for all of them, act on all
+        resolved.variable_experience = False
+        resolved.inference_min_batch = resolved.num_envs
+    if resolved.inference_min_batch is None:
+        resolved.inference_min_batch = max(1, int(resolved.num_envs / 1.5))  # habitat-lab's default
     check_domains(resolved)
     if kind == "toy":
         resolved.toy.autoreset_mode = "same_step"  # the worker resets its chain and reports the true last observation
         try:
-            resolved.toy.validate()
+            resolved.toy.validate()  # "--toy.horizon must be >= 1, got 0", ...
         except ValueError as error:
             raise ArgsError(str(error)) from error
     else:
@@ -279,16 +271,10 @@ def resolve_args(args: Args, world_size: Optional[int] = None) -> Args:
             )
     if resolved.evaluate and not resolved.checkpoint:
         raise ArgsError("--evaluate needs --checkpoint PATH")
-    num_envs = resolved.num_envs
-    if resolved.sync:  # step all N envs, wait for all of them, act on all
-        resolved.variable_experience = False
-        resolved.inference_min_batch = num_envs
-    if resolved.inference_min_batch is None:
-        resolved.inference_min_batch = max(1, int(num_envs / 1.5))  # habitat-lab's default
-    resolved.batch_size = num_envs * resolved.num_steps
+    resolved.batch_size = resolved.num_envs * resolved.num_steps
     if resolved.batch_size % resolved.num_minibatches != 0:
         raise ArgsError(
-            f"the batch T*N = {resolved.num_steps}*{num_envs} = {resolved.batch_size} does not split into "
+            f"the batch T*N = {resolved.num_steps}*{resolved.num_envs} = {resolved.batch_size} does not split into "
             f"--num-minibatches {resolved.num_minibatches} equal minibatches (Sec. 2.2); pick T, N or minibatches "
             "so that it divides"
         )
@@ -399,8 +385,11 @@ def env_worker(env_index: int, args: Args, slots: SharedSlots, conn, rank: int) 
             start = time.perf_counter()
             obs, reward, terminated, truncated, final_obs, success = env.step(view["action"].copy())
             view["busy_time"][...] = time.perf_counter() - start
-            view["obs"][...], view["reward"][...], view["success"][...] = obs, reward, success
-            view["terminated"][...], view["truncated"][...] = terminated, truncated
+            view["obs"][...] = obs
+            view["reward"][...] = reward
+            view["terminated"][...] = terminated
+            view["truncated"][...] = truncated
+            view["success"][...] = success
             if final_obs is not None:
                 view["final_obs"][...] = final_obs
             conn.send("ready")

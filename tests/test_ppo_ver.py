@@ -10,6 +10,7 @@ import glob
 import json
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -899,6 +900,93 @@ def test_bad_flag_combinations_are_rejected_with_the_flag_named(kwargs, message)
         ver.resolve_args(ver.Args(cuda=False, **kwargs), world_size=1)
 
 
+OUT_OF_DOMAIN = [  # (flag, a value outside its domain): every numeric flag of the script, --toy.* included
+    ("--seed", -1),
+    ("--num-envs", 0),
+    ("--num-envs", -4),
+    ("--horizon", 0),
+    ("--total-timesteps", 0),
+    ("--learning-rate", -1e-3),
+    ("--num-steps", 0),
+    ("--gamma", 1.5),
+    ("--gae-lambda", 1.7),
+    ("--num-minibatches", 0),
+    ("--update-epochs", 0),
+    ("--clip-coef", -0.2),
+    ("--ent-coef", -0.01),
+    ("--target-entropy", math.nan),
+    ("--vf-coef", -0.5),
+    ("--max-grad-norm", 0.0),
+    ("--target-kl", 0.0),
+    ("--inference-min-batch", 0),
+    ("--sync-frac", 1.2),
+    ("--eval-freq", -3),
+    ("--num-eval-episodes", 0),
+    ("--toy.horizon", 0),
+    ("--toy.block-length", 0),
+    ("--toy.num-actions", 1),
+    ("--toy.progression-prob", -0.1),
+    ("--toy.mastery-threshold", -1),
+    ("--toy.reset-lambda", -1.0),
+    ("--toy.step-time-mean", -0.1),
+    ("--toy.step-time-spread", -1.0),
+    ("--toy.step-time-jitter", -1.0),
+    ("--toy.crash-at-step", -1),
+    ("--toy.slow-rank-factor", 0.0),
+    ("--toy.slow-env-factor", -2.0),
+]
+
+
+def args_with(flag, value, **kwargs):
+    name = flag[2:].replace("-", "_")
+    if name.startswith("toy."):
+        return ver.Args(cuda=False, toy=replace(ToyChainWorkerConfig(), **{name[4:]: value}), **kwargs)
+    return ver.Args(cuda=False, **{name: value}, **kwargs)
+
+
+@pytest.mark.parametrize("flag, value", OUT_OF_DOMAIN)
+def test_a_numeric_flag_outside_its_domain_is_refused_naming_the_flag_value_and_domain(flag, value):
+    """resolve_args alone (fast). The --toy.* flags are checked by toy_chain_env.py, in its own words."""
+    expected = f"{flag} must be .*, got {value}" if flag.startswith("--toy.") else f"{flag} {value}: must be "
+    with pytest.raises(ver.ArgsError, match="^" + expected.replace("[", r"\[")):
+        ver.resolve_args(args_with(flag, value), world_size=1)
+
+
+def test_the_out_of_domain_table_covers_every_numeric_flag():
+    numeric = set()
+    for config, prefix in ((ver.Args(), "--"), (ToyChainWorkerConfig(), "--toy.")):
+        for name, value in vars(config).items():
+            if isinstance(value, (int, float)) and not isinstance(value, bool) or value is None:
+                numeric.add(prefix + name.replace("_", "-"))
+    numeric -= {"--wandb-entity", "--checkpoint", "--bootstrap-at-done", "--batch-size", "--world-size"}
+    numeric -= {"--toy.task-seed"}  # any integer
+    assert numeric == {flag for flag, _ in OUT_OF_DOMAIN}
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(learned_ent_coef=True, ent_coef=0.0), "--ent-coef 0.0: must be in [1e-4, 1] with --learned-ent-coef"),
+        (dict(checkpoint="no/such/file.pt"), "--checkpoint no/such/file.pt: no such file"),
+    ],
+)
+def test_other_bad_values_are_refused_naming_the_flag(kwargs, message):
+    with pytest.raises(ver.ArgsError, match=re.escape(message)):
+        ver.resolve_args(ver.Args(cuda=False, **kwargs), world_size=1)
+
+
+def test_the_settings_block_lists_every_resolved_field_in_order_within_120_columns():
+    args = ver.resolve_args(ver.Args(cuda=False, num_envs=4), world_size=1)
+    text = ver.format_settings(args)
+    lines = text.splitlines()
+    assert lines[0] == "settings:" and max(len(line) for line in lines) <= 120
+    pairs = " ".join(lines[1:]).split(" ")
+    assert pairs[:3] == [f"exp_name={args.exp_name}", "seed=1", "torch_deterministic=True"]
+    assert "num_envs=4" in pairs and "toy.horizon=200" in pairs and "toy.autoreset_mode=same_step" in pairs
+    assert pairs.index("horizon=None") < pairs.index("toy.horizon=200") < pairs.index("bootstrap_at_done=truncated")
+    assert len(pairs) == len(vars(args)) - 1 + len(vars(args.toy))
+
+
 # ----------------------------------------------------------------------------------------------------------------------
 # The script as a user runs it, asserting on what it wrote
 # ----------------------------------------------------------------------------------------------------------------------
@@ -1201,9 +1289,9 @@ def alive(pid):
 class Watched:
     """The script in a subprocess (its own process group), with every descendant process it ever had recorded."""
 
-    def __init__(self, args, tmp_path):
+    def __init__(self, args, tmp_path, launcher=None):
         self.proc = subprocess.Popen(
-            [sys.executable, SCRIPT, "--output-dir", str(tmp_path), *args],
+            (launcher or [sys.executable]) + [SCRIPT, "--output-dir", str(tmp_path), *args],
             cwd=ROOT,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
@@ -1308,7 +1396,47 @@ def test_ctrl_c_during_start_up_writes_the_summary(tmp_path):
     assert not glob.glob(os.path.join(run_dir, "*.pt"))  # nothing trained, nothing saved
 
 
-def test_bad_flags_exit_early_with_a_message_and_start_nothing(tmp_path):
-    proc = run_script(["--num-envs", "3", "--num-steps", "7"], tmp_path, check=False)
-    assert proc.returncode == 2 and "error: the batch T*N = 7*3 = 21 does not split" in proc.stderr
-    assert os.listdir(tmp_path) == []
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--num-envs", "3", "--num-steps", "7"], "error: the batch T*N = 7*3 = 21 does not split"),
+        (["--num-envs", "0"], "error: --num-envs 0: must be >= 1"),  # (it hung)
+        (["--num-steps", "0"], "error: --num-steps 0: must be >= 1"),
+        (["--checkpoint", "no_such_checkpoint.pt"], "error: --checkpoint no_such_checkpoint.pt: no such file"),
+    ],
+)
+def test_bad_flags_exit_early_with_a_message_and_start_nothing(tmp_path, flags, message):
+    proc = run_script(flags, tmp_path, check=False, timeout=120)
+    assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1 and os.listdir(tmp_path) == []
+
+
+def test_ranks_whose_torchrun_was_killed_stop_write_the_summary_and_leave_nothing(tmp_path):
+    """torchrun killed with SIGKILL (as by the out-of-memory killer) cannot stop its ranks, which run in sessions of
+    their own. Each rank sees at the next iteration that its parent process changed; all ranks stop there together,
+    as at Ctrl-C: rank 0 writes summary.json, and every rank, forkserver and env worker ends."""
+    flags = ["--env-id", "ToyChain-v0", "--num-envs", "2", "--num-steps", "8", "--num-minibatches", "1", "--no-cuda"]
+    run = Watched(flags + ["--eval-freq", "0", "--total-timesteps", "100000000"], tmp_path, launcher=TORCHRUN)
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline and len([pid for pid, depth in process_tree(run.proc.pid) if depth == 3]) < 4:
+            run.watch()  # torchrun, its 2 ranks, their forkservers, then 2 env workers per rank
+            time.sleep(0.2)
+        time.sleep(5.0)  # some iterations
+        run.watch()
+        assert len(run.seen) >= 8, run.seen
+        os.kill(run.proc.pid, signal.SIGKILL)
+        deadline = time.time() + 120
+        while time.time() < deadline and any(alive(pid) for pid in run.seen):
+            time.sleep(0.2)
+        assert not [pid for pid in run.seen if alive(pid)]
+        out, err = run.proc.communicate(timeout=30)
+    finally:
+        for pid in run.seen:
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
+        if run.proc.poll() is None:
+            run.proc.kill()
+    assert "is gone: stopping" in err and "Traceback" not in err, err[-3000:]
+    summary = load_summary(only_run_dir(tmp_path))
+    assert summary["interrupted"] is True and summary["global_step"] > 0 and summary["iteration"] > 0
