@@ -126,7 +126,7 @@ class Args:
     clip_coef: float = 0.2
     """PPO clipping coefficient, > 0"""
     ent_coef: Optional[float] = None
-    """entropy bonus coefficient, >= 0; with --learned-ent-coef its initial value (default: ToyChain 0.01; ManiSkill 0)"""
+    """entropy bonus coefficient, >= 0; with --learned-ent-coef its start (default: ToyChain 0.01; ManiSkill 0)"""
     learned_ent_coef: bool = False
     """learn the entropy coefficient alpha in [1e-4, 1] towards --target-entropy
     (Sec. 4: alpha ([H]_sg - lambda) - [alpha]_sg H)"""
@@ -202,7 +202,7 @@ class WorkerError(RuntimeError):
     """An env worker raised or died: the run ends with its message."""
 
 
-# ---- Argument resolution: presets, derived sizes, checks (all before any env or process starts) -----------------------
+# ---- Argument resolution: presets, derived sizes, checks (all before any env or process starts) ----------------------
 def check_domains(args: Args) -> None:
     """Every numeric flag within its domain (presets filled in), else ArgsError "--flag VALUE: must be DOMAIN". The
     --toy.* flags are checked by ToyChainWorkerConfig.validate (resolve_args)."""
@@ -266,9 +266,7 @@ def resolve_args(args: Args, world_size: Optional[int] = None) -> Args:
             raise ArgsError(f"--env-id {resolved.env_id!r}: neither ToyChain-v0 nor a ManiSkill3 task")
         icd_files = glob.glob("/usr/share/vulkan/icd.d/*.json") + glob.glob("/etc/vulkan/icd.d/*.json")
         if sys.platform.startswith("linux") and not (icd_files or os.environ.get("VK_ICD_FILENAMES")):
-            raise ArgsError(
-                "ManiSkill3 needs a Vulkan driver, even for state-only simulation: bash .ci/install_system.sh"
-            )
+            raise ArgsError("ManiSkill3 needs a Vulkan driver, even for state observations: bash .ci/install_system.sh")
     if resolved.evaluate and not resolved.checkpoint:
         raise ArgsError("--evaluate needs --checkpoint PATH")
     resolved.batch_size = resolved.num_envs * resolved.num_steps
@@ -293,7 +291,7 @@ def format_settings(args: Args) -> str:
     return "\n".join(["settings:", *lines])
 
 
-# ---- Environments: one env as a worker (or the evaluation loop) steps it ----------------------------------------------
+# ---- Environments: one env as a worker (or the evaluation loop) steps it ---------------------------------------------
 class ManiSkillEnv:
     """One ManiSkill3 env (CPU simulation), numpy in and out, with ToyChainWorkerEnv's interface: step() resets an
     ended episode itself and returns (obs, reward, terminated, truncated, final_obs: true last obs or None, success)."""
@@ -334,7 +332,7 @@ def make_env(args: Args, evaluation: bool = False, rank: int = 0, env_index: int
     return ManiSkillEnv(CPUGymWrapper(env, ignore_terminations=evaluation))
 
 
-# ---- Env workers (Sec. 2.1, Fig. 2): processes that write into preallocated shared CPU memory -------------------------
+# ---- Env workers (Sec. 2.1, Fig. 2): processes that write into preallocated shared CPU memory ------------------------
 @dataclass
 class SharedSlots:
     """Preallocated shared CPU memory with one slot per env (Sec. 2.1): a worker writes the result of a step into
@@ -446,10 +444,7 @@ class EnvWorkers:
     def _raise_dead(self, env: int):
         process = self.processes[env]
         process.join(timeout=1.0)
-        exit_code = process.exitcode
-        raise WorkerError(
-            f"env worker {env} (pid {process.pid}) died with exit code {exit_code} (killed, or a native crash)"
-        )
+        raise WorkerError(f"env worker {env} (pid {process.pid}) died with exit code {process.exitcode} (killed?)")
 
     def close(self, timeout: float = 3.0) -> None:
         """Closes the pipes (a worker exits when its pipe closes), waits up to `timeout` s, then kills what is left."""
@@ -465,7 +460,7 @@ class EnvWorkers:
         self.conns = []
 
 
-# ---- Pure functions the algorithm relies on (importable, tested in tests/test_ppo_ver.py) -----------------------------
+# ---- Pure functions the algorithm relies on (importable, tested in tests/test_ppo_ver.py) ----------------------------
 def sequence_starts(lengths: np.ndarray) -> np.ndarray:
     """Where each of the sequences stored one after another starts: [0, l0, l0 + l1, ...] (no entry for the end)."""
     return np.cumsum(lengths) - lengths
@@ -634,7 +629,7 @@ class RunningMeanStd:
         return ((obs - self.mean) / torch.sqrt(self.var + 1e-8)).clamp(-10.0, 10.0)
 
 
-# ---- Networks ---------------------------------------------------------------------------------------------------------
+# ---- Networks --------------------------------------------------------------------------------------------------------
 def layer_init(layer: nn.Linear, std: float = math.sqrt(2), bias_const: float = 0.0) -> nn.Linear:
     torch.nn.init.orthogonal_(layer.weight, std)
     torch.nn.init.constant_(layer.bias, bias_const)
@@ -741,7 +736,7 @@ class Agent(nn.Module):
         return action_dist.log_prob(actions), action_dist.entropy(), value
 
 
-# ---- Rollout storage and collection (Sec. 2.1, 2.2) -------------------------------------------------------------------
+# ---- Rollout storage and collection (Sec. 2.1, 2.2) ------------------------------------------------------------------
 class RolloutStorage:
     """The steps of one rollout, one row per (env, step) in the order the policy acted: a linear buffer, as VER has no
     (T, N) shape (Sec. 2.2). A row is written when the policy acts and completed when the env's result arrives.
@@ -1066,7 +1061,7 @@ class Collector:
         return hidden, cell
 
 
-# ---- DD-PPO (Sec. 2.3): every rank collects and learns; gradients are all-reduced; stragglers are preempted -----------
+# ---- DD-PPO (Sec. 2.3): every rank collects and learns; gradients are all-reduced; stragglers are preempted ----------
 def all_reduce_named(values: dict, device) -> dict:
     """Named numbers summed over the ranks (NCCL on GPUs, gloo on CPU) as one vector, named back at once."""
     vector = torch.tensor([float(value) for value in values.values()], dtype=torch.float64, device=device)
@@ -1098,7 +1093,7 @@ def ddppo_stop_rule(store: dist.Store, args: Args, iteration: int) -> Callable:
     return lambda steps, elapsed: steps >= args.batch_size / 4 and store.add(key, 0) >= args.sync_frac * args.world_size
 
 
-# ---- PPO update (Sec. 2.2, 4) -----------------------------------------------------------------------------------------
+# ---- PPO update (Sec. 2.2, 4) ----------------------------------------------------------------------------------------
 def ppo_loss(agent: Agent, minibatch: dict, args: Args) -> tuple[torch.Tensor, dict]:
     """The loss of one VER minibatch, every term weighted by the truncated importance weights w (Sec. 4):
     mean(w * clipped surrogate) + vf_coef * mean(w * value loss) - ent_coef * mean(w * entropy); with
@@ -1180,7 +1175,7 @@ def ppo_update(
     return means
 
 
-# ---- Checkpoints, evaluation ------------------------------------------------------------------------------------------
+# ---- Checkpoints, evaluation -----------------------------------------------------------------------------------------
 def save_checkpoint(path: Path, agent, optimizer, obs_rms: RunningMeanStd, global_step: int, iteration: int) -> None:
     """What resuming needs, in CONVENTIONS.md's layout (iteration: the updates made), written to a temporary file and
     renamed, so that a save interrupted by Ctrl-C never leaves a half-written checkpoint."""
@@ -1222,7 +1217,7 @@ def evaluate(agent: Agent, env, obs_rms: RunningMeanStd, num_episodes: int, seed
     return {name: total / num_episodes for name, total in totals.items()}
 
 
-# ---- Training loop ----------------------------------------------------------------------------------------------------
+# ---- Training loop ---------------------------------------------------------------------------------------------------
 def rank0_store(rank: int, world_size: int) -> dist.Store:
     """A key-value store hosted by rank 0 that counts the ranks done (DD-PPO's preemption). Not torchrun's own store:
     it dies with torchrun, and the ranks must outlive their launcher long enough to stop cleanly."""
