@@ -1017,8 +1017,10 @@ class Collector:
         if state is not None:  # the state the policy acted from, before this step
             storage.hidden[rows_t] = torch.stack(state).permute(2, 0, 1, 3)
             dev_idx = idx.to(self.device)
-            self.recurrent_state[0][:, dev_idx] = next_state[0]
-            self.recurrent_state[1][:, dev_idx] = next_state[1]
+            hidden, cell = self.recurrent_state
+            next_hidden, next_cell = next_state
+            hidden[:, dev_idx] = next_hidden
+            cell[:, dev_idx] = next_cell
         storage.env_ids[rows] = envs
         storage.episode_ids[rows] = self.episode_id[envs]
         waiting = self.awaiting_row[envs] >= 0  # V of this observation bootstraps the env's previous step
@@ -1052,8 +1054,9 @@ class Collector:
         if self.recurrent_state is None:
             return None
         idx = torch.as_tensor(envs, device=self.device)
-        hidden = self.recurrent_state[0][:, idx]
-        cell = self.recurrent_state[1][:, idx]
+        hidden, cell = self.recurrent_state
+        hidden = hidden[:, idx]
+        cell = cell[:, idx]
         if reset is not None:
             keep = torch.as_tensor(~reset, device=self.device, dtype=hidden.dtype).view(1, -1, 1)
             hidden = hidden * keep
