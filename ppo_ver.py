@@ -44,11 +44,13 @@ import glob
 import json
 import math
 import os
+import pickle
 import signal
+import socket
 import sys
+import textwrap
 import time
 import traceback
-from collections import deque
 from dataclasses import asdict, dataclass, field, replace
 from multiprocessing.connection import wait as wait_for_connections
 from pathlib import Path
@@ -97,62 +99,67 @@ class Args:
     env_id: str = "ToyChain-v0"
     """ToyChain-v0 or a ManiSkill3 task id (PickCube-v1, StackCube-v1, ...)"""
     num_envs: Optional[int] = None
-    """N: environments per rank, each stepped in its own env worker process (default: 16 ToyChain, 8 otherwise)"""
+    """N: envs per rank, each stepped in its own env worker process (default: ToyChain 16; ManiSkill 8)"""
     horizon: Optional[int] = None
     """max_episode_steps of a ManiSkill task (default: its registered one); ToyChain: --toy.horizon"""
     toy: ToyChainWorkerConfig = field(default_factory=ToyChainWorkerConfig)
     """ToyChain-v0 settings (the step-time and straggler options make its simulation time heterogeneous, VER Sec. 2)"""
     bootstrap_at_done: Optional[Literal["always", "truncated"]] = None
     """what an episode end bootstraps (CONVENTIONS.md): V(true last obs) always, or only at truncations (0 at
-    terminations) (default: always for ManiSkill tasks, truncated otherwise)"""
+    terminations) (default: ToyChain truncated; ManiSkill always)"""
 
     # ---- PPO ------------------------------------------------------------------------------------------------------
     total_timesteps: Optional[int] = None
-    """env steps to train for, all ranks together (default: 300k ToyChain, 2M ManiSkill)"""
+    """env steps to train for, all ranks together (default: ToyChain 300k; ManiSkill 2M)"""
     learning_rate: Optional[float] = None
-    """Adam learning rate (default: 2.5e-4, Sec. 4; 3e-4 ManiSkill)"""
+    """Adam learning rate, > 0 (default: ToyChain 2.5e-4, as Sec. 4; ManiSkill 3e-4)"""
     num_steps: Optional[int] = None
-    """T: a rollout collects T x N steps per rank (T per env on average with VER) (default: 32 ToyChain, 16 ManiSkill)"""
+    """T: a rollout collects T x N steps per rank, T per env on average with VER (default: ToyChain 32; ManiSkill 16)"""
     gamma: Optional[float] = None
-    """discount factor (default: 0.99; 0.8 ManiSkill)"""
+    """discount factor in [0, 1] (default: ToyChain 0.99; ManiSkill 0.8)"""
     gae_lambda: Optional[float] = None
-    """GAE lambda (default: 0.95; 0.9 ManiSkill)"""
+    """GAE lambda in [0, 1] (default: ToyChain 0.95; ManiSkill 0.9)"""
     num_minibatches: int = 4
     """minibatches per epoch, each of T x N / num_minibatches steps (Sec. 2.2)"""
     update_epochs: int = 4
     """PPO epochs over each rollout"""
     clip_coef: float = 0.2
-    """PPO clipping coefficient"""
+    """PPO clipping coefficient, > 0"""
     ent_coef: Optional[float] = None
-    """entropy bonus coefficient; with --learned-ent-coef its initial value (default: 0.01; 0 ManiSkill)"""
+    """entropy bonus coefficient, >= 0; with --learned-ent-coef its start (default: ToyChain 0.01; ManiSkill 0)"""
     learned_ent_coef: bool = False
-    """learn the entropy coefficient alpha in [1e-4, 1] towards --target-entropy (Sec. 4: alpha([H]_sg - lambda) - [alpha]_sg H)"""
+    """learn the entropy coefficient alpha in [1e-4, 1] towards --target-entropy
+    (Sec. 4: alpha ([H]_sg - lambda) - [alpha]_sg H)"""
     target_entropy: float = 0.0
     """lambda: the minimum policy entropy that the learned coefficient enforces (Sec. 4 sets 0)"""
     vf_coef: float = 0.5
-    """value-loss coefficient"""
+    """value-loss coefficient, >= 0"""
     max_grad_norm: float = 0.5
-    """gradient-norm clip"""
+    """gradient-norm clip, > 0"""
     target_kl: Optional[float] = None
-    """stop an update's epochs once the approximate KL exceeds this (default: off; 0.1 ManiSkill)"""
+    """stop an update's epochs once the approximate KL exceeds this, > 0 (default: ToyChain off; ManiSkill 0.1)"""
     recurrent: bool = False
     """an LSTM policy trained on packed sequences (Sec. 2.2, Fig. 3C); default: an MLP"""
 
     # ---- VER (Sec. 2), and DD-PPO under torchrun (Sec. 2.3) ----------------------------------------------------------
     variable_experience: bool = True
-    """variable experience rollout: T x N steps per rollout from any envs (Sec. 2.2); --no-variable-experience is NoVER: the same workers and dynamic batching, but exactly T steps from every env"""
+    """variable experience rollout: T x N steps per rollout from any envs (Sec. 2.2); --no-variable-experience is
+    NoVER: the same workers and dynamic batching, but exactly T steps from every env"""
     sync: bool = False
     """SyncOnRL (DD-PPO's collection): step all envs, wait for all of them, then act; implies NoVER"""
     inference_min_batch: Optional[int] = None
-    """dynamic batching: act once this many envs are waiting, or after half a policy step's time (default: N / 1.5, as habitat-lab)"""
+    """dynamic batching: act once this many envs are waiting (1 to N), or after half a policy step's time
+    (default: N / 1.5, as habitat-lab; N with --sync)"""
     sync_frac: float = 0.6
-    """DD-PPO's preemption rule (--sync under torchrun): a rank stops collecting once this fraction of the ranks have finished their rollout (and it has a quarter of its own)"""
+    """DD-PPO's preemption rule (--sync under torchrun), in [0, 1]: a rank stops collecting once this fraction of the
+    ranks have finished their rollout (and it has a quarter of its own)"""
 
     # ---- evaluation -------------------------------------------------------------------------------------------------
     eval_freq: int = 10
     """evaluate every this many iterations (and at the end); 0 = only at the end"""
     num_eval_episodes: int = 16
-    """evaluation episodes (deterministic policy, one env in the main process, one episode after another; ToyChain: no step delays)"""
+    """evaluation episodes, >= 1 (deterministic policy, one env in the main process, one episode after another;
+    ToyChain: no step delays)"""
 
     # ---- filled in by resolve_args ------------------------------------------------------------------------------
     batch_size: tyro.conf.Suppress[int] = 0
@@ -195,19 +202,61 @@ class WorkerError(RuntimeError):
     """An env worker raised or died: the run ends with its message."""
 
 
-# ---- Argument resolution: presets, derived sizes, checks (all before any env or process starts) -----------------------
+# ---- Argument resolution: presets, derived sizes, checks (all before any env or process starts) ----------------------
+def check_domains(args: Args) -> None:
+    """Every numeric flag within its domain (presets filled in), else ArgsError "--flag VALUE: must be DOMAIN". The
+    --toy.* flags are checked by ToyChainWorkerConfig.validate (resolve_args)."""
+    in_unit = "in [0, 1]"
+    rows = [  # (flag, value, within its domain, the domain)
+        ("--seed", args.seed, args.seed >= 0, ">= 0"),
+        ("--num-envs", args.num_envs, args.num_envs >= 1, ">= 1"),
+        ("--horizon", args.horizon, args.horizon is None or args.horizon >= 1, ">= 1"),
+        ("--total-timesteps", args.total_timesteps, args.total_timesteps >= 1, ">= 1"),
+        ("--learning-rate", args.learning_rate, args.learning_rate > 0, "> 0"),
+        ("--num-steps", args.num_steps, args.num_steps >= 1, ">= 1"),
+        ("--gamma", args.gamma, 0 <= args.gamma <= 1, in_unit),
+        ("--gae-lambda", args.gae_lambda, 0 <= args.gae_lambda <= 1, in_unit),
+        ("--num-minibatches", args.num_minibatches, args.num_minibatches >= 1, ">= 1"),
+        ("--update-epochs", args.update_epochs, args.update_epochs >= 1, ">= 1"),
+        ("--clip-coef", args.clip_coef, args.clip_coef > 0, "> 0"),
+        ("--ent-coef", args.ent_coef, args.ent_coef >= 0, ">= 0"),
+        ("--target-entropy", args.target_entropy, math.isfinite(args.target_entropy), "a finite number"),
+        ("--vf-coef", args.vf_coef, args.vf_coef >= 0, ">= 0"),
+        ("--max-grad-norm", args.max_grad_norm, args.max_grad_norm > 0, "> 0"),
+        ("--target-kl", args.target_kl, args.target_kl is None or args.target_kl > 0, "> 0"),
+        ("--inference-min-batch", args.inference_min_batch, args.inference_min_batch >= 1, ">= 1"),
+        ("--sync-frac", args.sync_frac, 0 <= args.sync_frac <= 1, in_unit),
+        ("--eval-freq", args.eval_freq, args.eval_freq >= 0, ">= 0 (0: only at the end)"),
+        ("--num-eval-episodes", args.num_eval_episodes, args.num_eval_episodes >= 1, ">= 1"),
+    ]
+    for flag, value, ok, domain in rows:
+        if not ok:
+            raise ArgsError(f"{flag} {value}: must be {domain}")
+    if args.learned_ent_coef and not 1e-4 <= args.ent_coef <= 1:
+        raise ArgsError(f"--ent-coef {args.ent_coef}: must be in [1e-4, 1] with --learned-ent-coef")
+    if args.checkpoint and not os.path.exists(args.checkpoint):
+        raise ArgsError(f"--checkpoint {args.checkpoint}: no such file")
+
+
 def resolve_args(args: Args, world_size: Optional[int] = None) -> Args:
     """Fills the presets and derived sizes into a copy of `args` and validates it. Raises ArgsError."""
     resolved = replace(args, toy=replace(args.toy))
     resolved.world_size = world_size if world_size is not None else int(os.environ.get("WORLD_SIZE", "1"))
-    kind = resolved.env_kind = "toy" if resolved.env_id == "ToyChain-v0" else "maniskill"
+    kind = "toy" if resolved.env_id == "ToyChain-v0" else "maniskill"
+    resolved.env_kind = kind
     for name, value in PRESETS[kind].items():
         if getattr(resolved, name) is None:
             setattr(resolved, name, value)
+    if resolved.sync:  # step all N envs, wait for all of them, act on all
+        resolved.variable_experience = False
+        resolved.inference_min_batch = resolved.num_envs
+    if resolved.inference_min_batch is None:
+        resolved.inference_min_batch = max(1, int(resolved.num_envs / 1.5))  # habitat-lab's default
+    check_domains(resolved)
     if kind == "toy":
         resolved.toy.autoreset_mode = "same_step"  # the worker resets its chain and reports the true last observation
         try:
-            resolved.toy.validate()
+            resolved.toy.validate()  # "--toy.horizon must be >= 1, got 0", ...
         except ValueError as error:
             raise ArgsError(str(error)) from error
     else:
@@ -217,33 +266,40 @@ def resolve_args(args: Args, world_size: Optional[int] = None) -> Args:
             raise ArgsError(f"--env-id {resolved.env_id!r}: neither ToyChain-v0 nor a ManiSkill3 task")
         icd_files = glob.glob("/usr/share/vulkan/icd.d/*.json") + glob.glob("/etc/vulkan/icd.d/*.json")
         if sys.platform.startswith("linux") and not (icd_files or os.environ.get("VK_ICD_FILENAMES")):
-            raise ArgsError(
-                "ManiSkill3 needs a Vulkan driver, even for state-only simulation: bash .ci/install_system.sh"
-            )
+            raise ArgsError("ManiSkill3 needs a Vulkan driver, even for state observations: bash .ci/install_system.sh")
     if resolved.evaluate and not resolved.checkpoint:
         raise ArgsError("--evaluate needs --checkpoint PATH")
-    N = resolved.num_envs
-    if resolved.sync:  # step all N envs, wait for all of them, act on all
-        resolved.variable_experience = False
-        resolved.inference_min_batch = N
-    if resolved.inference_min_batch is None:
-        resolved.inference_min_batch = max(1, int(N / 1.5))  # habitat-lab's default
-    resolved.batch_size = N * resolved.num_steps
+    resolved.batch_size = resolved.num_envs * resolved.num_steps
     if resolved.batch_size % resolved.num_minibatches != 0:
         raise ArgsError(
-            f"the batch T*N = {resolved.num_steps}*{N} = {resolved.batch_size} does not split into --num-minibatches "
-            f"{resolved.num_minibatches} equal minibatches (Sec. 2.2); pick T, N or minibatches so that it divides"
+            f"the batch T*N = {resolved.num_steps}*{resolved.num_envs} = {resolved.batch_size} does not split into "
+            f"--num-minibatches {resolved.num_minibatches} equal minibatches (Sec. 2.2); pick T, N or minibatches "
+            "so that it divides"
         )
     return resolved
 
 
-# ---- Environments: one env as a worker (or the evaluation loop) steps it ----------------------------------------------
+def format_settings(args: Args) -> str:
+    """The resolved settings as `name=value` pairs in field order (nested ones as toy.horizon=200), 120 chars a line."""
+    pairs = []
+    for name, value in asdict(args).items():
+        if isinstance(value, dict):
+            pairs += [f"{name}.{inner_name}={inner_value}" for inner_name, inner_value in value.items()]
+        else:
+            pairs.append(f"{name}={value}")
+    lines = textwrap.wrap(" ".join(pairs), width=120, break_long_words=False, break_on_hyphens=False)
+    return "\n".join(["settings:", *lines])
+
+
+# ---- Environments: one env as a worker (or the evaluation loop) steps it ---------------------------------------------
 class ManiSkillEnv:
     """One ManiSkill3 env (CPU simulation), numpy in and out, with ToyChainWorkerEnv's interface: step() resets an
     ended episode itself and returns (obs, reward, terminated, truncated, final_obs: true last obs or None, success)."""
 
     def __init__(self, env):
-        self.env, self.observation_space, self.action_space = env, env.observation_space, env.action_space
+        self.env = env
+        self.observation_space = env.observation_space
+        self.action_space = env.action_space
 
     def reset(self, seed: Optional[int] = None) -> np.ndarray:
         return np.asarray(self.env.reset(seed=seed)[0])
@@ -276,7 +332,7 @@ def make_env(args: Args, evaluation: bool = False, rank: int = 0, env_index: int
     return ManiSkillEnv(CPUGymWrapper(env, ignore_terminations=evaluation))
 
 
-# ---- Env workers (Sec. 2.1, Fig. 2): processes that write into preallocated shared CPU memory -------------------------
+# ---- Env workers (Sec. 2.1, Fig. 2): processes that write into preallocated shared CPU memory ------------------------
 @dataclass
 class SharedSlots:
     """Preallocated shared CPU memory with one slot per env (Sec. 2.1): a worker writes the result of a step into
@@ -327,8 +383,11 @@ def env_worker(env_index: int, args: Args, slots: SharedSlots, conn, rank: int) 
             start = time.perf_counter()
             obs, reward, terminated, truncated, final_obs, success = env.step(view["action"].copy())
             view["busy_time"][...] = time.perf_counter() - start
-            view["obs"][...], view["reward"][...], view["success"][...] = obs, reward, success
-            view["terminated"][...], view["truncated"][...] = terminated, truncated
+            view["obs"][...] = obs
+            view["reward"][...] = reward
+            view["terminated"][...] = terminated
+            view["truncated"][...] = truncated
+            view["success"][...] = success
             if final_obs is not None:
                 view["final_obs"][...] = final_obs
             conn.send("ready")
@@ -348,59 +407,60 @@ class EnvWorkers:
         ctx = mp.get_context("forkserver")
         preload = ["torch", "gymnasium", "numpy", "toy_chain_env"]
         ctx.set_forkserver_preload(preload + (["mani_skill.envs"] if args.env_kind == "maniskill" else []))
-        self.processes, self.conns = [], []
-        for e in range(args.num_envs):
+        self.processes = []
+        self.conns = []
+        for env_index in range(args.num_envs):
             parent, child = ctx.Pipe(duplex=True)
-            process = ctx.Process(
-                target=env_worker, args=(e, args, slots, child, rank), daemon=True, name=f"ver-env-worker-{e}"
-            )
+            worker_args = (env_index, args, slots, child, rank)
+            process = ctx.Process(target=env_worker, args=worker_args, daemon=True, name=f"ver-env-worker-{env_index}")
             process.start()
             child.close()
             self.processes.append(process)
             self.conns.append(parent)
 
     def send_step(self, env_ids) -> None:
-        for e in env_ids:
+        for env in env_ids:
             try:
-                self.conns[e].send("step")
+                self.conns[env].send("step")
             except (BrokenPipeError, ConnectionResetError):
-                self._raise_dead(e)
+                self._raise_dead(env)
 
     def poll(self, timeout: float) -> list[int]:
         """Env ids whose step result arrived within `timeout` seconds (all that are ready, without waiting longer
         once one is; math.inf: until one is). Raises WorkerError if a worker reported an error or died."""
         arrived = []
         for conn in wait_for_connections(self.conns, timeout=None if timeout == math.inf else max(timeout, 0)):
-            e = self.conns.index(conn)
+            env = self.conns.index(conn)
             while conn.poll():  # a process that ended may have sent its traceback first; then its pipe is at EOF
                 try:
                     message = conn.recv()
                 except (EOFError, ConnectionResetError):
-                    self._raise_dead(e)
+                    self._raise_dead(env)
                 if message != "ready":
                     raise WorkerError(message)
-                arrived.append(e)
+                arrived.append(env)
         return arrived
 
-    def _raise_dead(self, e: int):
-        p = self.processes[e]
-        p.join(timeout=1.0)
-        raise WorkerError(f"env worker {e} (pid {p.pid}) died with exit code {p.exitcode} (killed, or a native crash)")
+    def _raise_dead(self, env: int):
+        process = self.processes[env]
+        process.join(timeout=1.0)
+        raise WorkerError(f"env worker {env} (pid {process.pid}) died with exit code {process.exitcode} (killed?)")
 
     def close(self, timeout: float = 3.0) -> None:
         """Closes the pipes (a worker exits when its pipe closes), waits up to `timeout` s, then kills what is left."""
         for conn in self.conns:
             conn.close()
         deadline = time.monotonic() + timeout
-        for p in self.processes:
-            p.join(timeout=max(0.0, deadline - time.monotonic()))
-            if p.is_alive():
-                p.kill()
-                p.join(timeout=1.0)
-        self.processes, self.conns = [], []
+        for process in self.processes:
+            process.join(timeout=max(0.0, deadline - time.monotonic()))
+            if process.is_alive():
+                process.kill()
+                process.join(timeout=1.0)
+        self.processes = []
+        self.conns = []
 
 
-# ---- Pure functions the algorithm relies on (importable, tested in tests/test_ppo_ver.py) -----------------------------
+# ---- Pure functions the algorithm relies on (importable, tested in tests/test_ppo_ver.py) ----------------------------
 def sequence_starts(lengths: np.ndarray) -> np.ndarray:
     """Where each of the sequences stored one after another starts: [0, l0, l0 + l1, ...] (no entry for the end)."""
     return np.cumsum(lengths) - lengths
@@ -411,7 +471,8 @@ def build_sequences(env_ids: np.ndarray, episode_ids: np.ndarray) -> tuple[np.nd
     time order (Sec. 2.2: a sequence starts at a rollout or episode start). Returns (order, lengths): the step indices
     sequence after sequence, and the length of each sequence."""
     order = np.lexsort((episode_ids, env_ids))  # stable: time order is kept inside each (env, episode)
-    env_sorted, episode_sorted = env_ids[order], episode_ids[order]
+    env_sorted = env_ids[order]
+    episode_sorted = episode_ids[order]
     new_sequence = np.ones(len(order), dtype=bool)
     new_sequence[1:] = (env_sorted[1:] != env_sorted[:-1]) | (episode_sorted[1:] != episode_sorted[:-1])
     starts = np.flatnonzero(new_sequence)
@@ -458,11 +519,11 @@ def compute_gae_packed(
     advantages = torch.zeros_like(rewards)
     offsets = np.concatenate([[0], np.cumsum(batch_sizes)])
     following = torch.zeros(0, dtype=rewards.dtype, device=rewards.device)  # A_{t+1} of the sequences still running
-    for t in reversed(range(len(batch_sizes))):
-        n = int(batch_sizes[t])
-        carried = nn.functional.pad(following, (0, n - following.numel()))  # A_{t+1}; 0 after a sequence's end
-        following = deltas[offsets[t] : offsets[t] + n] + gamma * gae_lambda * carried
-        advantages[offsets[t] : offsets[t] + n] = following
+    for step in reversed(range(len(batch_sizes))):
+        running = int(batch_sizes[step])  # the sequences still running at this step
+        carried = nn.functional.pad(following, (0, running - following.numel()))  # A_{t+1}; 0 after a sequence's end
+        following = deltas[offsets[step] : offsets[step] + running] + gamma * gae_lambda * carried
+        advantages[offsets[step] : offsets[step] + running] = following
     return advantages
 
 
@@ -481,9 +542,9 @@ def make_minibatches(
     flat = np.repeat(starts[permutation] - sequence_starts(perm_lengths), perm_lengths) + np.arange(total)
     boundaries = np.union1d(np.cumsum(perm_lengths), np.arange(0, total + 1, size))  # 0, sequence ends and cuts
     minibatches = []
-    for b in range(num_minibatches):
-        inside = boundaries[(boundaries >= b * size) & (boundaries <= (b + 1) * size)]
-        minibatches.append((flat[b * size : (b + 1) * size], np.diff(inside)))
+    for index in range(num_minibatches):
+        inside = boundaries[(boundaries >= index * size) & (boundaries <= (index + 1) * size)]
+        minibatches.append((flat[index * size : (index + 1) * size], np.diff(inside)))
     return minibatches
 
 
@@ -509,7 +570,7 @@ def optimal_preemption_time(
         bound = ((rank_cap + tau.shape[1]) / (1.0 / tau).sum(axis=1)).max()
     else:
         bound = (tau.max(axis=1) * env_cap).max()
-    candidates = [np.arange(1, int(math.ceil(bound / t)) + 1) * t for t in tau.ravel()]
+    candidates = [np.arange(1, int(math.ceil(bound / step)) + 1) * step for step in tau.ravel()]
     times = np.unique(np.ceil(np.concatenate(candidates) / resolution - 1e-9) * resolution)
     counts = np.floor(times[:, None, None] / tau[None] + 1e-9)
     if env_cap is not None:
@@ -517,7 +578,8 @@ def optimal_preemption_time(
     steps = np.minimum(counts.sum(axis=2), rank_cap).sum(axis=1)
     full = np.flatnonzero(steps >= rank_cap * tau.shape[0])
     last = full[0] if len(full) else len(times) - 1
-    times, steps = times[: last + 1], steps[: last + 1]
+    times = times[: last + 1]
+    steps = steps[: last + 1]
     best = int(np.argmax(steps / (times + learn_time)))
     return float(times[best]), int(steps[best]), float(times[-1])
 
@@ -534,10 +596,13 @@ class RunningMeanStd:
         self.enabled = enabled
         self.merged = self.totals()  # DD-PPO: the totals that all ranks share (those of the last merge)
 
-    def update(self, x: torch.Tensor) -> None:
+    def update(self, obs: torch.Tensor) -> None:
         if self.enabled:
-            batch_mean, batch_var, batch_count = x.mean(0), x.var(0, unbiased=False), x.shape[0]
-            delta, share = batch_mean - self.mean, batch_count / (self.count + batch_count)  # the batch's weight
+            batch_mean = obs.mean(0)
+            batch_var = obs.var(0, unbiased=False)
+            batch_count = obs.shape[0]
+            delta = batch_mean - self.mean
+            share = batch_count / (self.count + batch_count)  # the batch's weight
             self.mean = self.mean + delta * share
             self.var = self.var * (1 - share) + batch_var * share + delta.square() * share * (1 - share)
             self.count = self.count + batch_count
@@ -553,15 +618,18 @@ class RunningMeanStd:
             new = self.totals() - self.merged
             dist.all_reduce(new)
             count, total, total_sq = new + self.merged
-            self.mean, self.count = (total / count).float(), count.max().float()
+            self.mean = (total / count).float()
+            self.count = count.max().float()
             self.var = (total_sq / count - (total / count).square()).clamp(min=0).float()
             self.merged = self.totals()
 
-    def normalize(self, x: torch.Tensor) -> torch.Tensor:
-        return ((x - self.mean) / torch.sqrt(self.var + 1e-8)).clamp(-10.0, 10.0) if self.enabled else x
+    def normalize(self, obs: torch.Tensor) -> torch.Tensor:
+        if not self.enabled:
+            return obs
+        return ((obs - self.mean) / torch.sqrt(self.var + 1e-8)).clamp(-10.0, 10.0)
 
 
-# ---- Networks ---------------------------------------------------------------------------------------------------------
+# ---- Networks --------------------------------------------------------------------------------------------------------
 def layer_init(layer: nn.Linear, std: float = math.sqrt(2), bias_const: float = 0.0) -> nn.Linear:
     torch.nn.init.orthogonal_(layer.weight, std)
     torch.nn.init.constant_(layer.bias, bias_const)
@@ -580,7 +648,7 @@ class Agent(nn.Module):
     """Actor-critic for Box or Discrete observations (ToyChain's block index, embedded first) and actions. MLP
     (default): separate actor and critic MLPs. --recurrent: an input layer and an LSTM shared by the actor and critic
     heads (the paper's is a 2-layer LSTM, Sec. 4; here 1 layer), trained over packed sequences. Sizes are not flags.
-    Continuous actions: a Gaussian, learned state-independent log std. log_ent_coef: the entropy coefficient alpha."""
+    Continuous actions: a Gaussian, learned state-independent log std. log_ent_coef: the learned entropy coefficient."""
 
     def __init__(
         self,
@@ -618,34 +686,35 @@ class Agent(nn.Module):
             self.critic = mlp([in_dim, *hidden_sizes, 1], out_std=1.0)
         if self.continuous:
             self.actor_logstd = nn.Parameter(torch.full((1, out_dim), -0.5))  # ManiSkill's ppo.py: std 0.61
-        log_alpha = torch.tensor(math.log(ent_coef) if ent_coef > 0 else -math.inf)
-        if learned_ent_coef:
-            self.log_ent_coef = nn.Parameter(log_alpha)
-        else:
-            self.register_buffer("log_ent_coef", log_alpha)
+        if learned_ent_coef:  # Sec. 4: alpha, learned in log space, starting from ent_coef (--ent-coef)
+            self.log_ent_coef = nn.Parameter(torch.tensor(math.log(ent_coef)))
         self.lstm_shape = (lstm_layers, lstm_hidden_size) if recurrent else None
 
-    def initial_state(self, n: int, device) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
-        """The recurrent state (h, c), each (layers, n, hidden), of n episode starts; None for the MLP."""
+    def initial_state(self, num_envs: int, device) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+        """The recurrent state (h, c), each (layers, num_envs, hidden), of episode starts; None for the MLP."""
         if not self.recurrent:
             return None
-        return tuple(torch.zeros(self.lstm_shape[0], n, self.lstm_shape[1], device=device) for _ in range(2))
+        layers, hidden_size = self.lstm_shape
+        hidden = torch.zeros(layers, num_envs, hidden_size, device=device)
+        cell = torch.zeros(layers, num_envs, hidden_size, device=device)
+        return hidden, cell
 
     def _heads(self, features):
         out = self.actor(features)
         if self.continuous:  # independent action dimensions: log_prob and entropy sum over them
             normal = torch.distributions.Normal(out, self.actor_logstd.expand_as(out).exp(), validate_args=False)
-            dist = torch.distributions.Independent(normal, 1, validate_args=False)
+            action_dist = torch.distributions.Independent(normal, 1, validate_args=False)
         else:
-            dist = torch.distributions.Categorical(logits=out, validate_args=False)
-        return dist, self.critic(features).squeeze(-1)
+            action_dist = torch.distributions.Categorical(logits=out, validate_args=False)
+        return action_dist, self.critic(features).squeeze(-1)
 
     def step(self, obs, state):
-        """One step of every env (inference): returns (dist, value, next_state); `state` is zeros at episode starts."""
-        x = self.embed(obs)
+        """One step of every env (inference): returns (action distribution, value, next_state); `state` is zeros at
+        episode starts."""
+        features = self.embed(obs)
         if not self.recurrent:
-            return (*self._heads(x), None)
-        out, next_state = self.lstm(self.input_layer(x).unsqueeze(0), state)
+            return (*self._heads(features), None)
+        out, next_state = self.lstm(self.input_layer(features).unsqueeze(0), state)
         return (*self._heads(out[0]), next_state)
 
     def evaluate(self, obs, actions, state0=None, piece_lengths: Optional[np.ndarray] = None):
@@ -653,27 +722,29 @@ class Agent(nn.Module):
         Recurrent: the minibatch is a set of pieces of sequences stored one after another (make_minibatches); they
         are run through the LSTM as one PackedSequence (Sec. 2.2, Fig. 3C), each piece starting from its own stored
         state `state0` ((layers, pieces, hidden) each; zeros where the piece starts an episode)."""
-        x = self.embed(obs)
+        features = self.embed(obs)
         if self.recurrent:
             select, batch_sizes, sorted_pieces = pack_layout(piece_lengths)
-            select_t = torch.as_tensor(select, device=x.device)
-            order = torch.as_tensor(sorted_pieces, device=x.device)
-            packed = PackedSequence(self.input_layer(x)[select_t], torch.as_tensor(batch_sizes))
-            out, _ = self.lstm(packed, (state0[0][:, order].contiguous(), state0[1][:, order].contiguous()))
-            x = torch.empty_like(out.data)
-            x[select_t] = out.data  # back from packed order to the minibatch's order
-        dist, value = self._heads(x)
-        return dist.log_prob(actions), dist.entropy(), value
+            select_t = torch.as_tensor(select, device=features.device)
+            order = torch.as_tensor(sorted_pieces, device=features.device)
+            packed = PackedSequence(self.input_layer(features)[select_t], torch.as_tensor(batch_sizes))
+            hidden0, cell0 = state0
+            out, _ = self.lstm(packed, (hidden0[:, order].contiguous(), cell0[:, order].contiguous()))
+            features = torch.empty_like(out.data)
+            features[select_t] = out.data  # back from packed order to the minibatch's order
+        action_dist, value = self._heads(features)
+        return action_dist.log_prob(actions), action_dist.entropy(), value
 
 
-# ---- Rollout storage and collection (Sec. 2.1, 2.2) -------------------------------------------------------------------
+# ---- Rollout storage and collection (Sec. 2.1, 2.2) ------------------------------------------------------------------
 class RolloutStorage:
     """The steps of one rollout, one row per (env, step) in the order the policy acted: a linear buffer, as VER has no
     (T, N) shape (Sec. 2.2). A row is written when the policy acts and completed when the env's result arrives.
     Capacity (T + 2) x N: at most N carried-in rows, T x N completed ones and one in flight per env."""
 
     def __init__(self, capacity: int, slots: SharedSlots, lstm_shape: Optional[tuple], device):
-        self.device, self.size = device, 0
+        self.device = device
+        self.size = 0
         self.obs = torch.zeros((capacity, *slots.obs.shape[1:]), dtype=slots.obs.dtype, device=device)
         self.actions = torch.zeros((capacity, *slots.action.shape[1:]), dtype=slots.action.dtype, device=device)
         self.logprobs = torch.zeros(capacity, device=device)
@@ -705,7 +776,8 @@ def build_batch(st: RolloutStorage, num_envs: int, num_steps: int, gamma: float,
     order, lengths = build_sequences(st.env_ids[rows], st.episode_ids[rows])
     rows = rows[order]
     rows_t = torch.as_tensor(rows, device=st.device)
-    values, next_values = st.values[rows_t], st.next_values[rows_t]
+    values = st.values[rows_t]
+    next_values = st.next_values[rows_t]
     select, batch_sizes, _ = pack_layout(lengths)
     sel = torch.as_tensor(select, device=st.device)
     rewards = torch.as_tensor(st.rewards[rows], device=st.device)
@@ -748,15 +820,36 @@ def fill_from_previous(batch: dict, previous: dict, size: int, rng: np.random.Ge
     return filled
 
 
+# The states of an env in the Collector (see its docstring), one entry per env in Collector.env_state.
+STEPPING, ARRIVED, COMPLETED, HELD, ACTING = 0, 1, 2, 3, 4
+
+
+@dataclass
+class Rollout:
+    """What one rollout of Collector.collect() gave on this rank."""
+
+    start_time: float  # Collector.clock() at its start
+    steps_per_env: np.ndarray  # (N,) steps each env completed
+    arrival_interval_sum: np.ndarray  # (N,) seconds between consecutive arrivals of each env
+    arrival_interval_count: np.ndarray  # (N,)
+    step_times: Optional[np.ndarray] = None  # (N,) Sec. 2.3's Time(S) per env, filled in at the end
+    env_steps: int = 0  # steps completed: T x N unless preempted
+    env_busy_time: float = 0.0  # seconds the envs spent simulating those steps, in their workers
+    inference_batch_sizes: list = field(default_factory=list)  # envs in each policy call
+    episode_returns: list = field(default_factory=list)  # of the episodes that ended in this rollout
+    episode_lengths: list = field(default_factory=list)
+    episode_successes: list = field(default_factory=list)  # success at any step of the episode
+
+
 class Collector:
     """Experience collection of one rank (Sec. 2.1, 2.2, Fig. 2); the main process is the inference worker.
-    Each env is in one of these states:
-      stepping   its worker simulates the action the policy chose (the step's row is "in flight"); at the start,
+    Each env is in one of these states (env_state):
+      STEPPING   its worker simulates the action the policy chose (the step's row is "in flight"); at the start,
                  its worker builds and resets the env (the first observation arrives without a row)
-      arrived    the result (reward, flags, next observation) is in its shared-memory slot, not yet read
-      completed  the result was recorded into the step's row; the new observation waits for an action
-      held       NoVER and sync only: the env has its T steps and waits for the next rollout
-      acting     in the batch the policy runs on now, after which it is stepping again
+      ARRIVED    the result (reward, flags, next observation) is in its shared-memory slot, not yet read
+      COMPLETED  the result was recorded into the step's row; the new observation waits for an action
+      HELD       NoVER and sync only: the env has its T steps and waits for the next rollout
+      ACTING     in the batch the policy runs on now, after which it is stepping again
     VER: a rollout ends once T x N steps are complete, whichever envs gave them. Then every env is stepping or arrived
     (its step is carried into the next rollout: "Inflight actions", Sec. 2.2), or completed (its observation gets an
     action from the next policy, and its value under this one bootstraps this rollout). NoVER: an env is held once
@@ -767,117 +860,142 @@ class Collector:
     clock = staticmethod(time.perf_counter)  # seconds (tests use a simulated clock)
 
     def __init__(self, args: Args, workers: EnvWorkers, slots: SharedSlots, agent: Agent, obs_rms, device):
-        self.args, self.workers, self.slots, self.agent, self.device = args, workers, slots, agent, device
+        self.args = args
+        self.workers = workers
+        self.slots = slots
+        self.agent = agent
+        self.device = device
         self.obs_rms = obs_rms  # RunningMeanStd: updated with the observations acted on, which are stored normalized
-        N = self.N = args.num_envs
-        self.T = args.num_steps
-        self.quota = None if args.variable_experience else self.T  # NoVER and sync: T steps from every env
+        num_envs = args.num_envs
+        self.num_envs = num_envs
+        self.rollout_size = args.num_steps * num_envs  # T x N
+        self.quota = None if args.variable_experience else args.num_steps  # NoVER and sync: T steps from every env
         self.min_batch = args.inference_min_batch
         self.policy_step_time = 0.02  # running mean of one inference, for the adaptive wait
-        self.storage = RolloutStorage((self.T + 2) * N, slots, agent.lstm_shape, device)
-        self.state = agent.initial_state(N, device)  # recurrent state after each env's last action
-        self.inflight = np.full(N, -1)  # stepping or arrived: the row of the env's step whose result is not read yet
-        self.awaiting = np.full(N, -1)  # row of the env's last completed step that still needs V(next observation)
-        self.episode_id = np.zeros(N, dtype=np.int64)
-        self.episode_start = np.ones(N, dtype=bool)  # the env's current observation starts an episode
-        self.arrived, self.completed, self.held = deque(), deque(), []
-        self.ep_return, self.ep_len, self.ep_success = np.zeros(N), np.zeros(N, dtype=np.int64), np.zeros(N, dtype=bool)
-        self.last_arrival = np.full(N, -math.inf)
+        self.storage = RolloutStorage((args.num_steps + 2) * num_envs, slots, agent.lstm_shape, device)
+        self.recurrent_state = agent.initial_state(num_envs, device)  # after each env's last action
+        self.env_state = np.full(num_envs, STEPPING)  # the workers start by resetting their envs
+        self.inflight_row = np.full(num_envs, -1)  # stepping or arrived: the row of the step whose result is unread
+        self.awaiting_row = np.full(num_envs, -1)  # row of the env's last completed step that needs V(next obs)
+        self.arrival_time = np.full(num_envs, -math.inf)  # the env's last arrival: first come, first completed
+        self.episode_id = np.zeros(num_envs, dtype=np.int64)
+        self.episode_start = np.ones(num_envs, dtype=bool)  # the env's current observation starts an episode
+        self.episode_return = np.zeros(num_envs)
+        self.episode_length = np.zeros(num_envs, dtype=np.int64)
+        self.episode_success = np.zeros(num_envs, dtype=bool)
         self.view = {name: slot.numpy() for name, slot in vars(slots).items()}  # numpy views of the shared slots
 
-    def collect(self, stop_early: Optional[Callable[[int, float], bool]] = None) -> None:
+    def collect(self, stop_early: Optional[Callable[[int, float], bool]] = None) -> Rollout:
         """One rollout: T x N steps, fewer if `stop_early(steps so far, seconds in)` preempts it (Sec. 2.3)."""
-        self.collected = 0  # env steps completed in this rollout
-        self.steps_in_rollout = np.zeros(self.N, dtype=np.int64)
-        self.interval_sum, self.interval_count = np.zeros(self.N), np.zeros(self.N)
-        self.env_busy, self.batch_sizes, self.episodes = 0.0, [], []  # episodes: (return, length, success_once, at_end)
-        self.rollout_start = self.clock()
-        self.completed.extend(self.held)  # held envs (NoVER) are ready for an action again
-        self.held = []
+        rollout = Rollout(
+            start_time=self.clock(),
+            steps_per_env=np.zeros(self.num_envs, dtype=np.int64),
+            arrival_interval_sum=np.zeros(self.num_envs),
+            arrival_interval_count=np.zeros(self.num_envs),
+        )
+        self.env_state[self.env_state == HELD] = COMPLETED  # held envs (NoVER) are ready for an action again
+        poll_at_most = 0.005 if stop_early is not None and self.min_batch < self.num_envs else math.inf
         while True:
-            self.wait_for_requests(poll_at_most=0.005 if stop_early and self.min_batch < self.N else math.inf)
-            self.complete_arrived()
-            if self.collected == self.T * self.N:
+            self.wait_for_requests(rollout, poll_at_most)
+            self.complete_arrived(rollout)
+            if rollout.env_steps == self.rollout_size:
                 break
-            if stop_early is not None and stop_early(self.collected, self.clock() - self.rollout_start):
+            if stop_early is not None and stop_early(rollout.env_steps, self.clock() - rollout.start_time):
                 break
-            self.act()
+            self.act(rollout)
         # V (this policy) of the observations waiting for an action bootstraps their envs' last steps (an env with an
         # action in flight has it already: the value of that step's observation)
-        envs = np.flatnonzero(self.awaiting >= 0)
+        envs = np.flatnonzero(self.awaiting_row >= 0)
         if len(envs) > 0:
-            self.bootstrap(self.awaiting[envs], envs, self.slots.obs)
-        self.awaiting[envs] = -1
+            self.bootstrap(self.awaiting_row[envs], envs, self.slots.obs)
+        self.awaiting_row[envs] = -1
+        # Sec. 2.3's Time(S): each env's mean time per step in this rollout (the whole rollout if < 2 steps)
+        duration = max(self.clock() - rollout.start_time, 1e-3)
+        intervals = np.maximum(rollout.arrival_interval_count, 1)
+        mean_interval = rollout.arrival_interval_sum / intervals
+        rollout.step_times = np.where(rollout.arrival_interval_count > 0, mean_interval, duration)
+        return rollout
 
-    def wait_for_requests(self, poll_at_most: float = math.inf) -> None:
+    def wait_for_requests(self, rollout: Rollout, poll_at_most: float = math.inf) -> None:
         """Dynamic batching (Sec. 2.1, footnote 2): returns once min_batch envs have arrived or completed, or every
         stepping env has, or the first of them has waited half a policy step (not in sync), or after poll_at_most."""
         start = self.clock()
-        max_wait = math.inf if self.min_batch >= self.N else 0.5 * self.policy_step_time
+        max_wait = math.inf if self.min_batch >= self.num_envs else 0.5 * self.policy_step_time
         while True:
-            ready = len(self.completed) + len(self.arrived)
-            if ready >= self.min_batch or (ready > 0 and ready + len(self.held) == self.N):  # none is stepping
+            ready = np.count_nonzero((self.env_state == ARRIVED) | (self.env_state == COMPLETED))
+            held = np.count_nonzero(self.env_state == HELD)
+            if ready >= self.min_batch or (ready > 0 and ready + held == self.num_envs):  # none is stepping
                 return
             timeout = min(poll_at_most, max_wait if ready > 0 else math.inf) - (self.clock() - start)
             if timeout <= 0:
                 return
             arrived = self.workers.poll(timeout)
             now = self.clock()
-            for e in arrived:  # stepping -> arrived; the times between arrivals estimate Time(S) (Sec. 2.3)
-                self.arrived.append(e)
-                if self.last_arrival[e] >= self.rollout_start:
-                    self.interval_sum[e] += now - self.last_arrival[e]
-                    self.interval_count[e] += 1
-                self.last_arrival[e] = now
+            for env in arrived:  # STEPPING -> ARRIVED; the times between arrivals estimate Time(S) (Sec. 2.3)
+                self.env_state[env] = ARRIVED
+                if self.arrival_time[env] >= rollout.start_time:
+                    rollout.arrival_interval_sum[env] += now - self.arrival_time[env]
+                    rollout.arrival_interval_count[env] += 1
+                self.arrival_time[env] = now
 
-    def complete_arrived(self) -> None:
-        """Arrived -> completed (or held): results into their rows while the rollout needs steps; others carry over."""
-        final_rows, final_envs = [], []
-        while self.arrived and self.collected < self.T * self.N:
-            e = self.arrived.popleft()
-            row = self.inflight[e]
-            self.inflight[e] = -1
-            if row >= 0 and self.record_result(e, row):
+    def complete_arrived(self, rollout: Rollout) -> None:
+        """ARRIVED -> COMPLETED (or HELD), first come first: results into their rows while the rollout needs steps;
+        the others stay ARRIVED and are carried over."""
+        arrived = np.flatnonzero(self.env_state == ARRIVED)
+        arrived = arrived[np.argsort(self.arrival_time[arrived], kind="stable")]
+        final_rows = []
+        final_envs = []
+        for env in arrived:
+            if rollout.env_steps == self.rollout_size:
+                break
+            row = self.inflight_row[env]
+            self.inflight_row[env] = -1
+            if row >= 0 and self.record_result(rollout, env, row):
                 final_rows.append(row)
-                final_envs.append(e)
-            if self.quota is not None and self.steps_in_rollout[e] >= self.quota:
-                self.held.append(e)
+                final_envs.append(env)
+            if self.quota is not None and rollout.steps_per_env[env] >= self.quota:
+                self.env_state[env] = HELD
             else:
-                self.completed.append(e)
+                self.env_state[env] = COMPLETED
         if final_rows:  # V(true last observation), from the state the env's own last step left (not zeros)
             self.bootstrap(np.array(final_rows), np.array(final_envs), self.slots.final_obs)
 
-    def record_result(self, e: int, row: int) -> bool:
-        """Env e's result completes the step at `row`; returns True if it needs V(true last observation)."""
-        st, view = self.storage, self.view
-        reward = float(view["reward"][e])
-        terminated, truncated = bool(view["terminated"][e]), bool(view["truncated"][e])
-        success = bool(view["success"][e])
-        st.rewards[row], st.complete[row] = reward, True
-        self.collected += 1
-        self.steps_in_rollout[e] += 1
-        self.env_busy += float(view["busy_time"][e])
-        self.ep_return[e] += reward
-        self.ep_len[e] += 1
-        self.ep_success[e] |= success
+    def record_result(self, rollout: Rollout, env: int, row: int) -> bool:
+        """Env `env`'s result completes the step at `row`; returns True if it needs V(true last observation)."""
+        reward = float(self.view["reward"][env])
+        terminated = bool(self.view["terminated"][env])
+        truncated = bool(self.view["truncated"][env])
+        success = bool(self.view["success"][env])
+        self.storage.rewards[row] = reward
+        self.storage.complete[row] = True
+        rollout.env_steps += 1
+        rollout.steps_per_env[env] += 1
+        rollout.env_busy_time += float(self.view["busy_time"][env])
+        self.episode_return[env] += reward
+        self.episode_length[env] += 1
+        self.episode_success[env] |= success
         if not (terminated or truncated):
-            self.awaiting[e] = row  # V(next observation): when the policy acts on it, or at the rollout's end
+            self.awaiting_row[env] = row  # V(next observation): when the policy acts on it, or at the rollout's end
             return False
-        self.episodes.append((self.ep_return[e], self.ep_len[e], self.ep_success[e], success))
-        self.ep_return[e], self.ep_len[e], self.ep_success[e] = 0.0, 0, False
-        self.episode_id[e] += 1
-        self.episode_start[e] = True
+        rollout.episode_returns.append(self.episode_return[env])
+        rollout.episode_lengths.append(self.episode_length[env])
+        rollout.episode_successes.append(self.episode_success[env])
+        self.episode_return[env] = 0.0
+        self.episode_length[env] = 0
+        self.episode_success[env] = False
+        self.episode_id[env] += 1
+        self.episode_start[env] = True
         if terminated and self.args.bootstrap_at_done == "truncated":
-            st.next_values[row] = 0.0
+            self.storage.next_values[row] = 0.0
             return False
         return True
 
-    def act(self) -> None:
-        """Runs the policy on every completed env (acting), stores the steps, sends the actions (stepping)."""
-        envs = np.array(self.completed, dtype=np.int64)
-        self.completed.clear()
+    def act(self, rollout: Rollout) -> None:
+        """Runs the policy on every COMPLETED env (ACTING), stores the steps, sends the actions (STEPPING)."""
+        envs = np.flatnonzero(self.env_state == COMPLETED)
         if len(envs) == 0:
             return
+        self.env_state[envs] = ACTING
         start = self.clock()
         idx = torch.as_tensor(envs)
         with torch.no_grad():
@@ -885,62 +1003,68 @@ class Collector:
             self.obs_rms.update(raw_obs)
             obs = self.obs_rms.normalize(raw_obs)  # what the policy sees and the storage keeps
             state = self.state_of(envs, reset=self.episode_start[envs])
-            dist, value, next_state = self.agent.step(obs, state)
-            action = dist.sample()
-            logprob = dist.log_prob(action)
-        st = self.storage
-        rows = np.arange(st.size, st.size + len(envs))
-        st.size += len(envs)
+            action_dist, value, next_state = self.agent.step(obs, state)
+            action = action_dist.sample()
+            logprob = action_dist.log_prob(action)
+        storage = self.storage
+        rows = np.arange(storage.size, storage.size + len(envs))
+        storage.size += len(envs)
         rows_t = torch.as_tensor(rows, device=self.device)
-        st.obs[rows_t], st.actions[rows_t], st.logprobs[rows_t], st.values[rows_t] = obs, action, logprob, value
+        storage.obs[rows_t] = obs
+        storage.actions[rows_t] = action
+        storage.logprobs[rows_t] = logprob
+        storage.values[rows_t] = value
         if state is not None:  # the state the policy acted from, before this step
-            st.hidden[rows_t] = torch.stack(state).permute(2, 0, 1, 3)
+            storage.hidden[rows_t] = torch.stack(state).permute(2, 0, 1, 3)
             dev_idx = idx.to(self.device)
-            self.state[0][:, dev_idx], self.state[1][:, dev_idx] = next_state
-        st.env_ids[rows], st.episode_ids[rows] = envs, self.episode_id[envs]
-        waiting = self.awaiting[envs] >= 0  # V of this observation bootstraps the env's previous step
-        awaiting_rows = torch.as_tensor(self.awaiting[envs][waiting], device=self.device)
-        st.next_values[awaiting_rows] = value[torch.as_tensor(waiting, device=self.device)]
-        self.awaiting[envs] = -1
-        self.inflight[envs] = rows
+            hidden, cell = self.recurrent_state
+            next_hidden, next_cell = next_state
+            hidden[:, dev_idx] = next_hidden
+            cell[:, dev_idx] = next_cell
+        storage.env_ids[rows] = envs
+        storage.episode_ids[rows] = self.episode_id[envs]
+        waiting = self.awaiting_row[envs] >= 0  # V of this observation bootstraps the env's previous step
+        awaiting_rows = torch.as_tensor(self.awaiting_row[envs][waiting], device=self.device)
+        storage.next_values[awaiting_rows] = value[torch.as_tensor(waiting, device=self.device)]
+        self.awaiting_row[envs] = -1
+        self.inflight_row[envs] = rows
         self.episode_start[envs] = False
         self.slots.action[idx] = action.to("cpu")
+        self.env_state[envs] = STEPPING
         self.workers.send_step(envs)
         self.policy_step_time = 0.9 * self.policy_step_time + 0.1 * (self.clock() - start)
-        self.batch_sizes.append(len(envs))
+        rollout.inference_batch_sizes.append(len(envs))
 
     def bootstrap(self, rows: np.ndarray, envs: np.ndarray, observations: torch.Tensor) -> None:
         """V(s_{t+1}) of the steps at `rows`: V of `envs`' normalized `observations`, from their last step's state."""
         with torch.no_grad():
             obs = self.obs_rms.normalize(observations[torch.as_tensor(envs)].to(self.device))
-            values = self.agent.step(obs, self.state_of(envs))[1]
+            _, values, _ = self.agent.step(obs, self.state_of(envs))
         self.storage.next_values[torch.as_tensor(rows, device=self.device)] = values
 
     def start_next_rollout(self) -> int:
         """After the update: the steps in flight go on into the next rollout ("Inflight actions"); returns how many."""
-        envs = np.flatnonzero(self.inflight >= 0)
-        self.storage.keep(self.inflight[envs])
-        self.inflight[envs] = np.arange(len(envs))
+        envs = np.flatnonzero(self.inflight_row >= 0)
+        self.storage.keep(self.inflight_row[envs])
+        self.inflight_row[envs] = np.arange(len(envs))
         return len(envs)
 
     def state_of(self, envs: np.ndarray, reset: Optional[np.ndarray] = None):
-        """The recurrent state of `envs` after their last step (zeros where `reset`), or None for the MLP."""
-        if self.state is None:
+        """The recurrent state (h, c) of `envs` after their last step (zeros where `reset`), or None for the MLP."""
+        if self.recurrent_state is None:
             return None
         idx = torch.as_tensor(envs, device=self.device)
-        h, c = self.state[0][:, idx], self.state[1][:, idx]
+        hidden, cell = self.recurrent_state
+        hidden = hidden[:, idx]
+        cell = cell[:, idx]
         if reset is not None:
-            keep = torch.as_tensor(~reset, device=self.device, dtype=h.dtype).view(1, -1, 1)
-            h, c = h * keep, c * keep
-        return h, c
-
-    def mean_step_times(self) -> np.ndarray:
-        """Sec. 2.3's Time(S): each env's mean time per step in the last rollout (the whole rollout if < 2 steps)."""
-        duration = max(self.clock() - self.rollout_start, 1e-3)
-        return np.where(self.interval_count > 0, self.interval_sum / np.maximum(self.interval_count, 1), duration)
+            keep = torch.as_tensor(~reset, device=self.device, dtype=hidden.dtype).view(1, -1, 1)
+            hidden = hidden * keep
+            cell = cell * keep
+        return hidden, cell
 
 
-# ---- DD-PPO (Sec. 2.3): every rank collects and learns; gradients are all-reduced; stragglers are preempted -----------
+# ---- DD-PPO (Sec. 2.3): every rank collects and learns; gradients are all-reduced; stragglers are preempted ----------
 def all_reduce_named(values: dict, device) -> dict:
     """Named numbers summed over the ranks (NCCL on GPUs, gloo on CPU) as one vector, named back at once."""
     vector = torch.tensor([float(value) for value in values.values()], dtype=torch.float64, device=device)
@@ -951,9 +1075,9 @@ def all_reduce_named(values: dict, device) -> dict:
 
 def allreduce_gradients(parameters) -> None:
     """DD-PPO: average the gradients of all ranks."""
-    for p in parameters:
-        dist.all_reduce(p.grad)
-        p.grad /= dist.get_world_size()
+    for param in parameters:
+        dist.all_reduce(param.grad)
+        param.grad /= dist.get_world_size()
 
 
 def ver_stop_rule(gathered: np.ndarray, rank_cap: int, env_cap: Optional[int]) -> tuple[Callable, float]:
@@ -972,11 +1096,12 @@ def ddppo_stop_rule(store: dist.Store, args: Args, iteration: int) -> Callable:
     return lambda steps, elapsed: steps >= args.batch_size / 4 and store.add(key, 0) >= args.sync_frac * args.world_size
 
 
-# ---- PPO update (Sec. 2.2, 4) -----------------------------------------------------------------------------------------
+# ---- PPO update (Sec. 2.2, 4) ----------------------------------------------------------------------------------------
 def ppo_loss(agent: Agent, minibatch: dict, args: Args) -> tuple[torch.Tensor, dict]:
     """The loss of one VER minibatch, every term weighted by the truncated importance weights w (Sec. 4):
-    mean(w * clipped surrogate) + vf_coef * mean(w * value loss) - [alpha]_sg * mean(w * entropy), plus, with
-    --learned-ent-coef, alpha * ([unweighted mean entropy]_sg - target). Returns (loss, detached statistics)."""
+    mean(w * clipped surrogate) + vf_coef * mean(w * value loss) - ent_coef * mean(w * entropy); with
+    --learned-ent-coef, ent_coef is [alpha]_sg and alpha * ([unweighted mean entropy]_sg - target) is added.
+    Returns (loss, detached statistics)."""
     newlogprob, entropy, newvalue = agent.evaluate(
         minibatch["obs"], minibatch["actions"], minibatch["state0"], minibatch["piece_lengths"]
     )
@@ -987,11 +1112,15 @@ def ppo_loss(agent: Agent, minibatch: dict, args: Args) -> tuple[torch.Tensor, d
     weights = minibatch["weights"]
     pg = torch.max(-advantages * ratio, -advantages * ratio.clamp(1 - args.clip_coef, 1 + args.clip_coef))
     value_error = (newvalue - minibatch["returns"]).square()  # not clipped (CleanRL and habitat-lab clip it)
-    pg_loss, v_loss = (weights * pg).mean(), 0.5 * (weights * value_error).mean()
-    alpha = agent.log_ent_coef.exp()
-    loss = pg_loss + args.vf_coef * v_loss - alpha.detach() * (weights * entropy).mean()
-    if args.learned_ent_coef:
-        loss = loss + alpha * (entropy.mean().detach() - args.target_entropy)
+    pg_loss = (weights * pg).mean()
+    v_loss = 0.5 * (weights * value_error).mean()
+    entropy_bonus = (weights * entropy).mean()
+    if args.learned_ent_coef:  # Sec. 4: - [alpha]_sg H + alpha ([H]_sg - lambda), H unweighted in the second term
+        alpha = agent.log_ent_coef.exp()
+        alpha_loss = alpha * (entropy.mean().detach() - args.target_entropy)
+        loss = pg_loss + args.vf_coef * v_loss - alpha.detach() * entropy_bonus + alpha_loss
+    else:
+        loss = pg_loss + args.vf_coef * v_loss - args.ent_coef * entropy_bonus
     stats = {
         "policy_loss": pg_loss,
         "value_loss": v_loss,
@@ -1009,13 +1138,22 @@ def ppo_update(
     """PPO epochs over VER minibatches (Sec. 2.2) with ppo_loss; gradients are averaged over the ranks (DD-PPO) and
     alpha is kept in [1e-4, 1] as habitat-lab does. Returns the mean of each statistic over the minibatches."""
     device = batch["obs"].device
-    policy_params = [p for name, p in agent.named_parameters() if name != "log_ent_coef"]
-    totals, updates = {}, 0
+    policy_params = [param for name, param in agent.named_parameters() if name != "log_ent_coef"]
+    totals = {}
+    updates = 0
     for epoch in range(args.update_epochs):
         for mb_idx, piece_lengths in make_minibatches(batch["lengths"], args.num_minibatches, rng):
             idx = torch.as_tensor(mb_idx, device=device)
-            minibatch = {key: batch[key][idx] for key in ("obs", "actions", "logprobs", "advantages", "returns")}
-            minibatch.update(weights=batch["weights"][idx], piece_lengths=piece_lengths, state0=None)
+            minibatch = {
+                "obs": batch["obs"][idx],
+                "actions": batch["actions"][idx],
+                "logprobs": batch["logprobs"][idx],
+                "advantages": batch["advantages"][idx],
+                "returns": batch["returns"][idx],
+                "weights": batch["weights"][idx],
+                "piece_lengths": piece_lengths,
+                "state0": None,
+            }
             if agent.recurrent:  # each piece starts from the stored state of its first step
                 first = torch.as_tensor(mb_idx[sequence_starts(piece_lengths)], device=device)
                 minibatch["state0"] = batch["hidden"][first].permute(1, 2, 0, 3)  # (h, c): (layers, pieces, hidden)
@@ -1035,12 +1173,12 @@ def ppo_update(
             if all_reduce_named(stats, device)["approx_kl"] / args.world_size > args.target_kl:
                 break
     means = dict(zip(totals, (torch.stack(list(totals.values())) / max(updates, 1)).tolist()))  # one device sync
-    means["ent_coef"] = float(agent.log_ent_coef.detach().exp())
+    means["ent_coef"] = float(agent.log_ent_coef.detach().exp()) if args.learned_ent_coef else args.ent_coef
     means["explained_variance"] = float(1 - (batch["returns"] - batch["values"]).var() / batch["returns"].var())
     return means
 
 
-# ---- Checkpoints, evaluation ------------------------------------------------------------------------------------------
+# ---- Checkpoints, evaluation -----------------------------------------------------------------------------------------
 def save_checkpoint(path: Path, agent, optimizer, obs_rms: RunningMeanStd, global_step: int, iteration: int) -> None:
     """What resuming needs, in CONVENTIONS.md's layout (iteration: the updates made), written to a temporary file and
     renamed, so that a save interrupted by Ctrl-C never leaves a half-written checkpoint."""
@@ -1063,29 +1201,47 @@ def save_checkpoint(path: Path, agent, optimizer, obs_rms: RunningMeanStd, globa
 def evaluate(agent: Agent, env, obs_rms: RunningMeanStd, num_episodes: int, seed: int, device) -> dict:
     """Deterministic policy on observations normalized by obs_rms (no update), `num_episodes` episodes one after another
     on one env, in the main process. Returns the means of eval/return, episode_len, success_once and success_at_end."""
-    totals = np.zeros(4)
+    totals = {"eval/return": 0.0, "eval/episode_len": 0.0, "eval/success_once": 0.0, "eval/success_at_end": 0.0}
     obs = env.reset(seed=seed)  # (then an ended episode resets the env itself: step() returns the next one's start)
     for episode in range(num_episodes):
         state = agent.initial_state(1, device)
-        episode_return, length, success_once, done = 0.0, 0, False, False
+        success_once = False
+        done = False
         while not done:
-            dist, _, state = agent.step(obs_rms.normalize(torch.as_tensor(obs, device=device).unsqueeze(0)), state)
-            action = (dist.mean if agent.continuous else dist.probs.argmax(-1))[0].cpu().numpy()
+            policy, _, state = agent.step(obs_rms.normalize(torch.as_tensor(obs, device=device).unsqueeze(0)), state)
+            action = (policy.mean if agent.continuous else policy.probs.argmax(-1))[0].cpu().numpy()
             obs, reward, terminated, truncated, _, success = env.step(action)
-            episode_return += reward
-            length += 1
+            totals["eval/return"] += reward
+            totals["eval/episode_len"] += 1
             success_once |= success
             done = terminated or truncated
-        totals += (episode_return, length, success_once, success)
-    names = ("eval/return", "eval/episode_len", "eval/success_once", "eval/success_at_end")
-    return dict(zip(names, totals / num_episodes))
+        totals["eval/success_once"] += success_once
+        totals["eval/success_at_end"] += success
+    return {name: total / num_episodes for name, total in totals.items()}
 
 
-# ---- Training loop ----------------------------------------------------------------------------------------------------
+# ---- Training loop ---------------------------------------------------------------------------------------------------
+def rank0_store(rank: int, world_size: int) -> dist.Store:
+    """A key-value store hosted by rank 0 that counts the ranks done (DD-PPO's preemption). Not torchrun's own store:
+    it dies with torchrun, and the ranks must outlive their launcher long enough to stop cleanly."""
+    server = None
+    address = [socket.gethostname(), 0]
+    if rank == 0:
+        server = dist.TCPStore(address[0], 0, world_size, is_master=True, wait_for_workers=False)
+        address[1] = server.port
+    dist.broadcast_object_list(address, src=0)
+    host, port = address
+    return dist.PrefixStore("ppo_ver", server or dist.TCPStore(host, port, world_size, is_master=False))
+
+
 def main(args: Args) -> dict:
     args = resolve_args(args)
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM (e.g. from torchrun) is handled as Ctrl-C
-    rank, distributed = int(os.environ.get("RANK", "0")), args.world_size > 1
+    rank = int(os.environ.get("RANK", "0"))
+    distributed = args.world_size > 1
+    launcher = os.getppid()  # torchrun: if it is killed, the ranks are adopted by another process and stop
+    if rank == 0:
+        print(format_settings(args))
     use_cuda = args.cuda and torch.cuda.is_available()
     device = torch.device(f"cuda:{os.environ.get('LOCAL_RANK', '0')}" if use_cuda else "cpu")
     if use_cuda:
@@ -1093,17 +1249,16 @@ def main(args: Args) -> dict:
     synchronize = torch.cuda.synchronize if use_cuda else (lambda: None)  # queued GPU work, before a timer is read
     if distributed:  # torchrun: NCCL on GPUs, gloo on CPU, one GPU per local rank; a store counts the ranks done
         dist.init_process_group(backend="nccl" if use_cuda else "gloo")
-        store = dist.PrefixStore(
-            "ppo_ver",
-            dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), args.world_size, is_master=False),
-        )
+        store = rank0_store(rank, args.world_size)
     if device.type == "cpu":
         torch.set_num_threads(1)  # leave the cores to the env workers
     torch.manual_seed(args.seed)  # DD-PPO: the same initial weights on every rank (or the same checkpoint)
     torch.backends.cudnn.deterministic = args.torch_deterministic
 
     # The run directory (rank 0 logs, evaluates and saves).
-    writer, last, run_dir = None, {}, None
+    writer = None
+    run_dir = None
+    last = {}  # the last value of each metric, for summary.json
     if rank == 0:
         run_name = f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}"
         run_dir = Path(args.output_dir) / run_name
@@ -1128,8 +1283,13 @@ def main(args: Args) -> dict:
             writer.add_scalar(name, float(value), step)
 
     summary: dict = {"run_dir": str(run_dir), "interrupted": False}
-    env_busy_time, global_step, iteration = 0.0, 0, 0  # iteration = updates made
-    start_time, start_step, workers, eval_env = time.time(), 0, None, None  # the finally below needs them
+    env_busy_time = 0.0
+    global_step = 0
+    iteration = 0  # updates made
+    start_time = time.time()
+    start_step = 0
+    workers = None  # (the finally below needs them)
+    eval_env = None
     try:  # from here on (env construction included), Ctrl-C or an error still writes summary.json
         # The evaluation env (rank 0's) tells the spaces: the shared slots, the network; then the checkpoint.
         eval_env = make_env(args, evaluation=True)
@@ -1140,42 +1300,52 @@ def main(args: Args) -> dict:
         optimizer = torch.optim.Adam(agent.parameters(), lr=args.learning_rate, eps=1e-5)
         obs_rms = RunningMeanStd(slots.obs.shape[1:], device, enabled=slots.obs.is_floating_point())  # Box (float) only
         if args.checkpoint:
-            ckpt = torch.load(args.checkpoint, map_location=device, weights_only=True)
-            agent.load_state_dict(ckpt["model"])
-            obs_rms.mean, obs_rms.var, obs_rms.count = (ckpt["obs_rms"][key] for key in ("mean", "var", "count"))
+            try:
+                ckpt = torch.load(args.checkpoint, map_location=device, weights_only=True)
+                agent.load_state_dict(ckpt["model"])
+                if not args.evaluate:
+                    optimizer.load_state_dict(ckpt["optimizer"])
+            except (OSError, RuntimeError, KeyError, ValueError, pickle.UnpicklingError) as error:
+                raise ArgsError(f"--checkpoint {args.checkpoint}: not a checkpoint of this configuration ({error})")
+            obs_rms.mean = ckpt["obs_rms"]["mean"]
+            obs_rms.var = ckpt["obs_rms"]["var"]
+            obs_rms.count = ckpt["obs_rms"]["count"]
             obs_rms.merged = obs_rms.totals()  # (every rank loads the same)
-            global_step, iteration = ckpt["global_step"], ckpt["iteration"]
+            global_step = ckpt["global_step"]
+            iteration = ckpt["iteration"]
             start_step = global_step  # SPS counts the steps of this run
             if not args.evaluate:
-                optimizer.load_state_dict(ckpt["optimizer"])
                 print(f"resuming from {args.checkpoint} at iteration {iteration}, global step {global_step}")
         torch.manual_seed(args.seed + 1000 * rank + iteration)  # per-rank action sampling
         rng = np.random.default_rng(args.seed + 7919 * rank + iteration)
         if args.evaluate:
             metrics = evaluate(agent, eval_env, obs_rms, args.num_eval_episodes, args.seed + 10_000 + iteration, device)
             log(metrics, global_step)
-            print(" ".join(f"{k}={v:.4f}" for k, v in last.items()))
+            print(" ".join(f"{name}={value:.4f}" for name, value in last.items()))
             return summary
         workers = EnvWorkers(args, slots, rank)
         collector = Collector(args, workers, slots, agent, obs_rms, device)
         if args.env_kind == "toy":
             targets = draw_target_actions(args.toy).to(device)
-        previous, update_time = None, 0.0
+        previous = None  # the previous rollout's batch
+        rollout = None
+        update_time = 0.0
         train_start = time.time()
         while global_step < args.total_timesteps:
             iteration += 1
 
             # 1. Collect T x N steps (Sec. 2.1, 2.2); under torchrun, preempt stragglers among the ranks (Sec. 2.3).
-            stop_early, t_star = None, math.nan
+            stop_early = None
+            t_star = math.nan
             if distributed and previous is not None:
                 if args.sync:
                     stop_early = ddppo_stop_rule(store, args, iteration)
                 else:
                     gathered = [None] * args.world_size  # every rank computes the same t* from the same numbers
-                    dist.all_gather_object(gathered, [*collector.mean_step_times(), update_time])  # (rank r's row)
+                    dist.all_gather_object(gathered, [*rollout.step_times, update_time])  # (rank r's row)
                     stop_early, t_star = ver_stop_rule(np.array(gathered), args.batch_size, collector.quota)
             rollout_start = time.perf_counter()
-            collector.collect(stop_early)
+            rollout = collector.collect(stop_early)
             if distributed:
                 store.add(f"done_{iteration}", 1)
             synchronize()
@@ -1196,32 +1366,43 @@ def main(args: Args) -> dict:
             update_time = time.perf_counter() - update_start  # LT of Sec. 2.3
 
             # 4. Counters of all ranks, logging (rank 0), evaluation and checkpoints.
-            episodes = np.array(collector.episodes, dtype=np.float64).reshape(-1, 4)
             counts = {
-                "env_steps": collector.collected,
-                "env_busy_time": collector.env_busy,
-                "episodes": len(episodes),
-                "return": episodes[:, 0].sum(),
-                "length": episodes[:, 1].sum(),
-                "success": episodes[:, 2].sum(),
+                "env_steps": rollout.env_steps,
+                "env_busy_time": rollout.env_busy_time,
+                "episodes": len(rollout.episode_returns),
+                "return": sum(rollout.episode_returns),
+                "length": sum(rollout.episode_lengths),
+                "success": sum(rollout.episode_successes),
                 "preempted_ranks": float(fresh < args.batch_size),
+                "launchers_gone": float(distributed and os.getppid() != launcher),
             }
             counts = all_reduce_named(counts, device)
             global_step += int(counts["env_steps"])
             env_busy_time += counts["env_busy_time"]
-            summary["iteration"], summary["global_step"] = iteration, global_step
+            summary["iteration"] = iteration
+            summary["global_step"] = global_step
+            if counts["launchers_gone"] > 0:  # torchrun was killed: every rank stops here, as at Ctrl-C
+                print(f"rank {rank}: the launcher (pid {launcher}) is gone: stopping", file=sys.stderr)
+                raise KeyboardInterrupt
             if rank > 0:
                 continue
             metrics = {
                 "charts/SPS": (global_step - start_step) / (time.time() - train_start),
                 "charts/learning_rate": args.learning_rate,  # constant: CleanRL anneals it, VER a cosine (Sec. 4)
-                **{f"losses/{name}": value for name, value in losses.items()},
-                "ver/steps_per_env_min": collector.steps_in_rollout.min(),
-                "ver/steps_per_env_max": collector.steps_in_rollout.max(),
+                "losses/policy_loss": losses["policy_loss"],
+                "losses/value_loss": losses["value_loss"],
+                "losses/entropy": losses["entropy"],
+                "losses/old_approx_kl": losses["old_approx_kl"],
+                "losses/approx_kl": losses["approx_kl"],
+                "losses/clipfrac": losses["clipfrac"],
+                "losses/ent_coef": losses["ent_coef"],
+                "losses/explained_variance": losses["explained_variance"],
+                "ver/steps_per_env_min": rollout.steps_per_env.min(),
+                "ver/steps_per_env_max": rollout.steps_per_env.max(),
                 "ver/importance_weight_min": batch["weights"].min(),
-                "ver/inference_batch_size_mean": np.mean(collector.batch_sizes or [0]),
+                "ver/inference_batch_size_mean": np.mean(rollout.inference_batch_sizes or [0]),
                 "ver/inflight_carried": carried,
-                "ver/env_utilization": collector.env_busy / (args.num_envs * rollout_time),
+                "ver/env_utilization": rollout.env_busy_time / (args.num_envs * rollout_time),
                 "ver/preempted_ranks": counts["preempted_ranks"],
                 "ver/filled_fraction": 1.0 - fresh / len(batch["weights"]),  # rank 0's batch
                 "time/rollout": rollout_time,
@@ -1242,7 +1423,8 @@ def main(args: Args) -> dict:
                 metrics = evaluate(
                     agent, eval_env, obs_rms, args.num_eval_episodes, args.seed + 10_000 + iteration, device
                 )
-                log({**metrics, "time/eval": time.perf_counter() - eval_start}, global_step)
+                metrics["time/eval"] = time.perf_counter() - eval_start
+                log(metrics, global_step)
                 if args.save_model:
                     save_checkpoint(
                         run_dir / f"ckpt_{global_step}.pt", agent, optimizer, obs_rms, global_step, iteration
@@ -1275,9 +1457,11 @@ def main(args: Args) -> dict:
             eval_env.close()
         if rank == 0:
             wall = time.time() - start_time
-            summary.update(global_step=global_step, wall_time_s=wall, sps=(global_step - start_step) / wall)
+            summary["global_step"] = global_step
+            summary["wall_time_s"] = wall
+            summary["sps"] = (global_step - start_step) / wall
             summary["env_busy_time_s"] = env_busy_time
-            summary.update(last)
+            summary.update(last)  # the last value of each metric
             (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
             writer.close()
         if distributed:

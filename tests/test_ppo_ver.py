@@ -10,6 +10,7 @@ import glob
 import json
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -286,6 +287,7 @@ def ppo_update_inputs(learned_ent_coef):
         update_epochs=1,
         num_minibatches=1,
         max_grad_norm=1e9,
+        ent_coef=0.5,
         learned_ent_coef=learned_ent_coef,
         target_entropy=0.7,
         clip_coef=0.2,
@@ -306,7 +308,7 @@ def test_ppo_update_gradient_equals_the_weighted_losses_of_sec_4(learned_ent_coe
     adv = (adv - adv.mean()) / (adv.std() + 1e-8)  # advantages are normalized per minibatch
     surrogate = torch.minimum(adv * ratio, adv * ratio.clamp(0.8, 1.2))
     v_loss = 0.5 * (value - batch["returns"]) ** 2
-    alpha = reference.log_ent_coef.exp()
+    alpha = reference.log_ent_coef.exp() if learned_ent_coef else torch.tensor(args.ent_coef)  # fixed: --ent-coef
     loss = (
         -(w * surrogate).sum() / len(w)
         + 0.5 * (w * v_loss).sum() / len(w)
@@ -433,21 +435,21 @@ def test_the_collector_stops_where_the_preemption_rule_says_and_the_batch_is_fil
         args, TimedFakeWorkers(args, slots, [slow_step_time] * N, clock), slots, agent, obs_rms, "cpu"
     )
     collector.clock = clock
-    collector.collect()
-    assert collector.collected == T * N and collector.mean_step_times().tolist() == [slow_step_time] * N
+    rollout = collector.collect()
+    assert rollout.env_steps == T * N and rollout.step_times.tolist() == [slow_step_time] * N
     previous = ver.build_batch(collector.storage, N, T, GAMMA, LAM)
     collector.start_next_rollout()
 
     if rule == "ver":  # row r: the step time of each env of rank r, then its learning time
-        gathered = np.array([[*collector.mean_step_times(), other], [1.0, 1.0, other]])
+        gathered = np.array([[*rollout.step_times, other], [1.0, 1.0, other]])
         stop_early, t_star = ver.ver_stop_rule(gathered, args.batch_size, collector.quota)
         assert t_star == (4.0 if expected_steps < T else 12.0)
     else:
         store = type("Store", (), {"add": lambda self, key, amount: other})()
         stop_early = ver.ddppo_stop_rule(store, args, iteration=2)
     start = clock.now
-    collector.collect(stop_early)
-    assert collector.steps_in_rollout.tolist() == [expected_steps] * N
+    rollout = collector.collect(stop_early)
+    assert rollout.steps_per_env.tolist() == [expected_steps] * N
     if rule == "ver" and expected_steps < T:  # stopped at t*, within one 5 ms poll
         assert 4.0 <= clock.now - start < 4.01
     fresh = ver.build_batch(collector.storage, N, T, GAMMA, LAM)
@@ -637,15 +639,14 @@ def test_recurrent_collector_matches_a_step_by_step_recomputation_over_the_logge
     obs_rms = ver.RunningMeanStd((), "cpu", enabled=False)  # ToyChain's block index: not normalized
     collector = ver.Collector(args, workers, slots, agent, obs_rms, torch.device("cpu"))
     weights, batches, carried = [], [], 0
+    total_steps = np.zeros(N)
     for k in range(K):
         weights.append(copy.deepcopy(agent.state_dict()))
-        collector.collect()
-        assert collector.collected == T * N
-        steps = collector.steps_in_rollout
-        if mode == "ver":
-            assert steps[0] > steps[1] > steps[3], steps  # the fastest env contributes most, the slowest least
-        else:
-            assert (steps == T).all()
+        rollout = collector.collect()
+        assert rollout.env_steps == T * N
+        total_steps += rollout.steps_per_env
+        if mode != "ver":
+            assert (rollout.steps_per_env == T).all()
         batch = ver.build_batch(collector.storage, N, T, GAMMA, LAM)
         assert batch["lengths"].sum() == T * N
         batches.append(batch)
@@ -655,8 +656,10 @@ def test_recurrent_collector_matches_a_step_by_step_recomputation_over_the_logge
             for p in agent.parameters():
                 p.add_(0.3 * torch.randn_like(p))
     assert (carried > 0) == (mode == "ver")
+    if mode == "ver":  # over 10 rollouts, the faster an env, the more steps it gave (per rollout: not always)
+        assert total_steps[0] > total_steps[1] > total_steps[2] > total_steps[3], total_steps
     if mode == "sync":
-        assert set(collector.batch_sizes) == {N}
+        assert set(rollout.inference_batch_sizes) == {N}
 
     policies = []
     for state in weights:
@@ -824,7 +827,7 @@ def test_the_collector_acts_on_and_stores_normalized_box_observations_and_bootst
             acted.append(raw)
             assert count == pytest.approx(sum(len(batch) for batch in acted) + 1e-4)  # updated before acting
             torch.testing.assert_close(seen, normalized(raw, mean, var))
-            assert torch.equal(collector.storage.obs[torch.as_tensor(collector.inflight[envs])], seen)
+            assert torch.equal(collector.storage.obs[torch.as_tensor(collector.inflight_row[envs])], seen)
             super().send_step(envs)
 
     collector = ver.Collector(
@@ -895,6 +898,93 @@ def test_defaults_follow_habitat_lab_and_conventions():
 def test_bad_flag_combinations_are_rejected_with_the_flag_named(kwargs, message):
     with pytest.raises(ver.ArgsError, match=message):
         ver.resolve_args(ver.Args(cuda=False, **kwargs), world_size=1)
+
+
+OUT_OF_DOMAIN = [  # (flag, a value outside its domain): every numeric flag of the script, --toy.* included
+    ("--seed", -1),
+    ("--num-envs", 0),
+    ("--num-envs", -4),
+    ("--horizon", 0),
+    ("--total-timesteps", 0),
+    ("--learning-rate", -1e-3),
+    ("--num-steps", 0),
+    ("--gamma", 1.5),
+    ("--gae-lambda", 1.7),
+    ("--num-minibatches", 0),
+    ("--update-epochs", 0),
+    ("--clip-coef", -0.2),
+    ("--ent-coef", -0.01),
+    ("--target-entropy", math.nan),
+    ("--vf-coef", -0.5),
+    ("--max-grad-norm", 0.0),
+    ("--target-kl", 0.0),
+    ("--inference-min-batch", 0),
+    ("--sync-frac", 1.2),
+    ("--eval-freq", -3),
+    ("--num-eval-episodes", 0),
+    ("--toy.horizon", 0),
+    ("--toy.block-length", 0),
+    ("--toy.num-actions", 1),
+    ("--toy.progression-prob", -0.1),
+    ("--toy.mastery-threshold", -1),
+    ("--toy.reset-lambda", -1.0),
+    ("--toy.step-time-mean", -0.1),
+    ("--toy.step-time-spread", -1.0),
+    ("--toy.step-time-jitter", -1.0),
+    ("--toy.crash-at-step", -1),
+    ("--toy.slow-rank-factor", 0.0),
+    ("--toy.slow-env-factor", -2.0),
+]
+
+
+def args_with(flag, value, **kwargs):
+    name = flag[2:].replace("-", "_")
+    if name.startswith("toy."):
+        return ver.Args(cuda=False, toy=replace(ToyChainWorkerConfig(), **{name[4:]: value}), **kwargs)
+    return ver.Args(cuda=False, **{name: value}, **kwargs)
+
+
+@pytest.mark.parametrize("flag, value", OUT_OF_DOMAIN)
+def test_a_numeric_flag_outside_its_domain_is_refused_naming_the_flag_value_and_domain(flag, value):
+    """resolve_args alone (fast). The --toy.* flags are checked by toy_chain_env.py, in its own words."""
+    expected = f"{flag} must be .*, got {value}" if flag.startswith("--toy.") else f"{flag} {value}: must be "
+    with pytest.raises(ver.ArgsError, match="^" + expected.replace("[", r"\[")):
+        ver.resolve_args(args_with(flag, value), world_size=1)
+
+
+def test_the_out_of_domain_table_covers_every_numeric_flag():
+    numeric = set()
+    for config, prefix in ((ver.Args(), "--"), (ToyChainWorkerConfig(), "--toy.")):
+        for name, value in vars(config).items():
+            if isinstance(value, (int, float)) and not isinstance(value, bool) or value is None:
+                numeric.add(prefix + name.replace("_", "-"))
+    numeric -= {"--wandb-entity", "--checkpoint", "--bootstrap-at-done", "--batch-size", "--world-size"}
+    numeric -= {"--toy.task-seed"}  # any integer
+    assert numeric == {flag for flag, _ in OUT_OF_DOMAIN}
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(learned_ent_coef=True, ent_coef=0.0), "--ent-coef 0.0: must be in [1e-4, 1] with --learned-ent-coef"),
+        (dict(checkpoint="no/such/file.pt"), "--checkpoint no/such/file.pt: no such file"),
+    ],
+)
+def test_other_bad_values_are_refused_naming_the_flag(kwargs, message):
+    with pytest.raises(ver.ArgsError, match=re.escape(message)):
+        ver.resolve_args(ver.Args(cuda=False, **kwargs), world_size=1)
+
+
+def test_the_settings_block_lists_every_resolved_field_in_order_within_120_columns():
+    args = ver.resolve_args(ver.Args(cuda=False, num_envs=4), world_size=1)
+    text = ver.format_settings(args)
+    lines = text.splitlines()
+    assert lines[0] == "settings:" and max(len(line) for line in lines) <= 120
+    pairs = " ".join(lines[1:]).split(" ")
+    assert pairs[:3] == [f"exp_name={args.exp_name}", "seed=1", "torch_deterministic=True"]
+    assert "num_envs=4" in pairs and "toy.horizon=200" in pairs and "toy.autoreset_mode=same_step" in pairs
+    assert pairs.index("horizon=None") < pairs.index("toy.horizon=200") < pairs.index("bootstrap_at_done=truncated")
+    assert len(pairs) == len(vars(args)) - 1 + len(vars(args.toy))
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -1199,9 +1289,9 @@ def alive(pid):
 class Watched:
     """The script in a subprocess (its own process group), with every descendant process it ever had recorded."""
 
-    def __init__(self, args, tmp_path):
+    def __init__(self, args, tmp_path, launcher=None):
         self.proc = subprocess.Popen(
-            [sys.executable, SCRIPT, "--output-dir", str(tmp_path), *args],
+            (launcher or [sys.executable]) + [SCRIPT, "--output-dir", str(tmp_path), *args],
             cwd=ROOT,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
@@ -1306,7 +1396,47 @@ def test_ctrl_c_during_start_up_writes_the_summary(tmp_path):
     assert not glob.glob(os.path.join(run_dir, "*.pt"))  # nothing trained, nothing saved
 
 
-def test_bad_flags_exit_early_with_a_message_and_start_nothing(tmp_path):
-    proc = run_script(["--num-envs", "3", "--num-steps", "7"], tmp_path, check=False)
-    assert proc.returncode == 2 and "error: the batch T*N = 7*3 = 21 does not split" in proc.stderr
-    assert os.listdir(tmp_path) == []
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--num-envs", "3", "--num-steps", "7"], "error: the batch T*N = 7*3 = 21 does not split"),
+        (["--num-envs", "0"], "error: --num-envs 0: must be >= 1"),  # (it hung)
+        (["--num-steps", "0"], "error: --num-steps 0: must be >= 1"),
+        (["--checkpoint", "no_such_checkpoint.pt"], "error: --checkpoint no_such_checkpoint.pt: no such file"),
+    ],
+)
+def test_bad_flags_exit_early_with_a_message_and_start_nothing(tmp_path, flags, message):
+    proc = run_script(flags, tmp_path, check=False, timeout=120)
+    assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1 and os.listdir(tmp_path) == []
+
+
+def test_ranks_whose_torchrun_was_killed_stop_write_the_summary_and_leave_nothing(tmp_path):
+    """torchrun killed with SIGKILL (as by the out-of-memory killer) cannot stop its ranks, which run in sessions of
+    their own. Each rank sees at the next iteration that its parent process changed; all ranks stop there together,
+    as at Ctrl-C: rank 0 writes summary.json, and every rank, forkserver and env worker ends."""
+    flags = ["--env-id", "ToyChain-v0", "--num-envs", "2", "--num-steps", "8", "--num-minibatches", "1", "--no-cuda"]
+    run = Watched(flags + ["--eval-freq", "0", "--total-timesteps", "100000000"], tmp_path, launcher=TORCHRUN)
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline and len([pid for pid, depth in process_tree(run.proc.pid) if depth == 3]) < 4:
+            run.watch()  # torchrun, its 2 ranks, their forkservers, then 2 env workers per rank
+            time.sleep(0.2)
+        time.sleep(5.0)  # some iterations
+        run.watch()
+        assert len(run.seen) >= 8, run.seen
+        os.kill(run.proc.pid, signal.SIGKILL)
+        deadline = time.time() + 120
+        while time.time() < deadline and any(alive(pid) for pid in run.seen):
+            time.sleep(0.2)
+        assert not [pid for pid in run.seen if alive(pid)]
+        out, err = run.proc.communicate(timeout=30)
+    finally:
+        for pid in run.seen:
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
+        if run.proc.poll() is None:
+            run.proc.kill()
+    assert "is gone: stopping" in err and "Traceback" not in err, err[-3000:]
+    summary = load_summary(only_run_dir(tmp_path))
+    assert summary["interrupted"] is True and summary["global_step"] > 0 and summary["iteration"] > 0
