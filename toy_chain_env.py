@@ -107,29 +107,29 @@ class ToyChainConfig:
     def validate(self) -> None:
         """Raises ValueError naming the flag to fix."""
         if self.horizon < 1:
-            raise ValueError(f"--toy.horizon must be >= 1, got {self.horizon}")
+            raise ValueError(f"--toy.horizon {self.horizon}: must be >= 1")
         if self.block_length < 1:
-            raise ValueError(f"--toy.block-length must be >= 1, got {self.block_length}")
+            raise ValueError(f"--toy.block-length {self.block_length}: must be >= 1")
         if self.horizon % self.block_length != 0:
             raise ValueError(
                 f"--toy.horizon ({self.horizon}) must be a multiple of --toy.block-length ({self.block_length}): "
                 f"the chain has B = H / L blocks (App. B.2.1)"
             )
         if self.num_actions < 2:
-            raise ValueError(f"--toy.num-actions must be >= 2, got {self.num_actions}")
+            raise ValueError(f"--toy.num-actions {self.num_actions}: must be >= 2")
         if not 0.0 <= self.progression_prob <= 1.0:
-            raise ValueError(f"--toy.progression-prob must be in [0, 1], got {self.progression_prob}")
+            raise ValueError(f"--toy.progression-prob {self.progression_prob}: must be in [0, 1]")
         if self.mastery_threshold < 0:
-            raise ValueError(f"--toy.mastery-threshold must be >= 0, got {self.mastery_threshold}")
+            raise ValueError(f"--toy.mastery-threshold {self.mastery_threshold}: must be >= 0")
         if self.reset_lambda < 0.0:
-            raise ValueError(f"--toy.reset-lambda must be >= 0, got {self.reset_lambda}")
+            raise ValueError(f"--toy.reset-lambda {self.reset_lambda}: must be >= 0")
         if self.autoreset_mode not in ("next_step", "same_step"):
-            raise ValueError(f"--toy.autoreset-mode must be 'next_step' or 'same_step', got {self.autoreset_mode!r}")
+            raise ValueError(f"--toy.autoreset-mode {self.autoreset_mode!r}: must be 'next_step' or 'same_step'")
         for name in ("step_time_mean", "step_time_spread", "step_time_jitter"):
             if not getattr(self, name) >= 0.0:
-                raise ValueError(f"--toy.{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
+                raise ValueError(f"--toy.{name.replace('_', '-')} {getattr(self, name)}: must be >= 0")
         if self.crash_at_step < 0:
-            raise ValueError(f"--toy.crash-at-step must be >= 0 (0 = never), got {self.crash_at_step}")
+            raise ValueError(f"--toy.crash-at-step {self.crash_at_step}: must be >= 0 (0 = never)")
 
 
 def draw_target_actions(config: ToyChainConfig) -> torch.Tensor:
@@ -158,7 +158,7 @@ class ToyChainVectorEnv(VectorEnv):
         self.config = replace(config, **overrides)
         self.config.validate()
         if num_envs < 1:
-            raise ValueError(f"num_envs must be >= 1, got {num_envs}")
+            raise ValueError(f"num_envs {num_envs}: must be >= 1")
 
         self.num_envs = num_envs
         self.device = torch.device(device)
@@ -369,10 +369,10 @@ class ToyChainContinuousConfig(ToyChainConfig):
     def validate(self) -> None:
         super().validate()
         if self.action_dim < 1:
-            raise ValueError(f"--toy.action-dim must be >= 1, got {self.action_dim}")
+            raise ValueError(f"--toy.action-dim {self.action_dim}: must be >= 1")
         if not 0.0 < self.target_radius <= 2.0:
             raise ValueError(
-                f"--toy.target-radius must be in (0, 2] (RMS distance in [-1, 1]^d), got {self.target_radius}"
+                f"--toy.target-radius {self.target_radius}: must be in (0, 2] (RMS distance in [-1, 1]^d)"
             )
 
 
@@ -463,7 +463,7 @@ class ToyChainWorkerConfig(ToyChainConfig):
         super().validate()
         for name in ("slow_rank_factor", "slow_env_factor"):
             if not getattr(self, name) > 0.0:
-                raise ValueError(f"--toy.{name.replace('_', '-')} must be > 0, got {getattr(self, name)}")
+                raise ValueError(f"--toy.{name.replace('_', '-')} {getattr(self, name)}: must be > 0")
 
     def step_time_of(self, rank: int, world_size: int, env_index: int) -> float:
         """The mean step time of env `env_index` of rank `rank`: step_time_mean times the straggler factors."""

@@ -946,8 +946,8 @@ def args_with(flag, value, **kwargs):
 
 @pytest.mark.parametrize("flag, value", OUT_OF_DOMAIN)
 def test_a_numeric_flag_outside_its_domain_is_refused_naming_the_flag_value_and_domain(flag, value):
-    """resolve_args alone (fast). The --toy.* flags are checked by toy_chain_env.py, in its own words."""
-    expected = f"{flag} must be .*, got {value}" if flag.startswith("--toy.") else f"{flag} {value}: must be "
+    """resolve_args alone (fast). The --toy.* flags are checked by toy_chain_env.py, in the same words."""
+    expected = f"{flag} {value}: must be "
     with pytest.raises(ver.ArgsError, match="^" + expected.replace("[", r"\[")):
         ver.resolve_args(args_with(flag, value), world_size=1)
 
