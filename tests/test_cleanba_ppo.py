@@ -851,7 +851,7 @@ def test_bad_flag_exits_early_with_a_message_and_writes_nothing(tmp_path):
     "flags, message",
     [
         (["--gamma", "1.5"], "error: --gamma 1.5: must be in [0, 1]"),
-        (["--toy.horizon", "0"], "--toy.horizon must be >= 1"),
+        (["--toy.horizon", "0"], "--toy.horizon 0: must be >= 1"),
         (["--checkpoint", "model.pt"], "error: --checkpoint model.pt: not a checkpoint of this network"),
     ],
 )
