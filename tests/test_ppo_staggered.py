@@ -120,6 +120,14 @@ def test_bookkeeping_next_step_masks_the_stale_step_and_restarts_the_episode_ste
     assert [r[2] for r in rows] == [0, 1, 2, 0]
 
 
+def test_bookkeeping_next_step_an_end_that_the_loop_reset_in_its_step_leaves_no_stale_step():
+    # next-step env, but the loop itself truncated and reset it at t=1 (a random start's cut, the advance's start)
+    rows = run_bookkeeping(terms=[0, 0, 0], truncs=[0, 1, 0], finals=[0, 1, 0], next_step_mode=True, gate_mode=True)
+    assert [r[0] for r in rows] == [True, True, True]
+    assert [r[1] for r in rows] == [False, True, False]
+    assert [r[2] for r in rows] == [0, 1, 0]
+
+
 # ---- Stagger schedule and other pure pieces ------------------------------------------------------------------------
 def test_groups_are_contiguous_and_balanced_and_group_j_starts_at_step_j_times_s():
     assert ppo.stagger_groups(10, 4).tolist() == [0, 0, 0, 1, 1, 2, 2, 2, 3, 3]
