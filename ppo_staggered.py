@@ -261,8 +261,8 @@ def resolve_args(args: Args) -> Args:
     if kind == "toy":
         try:
             args.toy.validate()  # its numeric flags' domains, H a multiple of the block length L, ...
-        except ValueError as e:
-            raise ArgsError(str(e)) from e
+        except ValueError as error:
+            raise ArgsError(str(error)) from error
     if args.bootstrap_at_done is None:
         args.bootstrap_at_done = "always" if kind == "maniskill" else "truncated"
     if not args.stagger and args.reset_scheme == "random-start":
@@ -367,9 +367,9 @@ class PartialResetVecEnv(gym.vector.VectorEnv):
         self.single_action_space = getattr(env, "single_action_space", None) or source.single_action_space  # flattened
         self.action_space = gym.vector.utils.batch_space(self.single_action_space, num_envs)
 
-    def tensor(self, x, dtype) -> torch.Tensor:
-        x = torch.as_tensor(x if torch.is_tensor(x) else np.asarray(x), device=self.device, dtype=dtype)
-        return x.reshape(self.num_envs, -1).squeeze(-1)
+    def tensor(self, data, dtype) -> torch.Tensor:
+        data = torch.as_tensor(data if torch.is_tensor(data) else np.asarray(data), device=self.device, dtype=dtype)
+        return data.reshape(self.num_envs, -1).squeeze(-1)
 
     def reset(self, *, seed=None, options=None):
         mask = None if options is None else options.get("reset_mask")
@@ -440,7 +440,7 @@ class ResetState:
     """The reset bookkeeping of N envs (Sec. 3.3; autoreset_modes.txt): which transitions are trained on, who waits."""
 
     def __init__(self, num_envs: int, device, next_step_mode: bool, gate_mode: bool):
-        self.stale = torch.zeros(num_envs, dtype=torch.bool, device=device)  # next-step mode: its step only resets it
+        self.stale = torch.zeros(num_envs, dtype=torch.bool, device=device)  # next-step mode: the next step only resets
         self.waiting = torch.zeros(num_envs, dtype=torch.bool, device=device)  # gate mode: terminated, waits (masked)
         self.episode_step = torch.zeros(num_envs, dtype=torch.long, device=device)  # at the current observation
         self.next_step_mode = next_step_mode  # an env resets in the step after its episode ends (else in the same)
@@ -481,10 +481,10 @@ def compute_gae(rewards, values, next_values, no_bootstrap, dones, gamma: float,
     return advantages, advantages + values
 
 
-def masked_mean(x: torch.Tensor, mask: torch.Tensor, count: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """Mean of x over the entries where mask is True (0 if there are none). DDP: with `count`, the number of those
+def masked_mean(values: torch.Tensor, mask: torch.Tensor, count: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Mean of values over the entries where mask is True (0 if there are none). DDP: with `count`, the number of those
     entries on all ranks, it is this rank's share of the mean over all ranks (all_reduce_sum adds the shares)."""
-    return torch.where(mask, x, 0.0).sum() / (mask.sum() if count is None else count).clamp(min=1)
+    return torch.where(mask, values, 0.0).sum() / (mask.sum() if count is None else count).clamp(min=1)
 
 
 def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
@@ -519,13 +519,15 @@ class RunningMeanStd:
         self.enabled = enabled  # off for ToyChain, whose block index is embedded
         self.merged = self.totals()  # DDP: the totals that all ranks share (the last merge's)
 
-    def update(self, x: torch.Tensor) -> None:
+    def update(self, obs: torch.Tensor) -> None:
         """Merges the batch's mean and variance into the running ones (during collection)."""
         if self.enabled:
-            batch_mean, batch_var, n = x.mean(0), x.var(0, unbiased=False), x.shape[0]
-            delta, total = batch_mean - self.mean, self.count + n
-            self.mean = self.mean + delta * n / total
-            self.var = (self.var * self.count + batch_var * n + delta.square() * self.count * n / total) / total
+            batch_mean, batch_var, batch_n = obs.mean(0), obs.var(0, unbiased=False), obs.shape[0]
+            delta, total = batch_mean - self.mean, self.count + batch_n
+            self.mean = self.mean + delta * batch_n / total
+            self.var = (
+                self.var * self.count + batch_var * batch_n + delta.square() * self.count * batch_n / total
+            ) / total
             self.count = total
 
     def totals(self) -> torch.Tensor:
@@ -541,9 +543,9 @@ class RunningMeanStd:
             self.var = (total_sq / count - (total / count).square()).clamp(min=0).float()
             self.merged = self.totals()
 
-    def normalize(self, x: torch.Tensor) -> torch.Tensor:
+    def normalize(self, obs: torch.Tensor) -> torch.Tensor:
         """Observations as the agent sees them."""
-        return ((x - self.mean) / torch.sqrt(self.var + 1e-8)).clamp(-10.0, 10.0) if self.enabled else x
+        return ((obs - self.mean) / torch.sqrt(self.var + 1e-8)).clamp(-10.0, 10.0) if self.enabled else obs
 
 
 # ---- Networks --------------------------------------------------------------------------------------------------------
@@ -830,7 +832,8 @@ def main(args: Args) -> dict:
             for name, value in evaluate(agent, eval_envs, obs_rms, H, args.seed + global_step).items():
                 log(name, value, global_step)
             log("time/eval", clock(device) - eval_start, global_step)
-            print(f"global_step={global_step} " + " ".join(f"{k}={v:.3f}" for k, v in last.items() if "eval/" in k))
+            evaluation = " ".join(f"{name}={value:.3f}" for name, value in last.items() if name.startswith("eval/"))
+            print(f"global_step={global_step} {evaluation}")
             completed = global_step // (args.batch_size * args.world_size)  # iterations (rollouts collected)
             if args.save_model and checkpoint_name:
                 save_checkpoint(run_dir / checkpoint_name, agent, optimizer, obs_rms, global_step, completed)
@@ -869,12 +872,12 @@ def main(args: Args) -> dict:
         raw_obs, _ = envs.reset(seed=seed + global_step)
         envs.action_space.seed(seed + global_step)  # the advance's random actions, reproducible
         obs_rms.update(raw_obs)
-        for t in range(advance_length):
+        for advance_step in range(advance_length):
             random_actions = torch.as_tensor(envs.action_space.sample(), device=device)
             raw_obs, _, terminated, truncated, info = envs.step(random_actions)
             final_mask = info.get("_final_obs", torch.zeros_like(terminated, dtype=torch.bool))
-            if t + 1 in starts:  # (the schedule is known on the host: no device sync)
-                starting = env_starts == t + 1
+            if advance_step + 1 in starts:  # (the schedule is known on the host: no device sync)
+                starting = env_starts == advance_step + 1
                 raw_obs, _ = envs.reset(options={"reset_mask": starting})  # (the observations of all envs)
                 final_mask = final_mask | starting  # (reset inside this step, by the loop)
             resets.step(terminated, truncated, final_mask)
