@@ -3,24 +3,23 @@
 Paper: "Staggered Environment Resets Improve Massively Parallel On-Policy Reinforcement Learning",
 Sid Bharthulwar, Stone Tao, Hao Su (2025), arXiv:2511.21011.
 
-With N parallel envs, rollouts of K steps and a task horizon H >> K, synchronous resets make every PPO batch come from
-one K-step slice of the task, which cycles through the horizon every H/K updates (Sec. 3.2). Staggered resets split the
-envs into N_B = ceil(H/K) groups and advance group j by j*S steps (S = K) before training, so that every batch holds
-every stage of the task (Sec. 3.3, App. B.1). Each group then resets together when its horizon ends (a "reset gate"); an
-env that terminates early waits, masked out of the loss, for its group's next gate. --no-stagger is the naive baseline
-of Tables 1/3: one group, a terminated env resets at once (immediate partial resets, as in ManiSkill's PPO);
---partial-reset-mode overrides either default. --reset-scheme random-start is legged_gym / rsl_rl / Isaac Lab's
-init_at_random_ep_len (prior work [21], Rudin et al. 2022, "a form of staggering in locomotion contexts", Sec. 5.3):
+With N parallel envs, rollouts of K steps and a task horizon H >> K, synchronous resets make every PPO batch one
+K-step slice of the task, cycling through the horizon every H/K updates (Sec. 3.2). Staggered resets split the envs into
+N_B = ceil(H/K) groups and advance group j by j*S steps (S = K) before training, so that every batch holds every stage
+of the task (Sec. 3.3, App. B.1). Each group resets together when its horizon ends (its "reset gate"); an env that
+terminates early waits, masked out of the loss, for its group's gate. --no-stagger is the naive baseline of Tables 1/3:
+one group, immediate partial resets (as ManiSkill's PPO); --partial-reset-mode overrides either default.
+--reset-scheme random-start is legged_gym / Isaac Lab's init_at_random_ep_len ([21], Rudin et al. 2022, Sec. 5.3):
 each env's first episode is cut (truncated) after U[1, H] steps; no advance, immediate partial resets.
 
 This is ManiSkill's PPO baseline (examples/baselines/ppo/ppo.py) with three differences, each marked "STAGGER": the
 advance before training, the reset gates with their loss mask, and the masked PPO losses. Under torchrun ("DDP") every
-rank steps and staggers its own --num-envs envs on its own GPU; the loss means are over the trained-on steps of all
-ranks and gradients are summed over ranks: G ranks of N envs step as one rank of G x N (Sec. 5.4).
+rank steps and staggers its own --num-envs envs on its own GPU; losses are means over the trained-on steps of all ranks
+and gradients are summed over ranks: G ranks of N envs step as one rank of G x N (Sec. 5.4).
 
 Map from the paper to this file
   Sec. 3.3, App. B.1  stagger_groups, stagger_start_steps, "STAGGER: advance"     (groups, offsets j*S)
-  Sec. 3.3 resets     reset_bookkeeping, PartialResetVecEnv                        (reset gates, masking)
+  Sec. 3.3 resets     ResetState, PartialResetVecEnv                               (reset gates, masking)
   Sec. 2, 5.3 [21]    random_start_lengths, "RANDOM START"                         (--reset-scheme random-start)
   App. B.2, Table 2   PRESETS["ToyChain-v0"], ChainAgent                           (toy chain: toy_chain_env.py)
   App. B.3, Table 3   PRESETS[ManiSkill task ids], MANISKILL_COMMON, GaussianAgent
@@ -29,7 +28,7 @@ Map from the paper to this file
   Sec. 5.4 (large N)  all_reduce_sum, RunningMeanStd.merge_ranks, "DDP"            (torchrun: ranks x N envs)
 Episode ends: --bootstrap-at-done always (ManiSkill's default: V(final obs) at every end, successes included) or
 truncated (ToyChain's and Gymnasium's: 0 at a termination). Autoreset (autoreset_modes.txt): ToyChain either mode
-(--toy.autoreset-mode), ManiSkill/Gymnasium same-step (PartialResetVecEnv); reset_bookkeeping masks next-step resets.
+(--toy.autoreset-mode), ManiSkill/Gymnasium same-step (PartialResetVecEnv); ResetState masks next-step resets.
 
   python ppo_staggered.py                                      # ToyChain-v0 (Table 2 PPO), ~30 s on a CPU
   python ppo_staggered.py --env-id StackCube-v1                # Table 3 on a CUDA GPU; a short trial without one
@@ -44,14 +43,16 @@ import glob
 import json
 import math
 import os
+import pickle
 import random
 import signal
 import sys
+import textwrap
 import time
 from dataclasses import asdict, dataclass, field, replace
 from functools import partial
 from pathlib import Path
-from typing import Literal, Optional
+from typing import Literal, NamedTuple, Optional
 
 import gymnasium as gym
 import numpy as np
@@ -69,7 +70,7 @@ class Args:
     exp_name: str = os.path.basename(__file__)[: -len(".py")]
     """name of this experiment (part of the run directory name)"""
     seed: int = 1
-    """seed of python, numpy, torch and the environments (rank r of torchrun: seed + r * N)"""
+    """seed of python, numpy, torch and the environments, >= 0 (rank r of torchrun: seed + r * N)"""
     torch_deterministic: bool = True
     """sets torch.backends.cudnn.deterministic"""
     cuda: bool = True
@@ -94,40 +95,46 @@ class Args:
     env_id: str = "ToyChain-v0"
     """ToyChain-v0, a ManiSkill3 task id (StackCube-v1, PushT-v1, ...) or a Gymnasium id with Box spaces"""
     num_envs: Optional[int] = None
-    """number of parallel training envs N of each rank (default: the task preset)"""
+    """parallel training envs N >= 1 of each rank (default: ToyChain 512; Table 3: StackCube, PushT, HumanoidWalk 4096,
+    AnymalC 512, TwoRobotPickCube 2048, G1TransportBox 1024; other ManiSkill 4096, 8 without CUDA; Gymnasium 16)"""
     num_eval_envs: Optional[int] = None
-    """number of parallel evaluation envs (default: the task preset)"""
+    """parallel evaluation envs, >= 1 (default: ToyChain 128; ManiSkill 128, 8 without CUDA; Gymnasium 8)"""
     horizon: Optional[int] = None
-    """task horizon H of ManiSkill/Gymnasium tasks (default: Table 3, else registered); ToyChain: --toy.horizon"""
+    """task horizon H >= 1 (default: Table 3: StackCube, PushT, TwoRobotPickCube 100, AnymalC 200, HumanoidWalk 1000,
+    G1TransportBox 500; other tasks their registered time limit); ToyChain: --toy.horizon"""
     toy: ToyChainConfig = field(default_factory=ToyChainConfig)
     """ToyChain-v0 settings (App. B.2)"""
 
     total_timesteps: Optional[int] = None
-    """training env steps of all ranks (default: Table 2/3; a short trial for ManiSkill presets without CUDA)"""
+    """training env steps of all ranks, >= 1 (default: ToyChain 384000 (Table 2: 150 updates); ManiSkill 2e8 (Table 3),
+    30000 without CUDA; Gymnasium 1e6)"""
     learning_rate: float = 3e-4
-    """Adam learning rate (Tables 2 and 3)"""
+    """Adam learning rate, > 0 (Tables 2 and 3)"""
     num_steps: Optional[int] = None
-    """rollout length K, steps per env per update (default: the task preset)"""
+    """rollout length K >= 1, steps per env per update (default: ToyChain 5; Table 3: StackCube, PushT 8, AnymalC,
+    TwoRobotPickCube 16, HumanoidWalk 64, G1TransportBox 32; other ManiSkill 16; Gymnasium 16)"""
     gamma: Optional[float] = None
-    """discount factor (default: the task preset)"""
+    """discount factor in [0, 1] (default: ToyChain 0.99; Table 3: StackCube, TwoRobotPickCube, G1TransportBox 0.8,
+    PushT, AnymalC 0.99, HumanoidWalk 0.97; other ManiSkill 0.8; Gymnasium 0.99)"""
     gae_lambda: Optional[float] = None
-    """GAE lambda (default: the task preset)"""
+    """GAE lambda in [0, 1] (default: ToyChain 0.95; Table 3: AnymalC 0.95, the other tasks 0.9; other ManiSkill 0.9;
+    Gymnasium 0.95)"""
     num_minibatches: Optional[int] = None
-    """minibatches per epoch (default: the task preset)"""
+    """minibatches per epoch, >= 1 (default: ToyChain 4; ManiSkill 32 (Table 3), 4 without CUDA; Gymnasium 4)"""
     update_epochs: int = 4
-    """epochs over each batch"""
+    """epochs over each batch, >= 1"""
     clip_coef: float = 0.2
-    """PPO clipping coefficient"""
+    """PPO clipping coefficient, > 0"""
     ent_coef: Optional[float] = None
-    """entropy bonus (default: 0.01 ToyChain, 0.005 ManiSkill)"""
+    """entropy bonus, >= 0 (default: ToyChain 0.01; ManiSkill 0.005; Gymnasium 0)"""
     vf_coef: float = 0.5
-    """value-loss coefficient"""
+    """value-loss coefficient, >= 0"""
     max_grad_norm: float = 0.5
-    """gradient-norm clip"""
+    """gradient-norm clip, > 0"""
     target_kl: Optional[float] = None
-    """stop the update once approx KL exceeds this (default: 0.1 ManiSkill, 0 = off ToyChain and Gymnasium)"""
+    """stop the update once approx KL exceeds this, >= 0, 0 = off (default: ToyChain 0; ManiSkill 0.1; Gymnasium 0)"""
     bootstrap_at_done: Optional[Literal["always", "truncated"]] = None
-    """bootstrap V(final obs) at every episode end ('always', default for ManiSkill) or only at truncations"""
+    """bootstrap V(final obs) at every episode end ('always', default for ManiSkill) or only at truncations (others)"""
 
     reset_scheme: Literal["staggered", "naive", "random-start"] = "staggered"
     """staggered (Sec. 3.3), naive (synchronous: Tables 1/3's baseline) or random-start (first episodes U[1, H] long)"""
@@ -137,7 +144,8 @@ class Args:
     """a terminated env: 'gate' waits (masked) for its group's reset gate (default if staggered), 'immediate' resets"""
 
     eval_freq: Optional[int] = None
-    """evaluate every this many iterations (default: the task preset)"""
+    """evaluate every this many iterations, 0 = only at the end (default: ToyChain 10; ManiSkill 25, 50 without
+    CUDA; Gymnasium 25)"""
     cudagraphs: bool = False
     """replay the policy step and the PPO update as CUDA graphs (tensordict's CudaGraphModule, as ppo_fast.py)"""
 
@@ -153,8 +161,18 @@ class Args:
 TOY_ENV_ID = "ToyChain-v0"
 PRESETS: dict[str, dict] = {
     # App. B.2, Table 2: PPO on the toy chain (N = 512, K = 5, 150 updates).
-    TOY_ENV_ID: dict(num_envs=512, num_steps=5, gamma=0.99, gae_lambda=0.95, num_minibatches=4, ent_coef=0.01)
-    | dict(target_kl=0.0, total_timesteps=150 * 512 * 5, eval_freq=10, num_eval_envs=128),
+    TOY_ENV_ID: {
+        "num_envs": 512,
+        "num_steps": 5,
+        "gamma": 0.99,
+        "gae_lambda": 0.95,
+        "num_minibatches": 4,
+        "ent_coef": 0.01,
+        "target_kl": 0.0,
+        "total_timesteps": 150 * 512 * 5,
+        "eval_freq": 10,
+        "num_eval_envs": 128,
+    },
     # App. B.3, Table 3: per-task K, H, gamma, lambda and N of the ManiSkill experiments.
     "StackCube-v1": dict(num_steps=8, horizon=100, gamma=0.8, gae_lambda=0.9, num_envs=4096),
     "PushT-v1": dict(num_steps=8, horizon=100, gamma=0.99, gae_lambda=0.9, num_envs=4096),
@@ -172,9 +190,18 @@ MANISKILL_OTHER = dict(num_steps=16, gamma=0.8, gae_lambda=0.9, num_envs=4096)
 # Without CUDA: a short trial on CPU simulation (one process per env), about 3 minutes (StackCube) on 2 cores.
 MANISKILL_CPU_TRIAL = dict(num_envs=8, num_minibatches=4, num_eval_envs=8, total_timesteps=30_000, eval_freq=50)
 # Other Gymnasium envs with Box observations and actions (e.g. Pendulum-v1).
-GYM_DEFAULTS = dict(num_envs=16, num_steps=16, gamma=0.99, gae_lambda=0.95, num_minibatches=4, ent_coef=0.0) | dict(
-    target_kl=0.0, total_timesteps=1_000_000, eval_freq=25, num_eval_envs=8
-)
+GYM_DEFAULTS = {
+    "num_envs": 16,
+    "num_steps": 16,
+    "gamma": 0.99,
+    "gae_lambda": 0.95,
+    "num_minibatches": 4,
+    "ent_coef": 0.0,
+    "target_kl": 0.0,
+    "total_timesteps": 1_000_000,
+    "eval_freq": 25,
+    "num_eval_envs": 8,
+}
 
 
 class ArgsError(ValueError):
@@ -190,13 +217,11 @@ def resolve_args(args: Args) -> Args:
     if kind == "gym" and args.env_id not in gym.registry:
         raise ArgsError(f"--env-id {args.env_id!r} is not ToyChain-v0, a ManiSkill3 task or a Gymnasium id")
     if kind == "toy":
-        args.resolved_sim_backend, preset = "torch", PRESETS[TOY_ENV_ID]
-        try:
-            args.toy.validate()
-        except ValueError as e:
-            raise ArgsError(str(e)) from e
+        args.resolved_sim_backend = "torch"
+        preset = PRESETS[TOY_ENV_ID]
     elif kind == "gym":
-        args.resolved_sim_backend, preset = "cpu", GYM_DEFAULTS
+        args.resolved_sim_backend = "cpu"
+        preset = GYM_DEFAULTS
     else:
         gpu = f"physx_cuda:{os.environ.get('LOCAL_RANK', '0')}"  # DDP: torchrun's rank on this machine, its GPU
         args.resolved_sim_backend = gpu if args.cuda and torch.cuda.is_available() else "physx_cpu"
@@ -207,8 +232,37 @@ def resolve_args(args: Args) -> Args:
                 f"per env): {MANISKILL_CPU_TRIAL}, a few minutes on 2 cores. The paper's preset (Table 3) needs "
                 f"a CUDA GPU: {preset['num_envs']} envs, {preset['total_timesteps']:.0e} steps. Flags override it."
             )
-            preset.update(MANISKILL_CPU_TRIAL)
+            preset = {**preset, **MANISKILL_CPU_TRIAL}
     args = replace(args, **{name: value for name, value in preset.items() if getattr(args, name) is None})
+    domains = [  # (flag, value, whether it is in the flag's domain, the domain); presets filled in (--toy.*: below)
+        ("--seed", args.seed, args.seed >= 0, ">= 0"),
+        ("--num-envs", args.num_envs, args.num_envs >= 1, ">= 1"),
+        ("--num-eval-envs", args.num_eval_envs, args.num_eval_envs >= 1, ">= 1"),
+        ("--horizon", args.horizon, args.horizon is None or args.horizon >= 1, ">= 1"),
+        ("--total-timesteps", args.total_timesteps, args.total_timesteps >= 1, ">= 1"),
+        ("--learning-rate", args.learning_rate, args.learning_rate > 0, "> 0"),
+        ("--num-steps", args.num_steps, args.num_steps >= 1, ">= 1"),
+        ("--gamma", args.gamma, 0 <= args.gamma <= 1, "in [0, 1]"),
+        ("--gae-lambda", args.gae_lambda, 0 <= args.gae_lambda <= 1, "in [0, 1]"),
+        ("--num-minibatches", args.num_minibatches, args.num_minibatches >= 1, ">= 1"),
+        ("--update-epochs", args.update_epochs, args.update_epochs >= 1, ">= 1"),
+        ("--clip-coef", args.clip_coef, args.clip_coef > 0, "> 0"),
+        ("--ent-coef", args.ent_coef, args.ent_coef >= 0, ">= 0"),
+        ("--vf-coef", args.vf_coef, args.vf_coef >= 0, ">= 0"),
+        ("--max-grad-norm", args.max_grad_norm, args.max_grad_norm > 0, "> 0"),
+        ("--target-kl", args.target_kl, args.target_kl >= 0, ">= 0 (0 = off)"),
+        ("--eval-freq", args.eval_freq, args.eval_freq >= 0, ">= 0 (0 = only at the end)"),
+    ]
+    for flag, value, in_domain, domain in domains:
+        if not in_domain:
+            raise ArgsError(f"{flag} {value}: must be {domain}")
+    if args.checkpoint and not os.path.isfile(args.checkpoint):
+        raise ArgsError(f"--checkpoint {args.checkpoint}: no such file")
+    if kind == "toy":
+        try:
+            args.toy.validate()  # its numeric flags' domains, H a multiple of the block length L, ...
+        except ValueError as error:
+            raise ArgsError(str(error)) from error
     if args.bootstrap_at_done is None:
         args.bootstrap_at_done = "always" if kind == "maniskill" else "truncated"
     if not args.stagger and args.reset_scheme == "random-start":
@@ -245,6 +299,17 @@ def resolve_args(args: Args) -> Args:
     if kind == "maniskill" and sys.platform.startswith("linux") and not (icd_files or os.getenv("VK_ICD_FILENAMES")):
         raise ArgsError("ManiSkill3 needs a Vulkan driver, even for state-only simulation: bash .ci/install_system.sh")
     return args
+
+
+def format_settings(args: Args) -> str:
+    """The resolved settings as `name=value` pairs (nested ones as toy.horizon=200), wrapped at 120 characters."""
+    pairs = []
+    for name, value in asdict(args).items():
+        if isinstance(value, dict):
+            pairs += [f"{name}.{inner_name}={inner_value}" for inner_name, inner_value in value.items()]
+        else:
+            pairs.append(f"{name}={value}")
+    return "settings:\n" + textwrap.fill(" ".join(pairs), 120, initial_indent="  ", subsequent_indent="  ")
 
 
 # ---- Environments ----------------------------------------------------------------------------------------------------
@@ -302,9 +367,9 @@ class PartialResetVecEnv(gym.vector.VectorEnv):
         self.single_action_space = getattr(env, "single_action_space", None) or source.single_action_space  # flattened
         self.action_space = gym.vector.utils.batch_space(self.single_action_space, num_envs)
 
-    def tensor(self, x, dtype) -> torch.Tensor:
-        x = torch.as_tensor(x if torch.is_tensor(x) else np.asarray(x), device=self.device, dtype=dtype)
-        return x.reshape(self.num_envs, -1).squeeze(-1)
+    def tensor(self, data, dtype) -> torch.Tensor:
+        data = torch.as_tensor(data if torch.is_tensor(data) else np.asarray(data), device=self.device, dtype=dtype)
+        return data.reshape(self.num_envs, -1).squeeze(-1)
 
     def reset(self, *, seed=None, options=None):
         mask = None if options is None else options.get("reset_mask")
@@ -326,7 +391,8 @@ class PartialResetVecEnv(gym.vector.VectorEnv):
         reset_now = truncated | (terminated & self.reset_on_termination)
         info = {"success": success}
         if bool(reset_now.any()):  # the one host sync of a step: whether to call the simulator's reset at all
-            info.update(final_obs=obs.clone(), _final_obs=reset_now)  # (a reset may write into the obs buffers)
+            info["final_obs"] = obs.clone()  # (a reset may write into the obs buffers)
+            info["_final_obs"] = reset_now
             obs, _ = self.reset(options={"reset_mask": reset_now})
         return obs, reward, terminated, truncated, info
 
@@ -363,21 +429,35 @@ def stagger_start_steps(num_groups: int, stagger_step: int) -> list[int]:
     return [(num_groups - 1 - j) * stagger_step for j in range(num_groups)]
 
 
-def reset_bookkeeping(
-    stale, waiting, terminated, truncated, final_mask, episode_step, next_step_mode: bool, gate_mode: bool
-):
-    """Which transitions are trained on, and who waits, after one vector step t (Sec. 3.3; autoreset_modes.txt).
-    (N,) inputs: stale (next-step mode: step t only resets the env), waiting (gate mode: terminated earlier, waits
-    for its group's reset gate, which is its time limit), the flags of step t, final_mask (reset inside step t: by
-    a same-step env, or by the loop in either mode) and episode_step (steps into the episode at obs_t). Returns
-    whether transition t is trained on and ends an episode, and the stale, waiting and episode_step of step t + 1."""
-    valid = ~stale & ~waiting
-    done = terminated | truncated
-    reset_now = (stale | final_mask) if next_step_mode else final_mask
-    stale_next = done & ~final_mask if next_step_mode else torch.zeros_like(done)
-    waiting_next = (waiting | (valid & terminated)) & ~reset_now if gate_mode else torch.zeros_like(done)
-    episode_step_next = torch.where(reset_now, 0, episode_step + 1)
-    return valid, valid & done, stale_next, waiting_next, episode_step_next
+class StepMask(NamedTuple):
+    """ResetState.step's (N,) masks of one vector step's transitions."""
+
+    valid: torch.Tensor  # trained on: neither waiting for a reset gate nor a stale next-step reset
+    episode_end: torch.Tensor  # a trained-on transition that ends its episode
+
+
+class ResetState:
+    """The reset bookkeeping of N envs (Sec. 3.3; autoreset_modes.txt): which transitions are trained on, who waits."""
+
+    def __init__(self, num_envs: int, device, next_step_mode: bool, gate_mode: bool):
+        self.stale = torch.zeros(num_envs, dtype=torch.bool, device=device)  # next-step mode: the next step only resets
+        self.waiting = torch.zeros(num_envs, dtype=torch.bool, device=device)  # gate mode: terminated, waits (masked)
+        self.episode_step = torch.zeros(num_envs, dtype=torch.long, device=device)  # at the current observation
+        self.next_step_mode = next_step_mode  # an env resets in the step after its episode ends (else in the same)
+        self.gate_mode = gate_mode  # --partial-reset-mode gate: a terminated env waits for its group's reset gate
+
+    def step(self, terminated, truncated, final_mask) -> StepMask:
+        """Advances the state over one vector step; final_mask: the envs reset inside it (by a same-step env, or by
+        the loop in either mode)."""
+        valid = ~self.stale & ~self.waiting
+        done = terminated | truncated
+        reset_now = (self.stale | final_mask) if self.next_step_mode else final_mask
+        if self.next_step_mode:  # an end that the step did not reset is reset by the next step: a stale step
+            self.stale = done & ~final_mask
+        if self.gate_mode:  # STAGGER: the reset gate. A terminated env waits until its group's gate resets it
+            self.waiting = (self.waiting | (valid & terminated)) & ~reset_now
+        self.episode_step = torch.where(reset_now, 0, self.episode_step + 1)
+        return StepMask(valid=valid, episode_end=valid & done)
 
 
 def random_start_lengths(num_envs: int, horizon: int, seed: int) -> torch.Tensor:
@@ -401,10 +481,10 @@ def compute_gae(rewards, values, next_values, no_bootstrap, dones, gamma: float,
     return advantages, advantages + values
 
 
-def masked_mean(x: torch.Tensor, mask: torch.Tensor, count: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """Mean of x over the entries where mask is True (0 if there are none). DDP: with `count`, the number of those
+def masked_mean(values: torch.Tensor, mask: torch.Tensor, count: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Mean of values over the entries where mask is True (0 if there are none). DDP: with `count`, the number of those
     entries on all ranks, it is this rank's share of the mean over all ranks (all_reduce_sum adds the shares)."""
-    return torch.where(mask, x, 0.0).sum() / (mask.sum() if count is None else count).clamp(min=1)
+    return torch.where(mask, values, 0.0).sum() / (mask.sum() if count is None else count).clamp(min=1)
 
 
 def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
@@ -423,9 +503,9 @@ def batch_temporal_stats(episode_steps: torch.Tensor, valid: torch.Tensor, horiz
     num_windows = math.ceil(horizon / window)
     counts = torch.bincount((steps // window).clamp(max=num_windows - 1), minlength=num_windows)
     return {
-        "episode_step_min": steps.min().item(),
-        "episode_step_max": steps.max().item(),
-        "stage_coverage": (counts > 0).float().mean().item(),
+        "stagger/episode_step_min": steps.min().item(),
+        "stagger/episode_step_max": steps.max().item(),
+        "stagger/stage_coverage": (counts > 0).float().mean().item(),
     }
 
 
@@ -439,13 +519,15 @@ class RunningMeanStd:
         self.enabled = enabled  # off for ToyChain, whose block index is embedded
         self.merged = self.totals()  # DDP: the totals that all ranks share (the last merge's)
 
-    def update(self, x: torch.Tensor) -> None:
+    def update(self, obs: torch.Tensor) -> None:
         """Merges the batch's mean and variance into the running ones (during collection)."""
         if self.enabled:
-            batch_mean, batch_var, n = x.mean(0), x.var(0, unbiased=False), x.shape[0]
-            delta, total = batch_mean - self.mean, self.count + n
-            self.mean = self.mean + delta * n / total
-            self.var = (self.var * self.count + batch_var * n + delta.square() * self.count * n / total) / total
+            batch_mean, batch_var, batch_n = obs.mean(0), obs.var(0, unbiased=False), obs.shape[0]
+            delta, total = batch_mean - self.mean, self.count + batch_n
+            self.mean = self.mean + delta * batch_n / total
+            self.var = (
+                self.var * self.count + batch_var * batch_n + delta.square() * self.count * batch_n / total
+            ) / total
             self.count = total
 
     def totals(self) -> torch.Tensor:
@@ -461,9 +543,9 @@ class RunningMeanStd:
             self.var = (total_sq / count - (total / count).square()).clamp(min=0).float()
             self.merged = self.totals()
 
-    def normalize(self, x: torch.Tensor) -> torch.Tensor:
+    def normalize(self, obs: torch.Tensor) -> torch.Tensor:
         """Observations as the agent sees them."""
-        return ((x - self.mean) / torch.sqrt(self.var + 1e-8)).clamp(-10.0, 10.0) if self.enabled else x
+        return ((obs - self.mean) / torch.sqrt(self.var + 1e-8)).clamp(-10.0, 10.0) if self.enabled else obs
 
 
 # ---- Networks --------------------------------------------------------------------------------------------------------
@@ -587,10 +669,15 @@ def save_checkpoint(path: Path, agent, optimizer, obs_rms: RunningMeanStd, globa
 
 def load_checkpoint(path: str, agent, optimizer, obs_rms: RunningMeanStd, device: torch.device) -> int:
     """Restores what save_checkpoint wrote; returns its global step."""
-    checkpoint = torch.load(path, map_location=device, weights_only=True)
-    agent.load_state_dict(checkpoint["model"])
-    optimizer.load_state_dict(checkpoint["optimizer"])
-    obs_rms.mean, obs_rms.var, obs_rms.count = (checkpoint["obs_rms"][key] for key in ("mean", "var", "count"))
+    try:
+        checkpoint = torch.load(path, map_location=device, weights_only=True)
+        agent.load_state_dict(checkpoint["model"])
+        optimizer.load_state_dict(checkpoint["optimizer"])
+        obs_rms.mean = checkpoint["obs_rms"]["mean"]
+        obs_rms.var = checkpoint["obs_rms"]["var"]
+        obs_rms.count = checkpoint["obs_rms"]["count"]
+    except (RuntimeError, KeyError, ValueError, pickle.UnpicklingError) as error:  # another task's, or no checkpoint
+        raise ArgsError(f"--checkpoint {path}: not a checkpoint of this task ({str(error).splitlines()[0]})") from error
     obs_rms.merged = obs_rms.totals()  # (every rank loads the same)
     return checkpoint["global_step"]
 
@@ -697,6 +784,7 @@ def main(args: Args) -> dict:
     run_name = f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}"
     run_dir = Path(args.output_dir) / run_name
     if rank == 0:
+        print(format_settings(args))
         run_dir.mkdir(parents=True)
         (run_dir / "config.json").write_text(json.dumps(asdict(args), indent=2))
     if args.track and rank == 0:
@@ -732,8 +820,9 @@ def main(args: Args) -> dict:
         if args.checkpoint:
             global_step = start_step = load_checkpoint(args.checkpoint, agent, optimizer, obs_rms, device)
             print(f"resuming from {args.checkpoint} at global step {global_step}")
-        for tensor in agent.state_dict().values() if args.world_size > 1 else ():  # DDP: every rank starts from
-            dist.broadcast(tensor, src=0)  # rank 0's weights
+        if args.world_size > 1:  # DDP: every rank starts from rank 0's weights
+            for tensor in agent.state_dict().values():
+                dist.broadcast(tensor, src=0)
         start_time = time.time()
 
         def log_evaluation(checkpoint_name: Optional[str]) -> None:
@@ -743,7 +832,8 @@ def main(args: Args) -> dict:
             for name, value in evaluate(agent, eval_envs, obs_rms, H, args.seed + global_step).items():
                 log(name, value, global_step)
             log("time/eval", clock(device) - eval_start, global_step)
-            print(f"global_step={global_step} " + " ".join(f"{k}={v:.3f}" for k, v in last.items() if "eval/" in k))
+            evaluation = " ".join(f"{name}={value:.3f}" for name, value in last.items() if name.startswith("eval/"))
+            print(f"global_step={global_step} {evaluation}")
             completed = global_step // (args.batch_size * args.world_size)  # iterations (rollouts collected)
             if args.save_model and checkpoint_name:
                 save_checkpoint(run_dir / checkpoint_name, agent, optimizer, obs_rms, global_step, completed)
@@ -755,10 +845,15 @@ def main(args: Args) -> dict:
         dtype = torch.long if is_toy else torch.float32
         obs_buf = torch.zeros((K, N, *envs.single_observation_space.shape), dtype=dtype, device=device)
         actions_buf = torch.zeros((K, N, *envs.single_action_space.shape), dtype=dtype, device=device)
-        logprobs_buf, rewards_buf, values_buf, final_values_buf = (torch.zeros((K, N), device=device) for _ in range(4))
-        no_bootstrap_buf, dones_buf, valid_buf, final_mask_buf, correct_buf = (
-            torch.zeros((K, N), dtype=torch.bool, device=device) for _ in range(5)
-        )
+        logprobs_buf = torch.zeros((K, N), device=device)
+        rewards_buf = torch.zeros((K, N), device=device)
+        values_buf = torch.zeros((K, N), device=device)
+        final_values_buf = torch.zeros((K, N), device=device)
+        no_bootstrap_buf = torch.zeros((K, N), dtype=torch.bool, device=device)
+        dones_buf = torch.zeros((K, N), dtype=torch.bool, device=device)
+        valid_buf = torch.zeros((K, N), dtype=torch.bool, device=device)
+        final_mask_buf = torch.zeros((K, N), dtype=torch.bool, device=device)
+        correct_buf = torch.zeros((K, N), dtype=torch.bool, device=device)
         episode_step_buf = torch.zeros((K, N), dtype=torch.long, device=device)
         act = partial(policy_step, agent)
         gradients = partial(minibatch_gradients, agent, optimizer, args)
@@ -770,38 +865,40 @@ def main(args: Args) -> dict:
         # ---- STAGGER: advance group j by j * S steps before training (App. B.1) --------------------------------------
         # Random actions, none trained on; group j starts its first episode (a partial reset) at step (N_B - 1 - j) * S.
         next_step_mode = envs.metadata["autoreset_mode"] == gym.vector.AutoresetMode.NEXT_STEP
-        gate_mode = args.partial_reset_mode == "gate"
+        resets = ResetState(N, device, next_step_mode, gate_mode=args.partial_reset_mode == "gate")
         starts = stagger_start_steps(args.num_stagger_groups, args.stagger_step)  # of each group
         env_starts = torch.tensor(starts, device=device)[stagger_groups(N, args.num_stagger_groups, device)]
-        stale, waiting = (torch.zeros(N, dtype=torch.bool, device=device) for _ in range(2))
-        episode_step = torch.zeros(N, dtype=torch.long, device=device)
+        advance_length = (args.num_stagger_groups - 1) * args.stagger_step  # group 0 starts last
         raw_obs, _ = envs.reset(seed=seed + global_step)
         envs.action_space.seed(seed + global_step)  # the advance's random actions, reproducible
         obs_rms.update(raw_obs)
-        for t in range(starts[0]):
+        for advance_step in range(advance_length):
             random_actions = torch.as_tensor(envs.action_space.sample(), device=device)
             raw_obs, _, terminated, truncated, info = envs.step(random_actions)
-            final_mask = info.get("_final_obs", terminated & False)
-            _, _, stale, waiting, episode_step = reset_bookkeeping(
-                stale, waiting, terminated, truncated, final_mask, episode_step, next_step_mode, gate_mode
-            )
-            if t + 1 in starts:  # (the schedule is known on the host: no device sync)
-                starting = env_starts == t + 1
+            final_mask = info.get("_final_obs", torch.zeros_like(terminated, dtype=torch.bool))
+            if advance_step + 1 in starts:  # (the schedule is known on the host: no device sync)
+                starting = env_starts == advance_step + 1
                 raw_obs, _ = envs.reset(options={"reset_mask": starting})  # (the observations of all envs)
-                stale, waiting = stale & ~starting, waiting & ~starting
-                episode_step = torch.where(starting, 0, episode_step)
+                final_mask = final_mask | starting  # (reset inside this step, by the loop)
+            resets.step(terminated, truncated, final_mask)
             obs_rms.update(raw_obs)
         obs_rms.merge_ranks()
         obs = obs_rms.normalize(raw_obs)
-        summary["advance_env_steps"] = starts[0] * N * args.world_size
+        summary["advance_env_steps"] = advance_length * N * args.world_size
         # RANDOM START ([21]): env i's first episode is cut (a time limit) after first_lengths[i] ~ U[1, H] training
         # steps, at steps the host knows; at H the env's own time limit ends it.
-        random_start, training_step = args.reset_scheme == "random-start", 0
+        random_start = args.reset_scheme == "random-start"
+        training_step = 0
         first_lengths = random_start_lengths(N, H, seed + global_step)
         cut_steps = set(first_lengths.tolist()) - {H} if random_start else set()
-        first_lengths, first_episode = first_lengths.to(device), torch.full((N,), random_start, device=device)
-        tracked = (episode_step == 0) & ~first_episode  # statistics count only whole episodes started in training
-        ep_return, ep_len, ep_success = torch.zeros(N, device=device), torch.zeros(N, device=device), tracked & False
+        first_lengths = first_lengths.to(device)
+        first_episode = torch.full((N,), random_start, device=device)
+        tracked = (
+            resets.episode_step == 0
+        ) & ~first_episode  # statistics count only whole episodes started in training
+        ep_return = torch.zeros(N, device=device)
+        ep_len = torch.zeros(N, device=device)
+        ep_success = torch.zeros(N, dtype=torch.bool, device=device)
         toy_diagnostics = ToyChainDiagnostics(envs) if is_toy else None
         if stop:
             stop.training = True
@@ -810,17 +907,19 @@ def main(args: Args) -> dict:
             if stop and all_reduce_sum(torch.tensor(float(stop.requested), device=device)) > 0:  # DDP: any rank's
                 raise KeyboardInterrupt  # Ctrl-C stops every rank here
             # ---- 1. evaluate and checkpoint, every --eval-freq iterations (before the rollout, as ManiSkill's ppo.py)
-            if (iteration - 1) % args.eval_freq == 0:
+            if args.eval_freq > 0 and (iteration - 1) % args.eval_freq == 0:
                 log_evaluation(f"ckpt_{global_step}.pt")
 
             # ---- 2. collect: K steps of every env (timed as a whole: a timer per env step would sync CUDA twice) ---
             rollout_start = clock(device)
-            ended = dict.fromkeys(("episodic_return", "episodic_length", "success_rate", "n"), 0.0)  # sums over ends
+            ended = {"return": 0.0, "length": 0.0, "successes": 0.0, "episodes": 0.0}  # sums over the episodes ended
             for step in range(K):
-                obs_buf[step], episode_step_buf[step] = obs, episode_step
+                obs_buf[step] = obs
+                episode_step_buf[step] = resets.episode_step
                 actions_buf[step], logprobs_buf[step], values_buf[step] = act(obs)
                 raw_obs, reward, terminated, truncated, info = envs.step(actions_buf[step])
-                final_mask, final_obs = info.get("_final_obs", terminated & False), info.get("final_obs")
+                final_mask = info.get("_final_obs", torch.zeros_like(terminated, dtype=torch.bool))
+                final_obs = info.get("final_obs")
                 training_step += 1
                 if training_step in cut_steps:  # RANDOM START: truncate and reset the first episodes this long
                     cut = (first_lengths == training_step) & first_episode & ~(terminated | truncated)
@@ -838,22 +937,24 @@ def main(args: Args) -> dict:
                 if final_obs is not None:
                     with torch.no_grad():
                         final_values_buf[step] = agent.get_value(obs_rms.normalize(final_obs))
-                # STAGGER: reset gates. An env that terminated waits (masked) until its group's gate resets it.
-                valid, episode_end, stale, waiting, episode_step = reset_bookkeeping(
-                    stale, waiting, terminated, truncated, final_mask, episode_step, next_step_mode, gate_mode
-                )
-                valid_buf[step] = valid
+                # STAGGER: reset gates (Sec. 3.3). An env that terminated waits, masked, until its group's gate.
+                mask = resets.step(terminated, truncated, final_mask)
+                valid_buf[step] = mask.valid
                 if is_toy:
                     correct_buf[step] = info["correct"]
                 # episode statistics, over the trained-on steps of the episodes that started in training
-                ep_return, ep_len = ep_return + reward * valid, ep_len + valid
-                ep_success = ep_success | (info["success"] & valid)
-                recorded = episode_end & tracked
-                for key, value in zip(ended, (ep_return, ep_len, ep_success, 1.0)):
-                    ended[key] += (value * recorded).sum()
-                ep_return, ep_len = ep_return * ~episode_end, ep_len * ~episode_end
-                ep_success = ep_success & ~episode_end
-                tracked = tracked | (episode_step == 0)
+                ep_return = ep_return + reward * mask.valid
+                ep_len = ep_len + mask.valid
+                ep_success = ep_success | (info["success"] & mask.valid)
+                recorded = mask.episode_end & tracked
+                ended["return"] += (ep_return * recorded).sum()
+                ended["length"] += (ep_len * recorded).sum()
+                ended["successes"] += (ep_success * recorded).sum()
+                ended["episodes"] += (1.0 * recorded).sum()
+                ep_return = ep_return * ~mask.episode_end
+                ep_len = ep_len * ~mask.episode_end
+                ep_success = ep_success & ~mask.episode_end
+                tracked = tracked | (resets.episode_step == 0)
                 obs_rms.update(raw_obs)
                 obs = obs_rms.normalize(raw_obs)
             global_step += N * K * args.world_size  # DDP: the env steps of all ranks
@@ -871,9 +972,15 @@ def main(args: Args) -> dict:
             rollout_time = update_start - rollout_start
 
             # ---- 4. update: epochs of shuffled minibatches -----------------------------------------------------------
-            batch = dict(obs=obs_buf, actions=actions_buf, logprobs=logprobs_buf, valid=valid_buf)
-            batch.update(advantages=advantages, returns=returns)
-            batch = {key: value.flatten(0, 1) for key, value in batch.items()}  # (K, N, ...) -> (K * N, ...)
+            rollout = {
+                "obs": obs_buf,
+                "actions": actions_buf,
+                "logprobs": logprobs_buf,
+                "valid": valid_buf,
+                "advantages": advantages,
+                "returns": returns,
+            }
+            batch = {key: value.flatten(0, 1) for key, value in rollout.items()}  # (K, N, ...) -> (K * N, ...)
             losses = ppo_update(gradients, optimizer, batch, args)
             ended = {key: all_reduce_sum(total) for key, total in ended.items()}  # DDP: the episodes of all ranks
             if rank > 0:  # DDP: rank 0 alone logs (the losses and episodes of all ranks, the rest of its own batch)
@@ -891,16 +998,24 @@ def main(args: Args) -> dict:
             losses["explained_variance"] = explained_var
             # one device sync for all of them: stacked, copied to the host and named back at once
             losses = dict(zip(losses, torch.stack(list(losses.values())).tolist()))
-            for name, value in losses.items():
-                log(f"losses/{name}", value, global_step)
+            log("losses/policy_loss", losses["policy_loss"], global_step)
+            log("losses/value_loss", losses["value_loss"], global_step)
+            log("losses/entropy", losses["entropy"], global_step)
+            log("losses/old_approx_kl", losses["old_approx_kl"], global_step)
+            log("losses/approx_kl", losses["approx_kl"], global_step)
+            log("losses/clipfrac", losses["clipfrac"], global_step)
+            log("losses/explained_variance", losses["explained_variance"], global_step)
             log("charts/learning_rate", optimizer.param_groups[0]["lr"], global_step)
             log("charts/SPS", (global_step - start_step) / (time.time() - start_time), global_step)
-            if ended["n"] > 0:
-                for key in ("episodic_return", "episodic_length", "success_rate"):
-                    log(f"charts/{key}", ended[key] / ended["n"], global_step)
-            stagger_stats = dict(value_mse=value_mse, policy_kl=policy_kl, valid_fraction=valid_buf.float().mean())
-            for name, value in {**stagger_stats, **batch_temporal_stats(episode_step_buf, valid_buf, H, K)}.items():
-                log(f"stagger/{name}", value, global_step)
+            if ended["episodes"] > 0:
+                log("charts/episodic_return", ended["return"] / ended["episodes"], global_step)
+                log("charts/episodic_length", ended["length"] / ended["episodes"], global_step)
+                log("charts/success_rate", ended["successes"] / ended["episodes"], global_step)
+            log("stagger/value_mse", value_mse, global_step)
+            log("stagger/policy_kl", policy_kl, global_step)
+            log("stagger/valid_fraction", valid_buf.float().mean(), global_step)
+            for name, value in batch_temporal_stats(episode_step_buf, valid_buf, H, K).items():
+                log(name, value, global_step)  # stagger/episode_step_min, stagger/episode_step_max, ...
             log("time/rollout", rollout_time, global_step)
             log("time/update", clock(device) - update_start, global_step)
             if is_toy:  # App. C / E: batch accuracy, block occupancy, per-block accuracy and forgetting
@@ -926,8 +1041,10 @@ def main(args: Args) -> dict:
         raise
     finally:
         wall = time.time() - start_time
-        summary.update(global_step=global_step, wall_time_s=wall, sps=(global_step - start_step) / max(wall, 1e-9))
-        summary.update(last)
+        summary["global_step"] = global_step
+        summary["wall_time_s"] = wall
+        summary["sps"] = (global_step - start_step) / max(wall, 1e-9)
+        summary.update(last)  # the last value of every logged scalar
         if rank == 0:
             (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
             writer.close()

@@ -8,11 +8,13 @@ import glob
 import json
 import math
 import os
+import re
 import signal
 import socket
 import subprocess
 import sys
 import time
+import typing
 from datetime import timedelta
 from functools import partial
 
@@ -76,16 +78,14 @@ def test_gae_matches_rlax_on_random_rollouts_with_episode_ends(seed):
 
 # ---- Reset bookkeeping: stale steps, waiting for the gate, immediate resets ------------------------------------------
 def run_bookkeeping(terms, truncs, finals, next_step_mode, gate_mode):
-    b = lambda x: torch.tensor([bool(x)])  # noqa: E731
-    stale = waiting = b(0)
-    step = torch.tensor([0])
+    """One env's (valid, episode_end, episode step at the observation) of each step, by ResetState."""
+    flag = lambda x: torch.tensor([bool(x)])  # noqa: E731
+    resets = ppo.ResetState(1, "cpu", next_step_mode, gate_mode)
     rows = []
-    for te, tr, fi in zip(terms, truncs, finals):
-        valid, end, stale, waiting, step_next = ppo.reset_bookkeeping(
-            stale, waiting, b(te), b(tr), b(fi), step, next_step_mode, gate_mode
-        )
-        rows.append((valid.item(), end.item(), step.item()))
-        step = step_next
+    for terminated, truncated, final in zip(terms, truncs, finals):
+        episode_step = resets.episode_step.item()
+        mask = resets.step(flag(terminated), flag(truncated), flag(final))
+        rows.append((mask.valid.item(), mask.episode_end.item(), episode_step))
     return rows
 
 
@@ -120,6 +120,14 @@ def test_bookkeeping_next_step_masks_the_stale_step_and_restarts_the_episode_ste
     assert [r[2] for r in rows] == [0, 1, 2, 0]
 
 
+def test_bookkeeping_next_step_an_end_that_the_loop_reset_in_its_step_leaves_no_stale_step():
+    # next-step env, but the loop itself truncated and reset it at t=1 (a random start's cut, the advance's start)
+    rows = run_bookkeeping(terms=[0, 0, 0], truncs=[0, 1, 0], finals=[0, 1, 0], next_step_mode=True, gate_mode=True)
+    assert [r[0] for r in rows] == [True, True, True]
+    assert [r[1] for r in rows] == [False, True, False]
+    assert [r[2] for r in rows] == [0, 1, 0]
+
+
 # ---- Stagger schedule and other pure pieces ------------------------------------------------------------------------
 def test_groups_are_contiguous_and_balanced_and_group_j_starts_at_step_j_times_s():
     assert ppo.stagger_groups(10, 4).tolist() == [0, 0, 0, 1, 1, 2, 2, 2, 3, 3]
@@ -131,9 +139,9 @@ def test_groups_are_contiguous_and_balanced_and_group_j_starts_at_step_j_times_s
 def test_batch_temporal_stats_coverage():
     steps = torch.tensor([[0, 5, 10, 15], [1, 6, 11, 16]])
     valid = torch.ones(2, 4, dtype=torch.bool)
-    assert ppo.batch_temporal_stats(steps, valid, horizon=20, window=5)["stage_coverage"] == 1.0
-    assert ppo.batch_temporal_stats(steps % 5, valid, horizon=20, window=5)["stage_coverage"] == 0.25
-    assert ppo.batch_temporal_stats(steps, valid & (steps < 10), 20, 5)["episode_step_max"] == 6
+    assert ppo.batch_temporal_stats(steps, valid, horizon=20, window=5)["stagger/stage_coverage"] == 1.0
+    assert ppo.batch_temporal_stats(steps % 5, valid, horizon=20, window=5)["stagger/stage_coverage"] == 0.25
+    assert ppo.batch_temporal_stats(steps, valid & (steps < 10), 20, 5)["stagger/episode_step_max"] == 6
 
 
 def test_forgetting_matrix_is_best_so_far_minus_current():
@@ -260,6 +268,61 @@ def test_stackcube_preset_is_table_3_and_without_cuda_a_short_cpu_trial_says_so(
 def test_bad_input_is_rejected_with_the_flag_named(kwargs, message):
     with pytest.raises(ppo.ArgsError, match=message.replace("*", r"\*").replace("(", r"\(")):
         ppo.resolve_args(ppo.Args(cuda=False, **kwargs))
+
+
+OUT_OF_DOMAIN = [  # (Args fields, the start of the error: the flag, its value, its domain)
+    (dict(seed=-1), "--seed -1: must be >= 0"),
+    (dict(num_envs=0), "--num-envs 0: must be >= 1"),
+    (dict(num_envs=-4), "--num-envs -4: must be >= 1"),
+    (dict(num_eval_envs=0), "--num-eval-envs 0: must be >= 1"),
+    (dict(horizon=0), "--horizon 0: must be >= 1"),
+    (dict(total_timesteps=0), "--total-timesteps 0: must be >= 1"),
+    (dict(learning_rate=-1e-3), "--learning-rate -0.001: must be > 0"),
+    (dict(num_steps=0), "--num-steps 0: must be >= 1"),
+    (dict(gamma=1.5), "--gamma 1.5: must be in [0, 1]"),
+    (dict(gae_lambda=1.7), "--gae-lambda 1.7: must be in [0, 1]"),
+    (dict(num_minibatches=0), "--num-minibatches 0: must be >= 1"),
+    (dict(update_epochs=0), "--update-epochs 0: must be >= 1"),
+    (dict(clip_coef=-0.2), "--clip-coef -0.2: must be > 0"),
+    (dict(ent_coef=-0.01), "--ent-coef -0.01: must be >= 0"),
+    (dict(vf_coef=-0.5), "--vf-coef -0.5: must be >= 0"),
+    (dict(max_grad_norm=0.0), "--max-grad-norm 0.0: must be > 0"),
+    (dict(target_kl=-0.1), "--target-kl -0.1: must be >= 0"),
+    (dict(eval_freq=-3), "--eval-freq -3: must be >= 0"),
+    (dict(checkpoint="no/such/ckpt.pt"), "--checkpoint no/such/ckpt.pt: no such file"),
+    (dict(toy=ToyChainConfig(horizon=0)), "--toy.horizon"),
+    (dict(toy=ToyChainConfig(block_length=0)), "--toy.block-length"),
+    (dict(toy=ToyChainConfig(num_actions=1)), "--toy.num-actions"),
+    (dict(toy=ToyChainConfig(progression_prob=1.5)), "--toy.progression-prob"),
+    (dict(toy=ToyChainConfig(mastery_threshold=-1)), "--toy.mastery-threshold"),
+    (dict(toy=ToyChainConfig(reset_lambda=-1.0)), "--toy.reset-lambda"),
+    (dict(toy=ToyChainConfig(step_time_mean=-1.0)), "--toy.step-time-mean"),
+    (dict(toy=ToyChainConfig(step_time_spread=-1.0)), "--toy.step-time-spread"),
+    (dict(toy=ToyChainConfig(step_time_jitter=-1.0)), "--toy.step-time-jitter"),
+    (dict(toy=ToyChainConfig(crash_at_step=-1)), "--toy.crash-at-step"),
+]
+
+
+@pytest.mark.parametrize("kwargs, message", OUT_OF_DOMAIN)
+def test_every_numeric_flag_out_of_its_domain_is_refused_naming_the_flag(kwargs, message):
+    with pytest.raises(ppo.ArgsError, match="^" + re.escape(message)):
+        ppo.resolve_args(ppo.Args(cuda=False, **kwargs))
+
+
+def test_the_domain_table_covers_every_numeric_flag():
+    """A numeric field added to Args or ToyChainConfig without a row above fails here (--toy.task-seed: any seed)."""
+
+    def numeric(cls):
+        hints = typing.get_type_hints(cls, include_extras=True)  # (Suppress-ed derived fields are Annotated)
+        return {
+            name for name, hint in hints.items() if hint in (int, float, typing.Optional[int], typing.Optional[float])
+        }
+
+    checked = set()
+    for kwargs, message in OUT_OF_DOMAIN:
+        checked.add(message.split()[0][2:].replace("-", "_"))
+    assert numeric(ppo.Args) <= checked
+    assert {f"toy.{name}" for name in numeric(ToyChainConfig)} - {"toy.task_seed"} <= checked
 
 
 def test_missing_vulkan_driver_is_reported_before_maniskill_starts(monkeypatch):
@@ -779,11 +842,47 @@ def test_track_mirrors_to_wandb_offline(tmp_path):
     assert json.load(open(os.path.join(only_run_dir(tmp_path / "runs"), "summary.json")))["global_step"] == 640
 
 
-def test_bad_flag_exits_early_with_a_message_and_writes_nothing(tmp_path):
-    proc = run_script(["--env-id", "ToyChain-v0", "--num-steps", "300"], tmp_path, check=False)
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--num-steps", "300"], "--num-steps K=300 is longer than the task horizon H=200"),
+        (["--num-envs", "0"], "--num-envs 0: must be >= 1"),
+        (["--gamma", "1.5"], "--gamma 1.5: must be in [0, 1]"),
+        (["--checkpoint", "no/such/ckpt.pt"], "--checkpoint no/such/ckpt.pt: no such file"),
+    ],
+)
+def test_bad_flag_exits_early_with_a_message_and_writes_nothing(tmp_path, argv, message):
+    proc = run_script(["--env-id", "ToyChain-v0", *argv], tmp_path, check=False)
     assert proc.returncode == 2
-    assert "--num-steps K=300 is longer than the task horizon H=200" in proc.stderr
+    assert message in proc.stderr
+    assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
     assert os.listdir(tmp_path) == []
+
+
+def test_a_file_that_is_no_checkpoint_exits_with_a_message_and_no_traceback(tmp_path):
+    not_a_checkpoint = tmp_path / "notes.pt"
+    not_a_checkpoint.write_text("not a checkpoint")
+    proc = run_script(TOY_SMALL + ["--no-cuda", "--checkpoint", str(not_a_checkpoint)], tmp_path / "runs", check=False)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert proc.stderr.startswith(f"error: --checkpoint {not_a_checkpoint}: not a checkpoint of this task")
+
+
+def test_eval_freq_0_evaluates_only_at_the_end_and_the_settings_are_printed_first(tmp_path):
+    proc = run_script(TOY_SMALL + ["--total-timesteps", "960", "--eval-freq", "0", "--no-cuda"], tmp_path)
+    assert [step for step, _ in scalars(only_run_dir(tmp_path))["eval/return"]] == [960]
+    settings = proc.stdout.split("\nglobal_step=")[0].splitlines()  # (the block before the first evaluation)
+    assert settings[0] == "settings:" and all(len(line) <= 120 for line in settings)
+    pairs = " ".join(settings[1:]).split()
+    assert pairs[:3] == ["exp_name=ppo_staggered", "seed=1", "torch_deterministic=True"]  # in field order
+    for pair in (
+        "num_envs=64",
+        "gamma=0.99",
+        "eval_freq=0",
+        "toy.horizon=50",
+        "toy.block_length=5",
+        "num_iterations=3",
+    ):
+        assert pair in pairs, pair  # resolved: presets and derived sizes filled in
 
 
 def live_group_members(pgid):
