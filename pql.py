@@ -22,15 +22,14 @@ Map from the paper to this file
   Sec. 3.2                   actor_may_step, v_may_update, p_may_update, may_update (ratio control), pql/ratio_*
   Sec. 3.3                   mixed_exploration_sigmas (sigma_i spread over [0.05, 0.8] across envs), explore
   Sec. 4.1 DDPG(n)           SerialLearners (--ddpg-n, and the --sequential ablation)
-  App. B.1, Table B.1/B.2    Args defaults (batch 8192, buffer 5M, Adam lr 5e-4, tau 0.05, clip 0.5, n = 3)
+  App. B.1, Table B.1/B.2    Args defaults, PRESETS (batch 8192, buffer 5M, Adam lr 5e-4, tau 0.05, clip 0.5, n = 3)
   App. C, PQL-D              --distributional: 51 atoms on [-10, 10], categorical_projection
 Departures from the original code: Adam as App. B.1 says (the original uses AdamW, weight decay 0.01); the n-step
 discount comes from --gamma (the original hard-codes 0.99; ManiSkill: 0.8, see README.md); episode ends follow
 --bootstrap-at-done (truncated: a time limit bootstraps Q'(true final observation) and a termination bootstraps 0;
 always: both bootstrap, ManiSkill's default, whose successes terminate with positive reward); the original treats
 time-outs as terminal. Autoreset (autoreset_modes.txt): same-step only, as ManiSkill; the true last observation is
-info["final_obs"].
-Evaluation runs in the Actor and the learners soon wait for it (summary.json's eval_time_s says for how long).
+info["final_obs"]. Evaluation runs in the Actor, the learners soon wait for it (summary.json: eval_time_s).
 Examples: README.md.
 """
 
@@ -102,7 +101,6 @@ class Args:
     """ToyChainContinuous-v0 settings (same-step autoreset, as ManiSkill)"""
     bootstrap_at_done: Optional[Literal["always", "truncated"]] = None
     """episode ends that bootstrap Q'(true last obs) (default: toy chain truncated; ManiSkill always)"""
-
     ddpg_n: bool = False
     """the paper's DDPG(n) baseline (Sec. 4.1): one process, 1/beta_a:v x (critic, actor, soft update) per env step"""
     sequential: bool = False
@@ -117,7 +115,6 @@ class Args:
     """beta_a:v = f_a / f_v > 0, Actor steps per V-update (Sec. 3.2; default: toy, gpu 1/8; cpu 1/4; see PRESETS)"""
     beta_p_v: float = 1 / 2
     """beta_p:v = f_p / f_v > 0, P-learner updates per V-learner update (Sec. 3.2; default 1:2)"""
-
     total_timesteps: Optional[int] = None
     """training env steps, warm-up included, >= 1 (default: toy chain 64 * 600; ManiSkill gpu 30M, cpu 200k)"""
     gamma: Optional[float] = None
@@ -148,22 +145,18 @@ class Args:
     """std (>= 0) of the noise added to the target policy's action, clipped to +-0.2 (the original code's values)"""
     distributional: bool = False
     """PQL-D: categorical Q distributions with the C51 projection, 51 atoms on [-10, 10] (App. C)"""
-
     eval_freq: Optional[int] = None
     """evaluate every this many Actor steps and at the end; 0: only at the end (default: toy 25; gpu 200; cpu 250)"""
 
-    # filled in by resolve_args
-    num_actor_steps: tyro.conf.Suppress[int] = 0
+    num_actor_steps: tyro.conf.Suppress[int] = 0  # (this and the three below: filled in by resolve_args)
     resolved_horizon: tyro.conf.Suppress[int] = 0
     sim_backend: tyro.conf.Suppress[str] = ""
-    render_backend: tyro.conf.Suppress[str] = ""
     hidden_dims: tyro.conf.Suppress[Optional[tuple[int, ...]]] = None  # of the policy and each Q MLP (presets)
 
 
 TOY_ENV_ID = "ToyChainContinuous-v0"
-# The presets, setting by setting: "toy" for the toy chain (small networks and batches: a run takes about a minute on
-# two CPU cores), "gpu" for ManiSkill3 on GPU simulation (Table B.1: 4096 envs, batch 8192; the original code's
-# networks), "cpu" for ManiSkill3 on CPU simulation (one worker process per env: for trying things out).
+# Presets: "toy" for the toy chain (small networks and batches: about a minute on two CPU cores), "gpu" for ManiSkill3
+# on GPU simulation (Table B.1 and the original code's networks), "cpu" for CPU simulation (for trying things out).
 PRESETS = {
     "num_envs": {"toy": 64, "gpu": 4096, "cpu": 8},
     "num_eval_envs": {"toy": 64, "gpu": 16, "cpu": 8},
@@ -181,6 +174,9 @@ NUM_ATOMS, V_MIN, V_MAX = 51, -10.0, 10.0  # PQL-D's support (App. C)
 RATIO_EPS = 1e-9  # slack of the speed-ratio comparisons (Sec. 3.2) for floating-point ratios
 POLL_S = 2e-4  # seconds between two looks of a waiting process at the shared counters
 ROLES = {"v_learner": "V-learner", "p_learner": "P-learner"}
+# A vector step of N envs in NStepAssembler's window (next_obs: the true one); a learner's update: loss, normalized obs
+WindowStep = namedtuple("WindowStep", "obs action reward no_bootstrap done next_obs")
+UpdateResult = namedtuple("UpdateResult", "loss obs")
 
 
 class ArgsError(ValueError):
@@ -203,27 +199,18 @@ def resolve_args(args: Args) -> Args:
     args.actor_device = args.actor_device or ("cuda" if args.cuda and torch.cuda.is_available() else "cpu")
     args.v_learner_device = args.v_learner_device or args.actor_device
     args.p_learner_device = args.v_learner_device if args.ddpg_n else (args.p_learner_device or args.actor_device)
-    actor_device = check_device("--actor-device", args.actor_device)
-    check_device("--v-learner-device", args.v_learner_device)
-    check_device("--p-learner-device", args.p_learner_device)
-    if is_toy:
-        args.sim_backend = "torch"
-    elif actor_device.type == "cuda":
-        # the GPU named by its index: from a bare "physx_cuda" ManiSkill takes the current torch device and SAPIEN its
-        # first CUDA device, which differ when CUDA_VISIBLE_DEVICES reorders the GPUs (parse_sim_and_render_backend)
-        gpu_index = torch.cuda.current_device() if actor_device.index is None else actor_device.index
-        args.sim_backend = f"physx_cuda:{gpu_index}"
-    else:
-        args.sim_backend = "physx_cpu"
-    args.render_backend = "none"  # no video, so no render system (ManiSkill would build one on the first GPU)
-    preset = "toy" if is_toy else ("gpu" if actor_device.type == "cuda" else "cpu")
+    preset = "toy" if is_toy else ("gpu" if args.actor_device.startswith("cuda") else "cpu")
     if preset == "cpu":
-        trial = f"{PRESETS['num_envs']['cpu']} envs, {PRESETS['total_timesteps']['cpu']:,} steps"
-        print(f"note: without CUDA, {args.env_id} runs a short trial on CPU simulation ({trial}); flags override it")
+        print(f"note: without CUDA, {args.env_id} runs a short trial on CPU simulation (preset cpu); flags override it")
     for name, values in PRESETS.items():
         if getattr(args, name) is None:
             setattr(args, name, values[preset])
+    gpus = [f"cuda:{index}" for index in range(torch.cuda.device_count())]
+    devices = ["cpu"] + (["cuda"] if gpus else []) + gpus  # the values of --*-device that this machine has
     checks = [  # (flag, value, within its domain, the domain)
+        ("--actor-device", args.actor_device, args.actor_device in devices, f"one of {devices}"),
+        ("--v-learner-device", args.v_learner_device, args.v_learner_device in devices, f"one of {devices}"),
+        ("--p-learner-device", args.p_learner_device, args.p_learner_device in devices, f"one of {devices}"),
         ("--seed", args.seed, args.seed >= 0, ">= 0"),
         ("--num-envs", args.num_envs, args.num_envs >= 1, ">= 1"),
         ("--num-eval-envs", args.num_eval_envs, args.num_eval_envs >= 1, ">= 1"),
@@ -245,6 +232,7 @@ def resolve_args(args: Args) -> Args:
         ("--sigma-max", args.sigma_max, args.sigma_max >= args.sigma_min, f">= --sigma-min ({args.sigma_min})"),
         ("--target-noise-std", args.target_noise_std, args.target_noise_std >= 0, ">= 0"),
         ("--eval-freq", args.eval_freq, args.eval_freq >= 0, ">= 0 (0: only at the end)"),
+        ("--toy.autoreset-mode", args.toy.autoreset_mode, args.toy.autoreset_mode == "same_step", "same_step"),
     ]
     for flag, value, ok, domain in checks:
         if not ok:
@@ -254,8 +242,14 @@ def resolve_args(args: Args) -> Args:
             args.toy.validate()  # the --toy.* flags, each named in its message
         except ValueError as error:
             raise ArgsError(str(error)) from error
-        if args.toy.autoreset_mode != "same_step":
-            raise ArgsError("--toy.autoreset-mode: pql.py consumes same-step autoreset (as ManiSkill); use same_step")
+    actor_device = torch.device(args.actor_device)
+    if is_toy:
+        args.sim_backend = "torch"
+    elif actor_device.type == "cuda":  # by index: a bare "physx_cuda" is ManiSkill's current device, SAPIEN's first GPU
+        gpu_index = torch.cuda.current_device() if actor_device.index is None else actor_device.index
+        args.sim_backend = f"physx_cuda:{gpu_index}"
+    else:
+        args.sim_backend = "physx_cpu"
     args.resolved_horizon = args.toy.horizon if is_toy else (args.horizon or gym.spec(args.env_id).max_episode_steps)
     icd = glob.glob("/usr/share/vulkan/icd.d/*.json") + glob.glob("/etc/vulkan/icd.d/*.json")
     if not is_toy and sys.platform == "linux" and not (icd or os.environ.get("VK_ICD_FILENAMES")):
@@ -271,18 +265,6 @@ def resolve_args(args: Args) -> Args:
     return args
 
 
-def check_device(flag: str, name: str) -> torch.device:
-    """The device of a --*-device flag: cpu, or a CUDA device this machine has (else ArgsError)."""
-    visible = torch.cuda.device_count()
-    try:
-        device = torch.device(name)
-    except RuntimeError:
-        device = torch.device("meta")  # not a device name
-    if not (device.type == "cpu" or (device.type == "cuda" and (device.index or 0) < visible)):
-        raise ArgsError(f"{flag} {name}: must be cpu, cuda or cuda:N, one of the {visible} CUDA devices visible")
-    return device
-
-
 def format_settings(args: Args) -> str:
     """The resolved settings, `name=value` in field order (nested: `toy.horizon=200`), in lines of at most 120 chars."""
     pairs = []
@@ -290,9 +272,8 @@ def format_settings(args: Args) -> str:
         if isinstance(value, dict):
             pairs += [f"{name}.{nested}={nested_value}" for nested, nested_value in value.items()]
         else:
-            pairs.append(f"{name}={value}")
-    text = " ".join(pair.replace(" ", "") for pair in pairs)  # (a tuple's spaces would split its pair)
-    return "settings:\n" + textwrap.fill(text, width=120, break_long_words=False, break_on_hyphens=False)
+            pairs.append(f"{name}={value}".replace(" ", ""))  # (a tuple's spaces would split it)
+    return "settings:\n" + textwrap.fill(" ".join(pairs), width=120, break_long_words=False, break_on_hyphens=False)
 
 
 # ---- Environments (same-step autoreset: the true last observation is info["final_obs"]) ------------------------------
@@ -308,7 +289,7 @@ def make_maniskill_env(args: Args, num_envs: int, evaluation: bool):
         max_episode_steps=args.resolved_horizon,
         obs_mode="state",
         sim_backend=args.sim_backend,
-        render_backend=args.render_backend,
+        render_backend="none",  # no video, so no render system (ManiSkill would build one on the first GPU)
         reconfiguration_freq=int(evaluation),
     )
     if isinstance(env.action_space, gym.spaces.Dict):
@@ -407,18 +388,12 @@ def nstep_targets(rewards: torch.Tensor, no_bootstrap: torch.Tensor, dones: torc
     return returns, discounts, last
 
 
-# One vector step of N envs in NStepAssembler's window (next_obs: the true next observation)
-WindowStep = namedtuple("WindowStep", "obs action reward no_bootstrap done next_obs")
-
-
 class NStepAssembler:
     """The Actor's n-step transitions (Alg. 1; Table B.1: n = 3) from a sliding window of N envs' last n steps: push()
     takes a vector step (with the *true* next observation) and returns the window's oldest step as a transition."""
 
     def __init__(self, nstep: int, gamma: float, bootstrap_at_done: str):
-        self.nstep = nstep
-        self.gamma = gamma
-        self.bootstrap_at_done = bootstrap_at_done
+        self.nstep, self.gamma, self.bootstrap_at_done = nstep, gamma, bootstrap_at_done
         self.window: deque = deque()  # of WindowStep
 
     def push(self, obs, action, reward, terminated, truncated, next_obs) -> Optional[dict]:
@@ -462,10 +437,10 @@ def soft_update_(target: nn.Module, source: nn.Module, tau: float) -> None:
     torch._foreach_add_(target_params, list(source.parameters()), alpha=tau)
 
 
-# Speed-ratio control (Sec. 3.2), with k_v = 1 / beta_a:v V-updates per Actor step and k_p = 1 / beta_p:v per P-update:
-# the process ahead waits. The Actor may be up to two steps ahead of the V-learner (it simulates step A + 1 while the
-# V-learner trains on step A); the V-learner may use only the data's budget k_v * A and be up to two P-updates ahead of
-# the P-learner, which never gets ahead of it. This never deadlocks; the measured ratios stay near their targets.
+# Speed-ratio control (Sec. 3.2), k_v = 1 / beta_a:v V-updates per Actor step, k_p = 1 / beta_p:v per P-update: the
+# process ahead waits. The Actor may be two steps ahead of the V-learner (it simulates step A + 1 while the V-learner
+# trains on step A); the V-learner may use the data's budget k_v * A and be two P-updates ahead of the P-learner, which
+# never gets ahead of it. This never deadlocks; the measured ratios stay near their targets.
 def actor_may_step(actor_steps: int, v_updates: int, beta_a_v: float) -> bool:
     """May the Actor take learning step A + 1 (A = actor_steps taken since learning started)?"""
     k_v = 1.0 / beta_a_v
@@ -495,11 +470,11 @@ class RunningMeanStd:
         self.count = torch.tensor(epsilon, device=device)
 
     def update(self, batch: torch.Tensor) -> None:
-        batch_mean, batch_var, batch_count = batch.mean(0), batch.var(0, unbiased=False), batch.shape[0]
-        delta, total = batch_mean - self.mean, self.count + batch_count
-        self.mean += delta * batch_count / total
-        correction = delta.square() * self.count * batch_count / total
-        self.var.copy_((self.var * self.count + batch_var * batch_count + correction) / total)
+        batch_mean, batch_var, added = batch.mean(0), batch.var(0, unbiased=False), batch.shape[0]
+        delta, total = batch_mean - self.mean, self.count + added
+        self.mean += delta * added / total
+        correction = delta.square() * self.count * added / total
+        self.var.copy_((self.var * self.count + batch_var * added + correction) / total)
         self.count = total
 
     def normalize(self, obs: torch.Tensor) -> torch.Tensor:
@@ -598,10 +573,6 @@ def initial_networks(args: Args, obs_dim: int, act_dim: int, device) -> tuple[Po
             fix = "was it trained with another --env-id or --distributional?"
             raise ArgsError(f"--checkpoint {args.checkpoint} does not fit these networks ({fix}): {error}") from error
     return policy.to(device), critic.to(device), state
-
-
-# What a learner's update returns: its loss (detached) and the normalized states of its batch
-UpdateResult = namedtuple("UpdateResult", "loss obs")
 
 
 # ---- The learners (Alg. 2, Alg. 3): the same classes run in their own processes or, with --ddpg-n / --sequential, here
@@ -716,12 +687,11 @@ def network_sent_back(role: str, learner) -> dict:
 # ---- Moving data and networks between the processes (Sec. 3.1: "Data Transfer", "Network Transfer") ------------------
 class SlotRing:
     """A one-way channel between two processes: `num_slots` preallocated slots (dicts of tensors) in shared memory
-    (CPU) or CUDA memory shared by CUDA IPC, and two counters (written, read). A slot is written only when the reader
-    is done with it (has_room): no lock, nothing pickled, no transfer left half done by a process that stops.
-    On CUDA the host never waits for the GPU: the writer's stream waits for a slot's interprocess `read` event before
-    it overwrites the slot and records `written` after; the reader's stream waits for `written` and records `read`.
-    An event is recorded before the counter that announces it moves. Checked against the CUDA runtime's documentation
-    (cudaStreamWaitEvent, cudaIpcGetEventHandle) and PyTorch's source (Copy.cu)."""
+    (CPU) or CUDA memory shared by CUDA IPC, and two counts (written, read). A slot is written only when the reader is
+    done with it (has_room): no lock, nothing pickled, no transfer left half done by a process that stops. On CUDA the
+    host never waits for the GPU: the writer's stream waits for a slot's interprocess `read` event before it overwrites
+    the slot and records `written` after; the reader's stream waits for `written` and records `read`. An event is
+    recorded before the count that announces it moves (cudaStreamWaitEvent, cudaIpcGetEventHandle)."""
 
     def __init__(self, shapes: dict, device, num_slots: int):
         self.device, self.num_slots = torch.device(device), num_slots
@@ -730,9 +700,9 @@ class SlotRing:
             {name: torch.zeros(shape, device=self.device).share_memory_() for name, shape in shapes.items()}
             for _ in range(num_slots)
         ]
-        self.counts = mp.RawValue(RingCounts)  # in shared memory
-        self.written_events = None
-        self.read_events = None
+        self.written = mp.RawValue(ctypes.c_int64)  # slots written (by the writer), in shared memory
+        self.read = mp.RawValue(ctypes.c_int64)  # slots read (by the reader)
+        self.written_events = self.read_events = None
         if self.device.type == "cuda":  # recorded once here, so that they exist on the slots' device
             self.written_events = [torch.cuda.Event(interprocess=True) for _ in range(num_slots)]
             self.read_events = [torch.cuda.Event(interprocess=True) for _ in range(num_slots)]
@@ -740,23 +710,23 @@ class SlotRing:
                 event.record(torch.cuda.current_stream(self.device))
 
     def has_room(self) -> bool:
-        return self.counts.written - self.counts.read < self.num_slots
+        return self.written.value - self.read.value < self.num_slots
 
     def put(self, message: dict) -> None:
         """Writer side (call only when has_room())."""
-        index = self.counts.written % self.num_slots
+        index = self.written.value % self.num_slots
         if self.written_events:  # the reader's copies out of this slot are done before it is overwritten
             torch.cuda.current_stream(self.device).wait_event(self.read_events[index])
         for key, tensor in self.slots[index].items():
             tensor.copy_(message[key])
         if self.written_events:  # the reader's stream will wait for these copies
             self.written_events[index].record(torch.cuda.current_stream(self.device))
-        self.counts.written += 1
+        self.written.value += 1
 
     def take(self, consume, newest_only: bool = False) -> int:
         """Reader side: passes each new slot (or only the newest) to `consume`, which copies what it keeps."""
-        written = self.counts.written
-        read = self.counts.read
+        written = self.written.value
+        read = self.read.value
         for count in range(max(read, written - 1) if newest_only else read, written):
             index = count % self.num_slots
             if self.written_events:
@@ -764,14 +734,8 @@ class SlotRing:
             consume(self.slots[index])
             if self.written_events:
                 self.read_events[index].record(torch.cuda.current_stream(self.device))
-        self.counts.read = written
+        self.read.value = written
         return written - read
-
-
-class RingCounts(ctypes.Structure):
-    """A SlotRing's counts, in shared memory: slots written (by the writer) and read (by the reader)."""
-
-    _fields_ = [("written", ctypes.c_int64), ("read", ctypes.c_int64)]
 
 
 class LearnerCounts(ctypes.Structure):
@@ -781,8 +745,7 @@ class LearnerCounts(ctypes.Structure):
 
 
 class SharedCounters(ctypes.Structure):
-    """The counts of the ratio control (Sec. 3.2), of checkpoint requests, and the learners' last losses. Made in shared
-    memory by `mp.RawValue(SharedCounters)`: plain attributes that all three processes read and write."""
+    """Counts of the ratio control (Sec. 3.2) and checkpoints, last losses; in shared memory: mp.RawValue(this)."""
 
     _fields_ = [
         ("actor_steps", ctypes.c_int64),  # Actor steps since learning started (written by the Actor)
@@ -811,7 +774,6 @@ def learner_process(role, args, sizes, inbox, outbox, counters, stop, run_dir, t
         if device.type == "cuda" and device.index is not None:  # plain "cuda" is the current device already
             torch.cuda.set_device(device)
         learner = VLearner(args, *sizes, device) if role == "v_learner" else PLearner(args, *sizes, device)
-        parent = mp.parent_process()
         while not stop.is_set():
             if inbox.take(learner.receive) and outbox.has_room():  # new data: send back my network
                 outbox.put(network_sent_back(role, learner))
@@ -825,7 +787,7 @@ def learner_process(role, args, sizes, inbox, outbox, counters, stop, run_dir, t
                 continue
             if mine.updates > 0:  # idle: its last loss for the Actor's log (no GPU sync per update)
                 mine.loss = result.loss.item()
-            if not parent.is_alive():  # the Actor was killed (SIGKILL): no orphans
+            if not mp.parent_process().is_alive():  # the Actor was killed (SIGKILL): no orphans
                 return
             time.sleep(POLL_S)
     except BaseException:  # noqa: B036 - everything goes to the Actor
@@ -875,11 +837,6 @@ class SerialLearners:
         if args.ddpg_n:
             self.v_learner.policy, self.p_learner.critic = self.p_learner.policy, self.v_learner.critic
         self.losses: dict = {}  # the last losses, as tensors: read when logged (no GPU sync per step)
-
-    def send(self, messages: dict) -> None:
-        self.v_learner.receive(messages["v_learner"])  # (each learner copies the tensors to its device)
-        if self.args.sequential:
-            self.p_learner.receive(messages["p_learner"])
 
     def update(self, counters: SharedCounters) -> None:
         if self.args.ddpg_n:
@@ -936,8 +893,8 @@ class Supervisor:
         return time.time() - start
 
 
-def to_env_action(action: torch.Tensor, bounds: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    """The policy's action in [-1, 1]^d, scaled to the env's action space [low, high]."""
+def to_env_action(action: torch.Tensor, bounds: torch.Tensor) -> torch.Tensor:
+    """The policy's action in [-1, 1]^d, scaled to the env's action space [low, high] (bounds: the rows low, high)."""
     low, high = bounds
     return low + (action + 1.0) * 0.5 * (high - low)
 
@@ -996,7 +953,7 @@ def check_buffer_memory(args: Args, obs_dim: int, act_dim: int, capacity: int) -
     needed[args.p_learner_device] += capacity * 4 * obs_dim  # P-learner: s
     free_on_cpu = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     for device, bytes_needed in needed.items():
-        free = torch.cuda.mem_get_info(device)[0] if torch.device(device).type == "cuda" else free_on_cpu
+        free, _total = torch.cuda.mem_get_info(device) if torch.device(device).type == "cuda" else (free_on_cpu, 0)
         if bytes_needed > free:
             memory = f"{bytes_needed / 2**30:.1f} GiB on {device}, {free / 2**30:.1f} GiB free"
             raise ArgsError(f"--buffer-size {args.buffer_size}: the buffers need {memory}; use a smaller --buffer-size")
@@ -1014,7 +971,6 @@ def main(args: Args) -> dict:
     run_dir = Path(args.output_dir, run_name)
     run_dir.mkdir(parents=True, exist_ok=False)
     (run_dir / "config.json").write_text(json.dumps(asdict(args), indent=2))
-    final_ckpt = run_dir / "final_ckpt.pt"
     parallel = not (args.ddpg_n or args.sequential)
     cores = len(os.sched_getaffinity(0))
     threads = max(1, cores // 3) if parallel else cores  # torch threads per process: the cores split among them
@@ -1025,8 +981,14 @@ def main(args: Args) -> dict:
     if args.track:
         import wandb
 
-        run = dict(project=args.wandb_project_name, entity=args.wandb_entity, name=run_name, config=asdict(args))
-        wandb.init(**run, sync_tensorboard=True, save_code=True)
+        wandb.init(
+            project=args.wandb_project_name,
+            entity=args.wandb_entity,
+            name=run_name,
+            config=asdict(args),
+            sync_tensorboard=True,
+            save_code=True,
+        )
     writer = SummaryWriter(str(run_dir))
     last: dict[str, float] = {}  # the last value of every scalar, for summary.json
 
@@ -1049,9 +1011,7 @@ def main(args: Args) -> dict:
         obs_dim = int(np.prod(eval_envs.single_observation_space.shape))
         act_dim = int(np.prod(eval_envs.single_action_space.shape))
         space = eval_envs.single_action_space
-        low = torch.as_tensor(space.low, dtype=torch.float32, device=device)
-        high = torch.as_tensor(space.high, dtype=torch.float32, device=device)
-        bounds = (low, high)
+        bounds = torch.as_tensor(np.stack([space.low, space.high]), dtype=torch.float32, device=device)  # low, high
         policy, critic, ckpt = initial_networks(args, obs_dim, act_dim, device)
         obs_rms = RunningMeanStd((obs_dim,), device)
         if ckpt is not None:
@@ -1137,8 +1097,10 @@ def main(args: Args) -> dict:
                     for role in ROLES:
                         timers["time/update"] += supervisor.wait_for(to_learner[role].has_room)
                         to_learner[role].put(messages[role])
-                else:
-                    serial.send(messages)
+                else:  # (each learner copies the tensors to its device)
+                    serial.v_learner.receive(messages["v_learner"])
+                    if args.sequential:
+                        serial.p_learner.receive(messages["p_learner"])
             if learning:
                 counters.actor_steps += 1
             timers["time/rollout"] += time.time() - step_start
@@ -1173,12 +1135,11 @@ def main(args: Args) -> dict:
                 if v_updates > 0:  # the measured speed ratios (Sec. 3.2)
                     log({"pql/ratio_a_v": counters.actor_steps / v_updates})
                     log({"pql/ratio_p_v": counters.p_learner.updates / v_updates})
-                if parallel:  # each learner's last loss
-                    if v_updates > 0:
-                        log({"losses/qf_loss": counters.v_learner.loss})
-                    if counters.p_learner.updates > 0:
-                        log({"losses/actor_loss": counters.p_learner.loss})
-                else:
+                if parallel and v_updates > 0:  # each learner's last loss
+                    log({"losses/qf_loss": counters.v_learner.loss})
+                if parallel and counters.p_learner.updates > 0:
+                    log({"losses/actor_loss": counters.p_learner.loss})
+                if not parallel:
                     log(serial.losses)
                 episodes.zero_()
                 timers = dict.fromkeys(timers, 0.0)
@@ -1193,12 +1154,16 @@ def main(args: Args) -> dict:
         summary["eval_time_s"] += metrics["time/eval"]
         log(metrics)
         if args.save_model:
-            save_checkpoint(final_ckpt, args, supervisor, counters, serial, obs_rms, global_step, iteration)
+            save_checkpoint(
+                run_dir / "final_ckpt.pt", args, supervisor, counters, serial, obs_rms, global_step, iteration
+            )
     except KeyboardInterrupt:
         summary["interrupted"] = True
         print("interrupted: writing summary.json" + (" and a checkpoint" if args.save_model else ""), flush=True)
         if args.save_model and (serial or supervisor.processes):  # (a learner that cannot answer: exit 1)
-            save_checkpoint(final_ckpt, args, supervisor, counters, serial, obs_rms, global_step, iteration)
+            save_checkpoint(
+                run_dir / "final_ckpt.pt", args, supervisor, counters, serial, obs_rms, global_step, iteration
+            )
     finally:
         wall = time.time() - start_time
         summary["global_step"] = global_step

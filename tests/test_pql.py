@@ -303,7 +303,7 @@ def test_the_v_learner_process_sends_back_its_online_critic(tmp_path):
         counters.actor_steps = 1  # one Actor step: 8 V-updates (beta_a:v = 1:8)
         wait_until(lambda: counters.v_learner.updates == 8, "8 V-updates")
         inbox.put(message)
-        wait_until(lambda: outbox.counts.written == 2, "the answer to the second message")
+        wait_until(lambda: outbox.written.value == 2, "the answer to the second message")
         counters.checkpoint_requests = 1
         wait_until(lambda: counters.v_learner.served == 1, "the checkpoint")
         assert counters.v_learner.updates == 8  # no update since the answer
@@ -434,7 +434,9 @@ def test_defaults_are_table_b1(capsys):
     assert r.sim_backend == "physx_cpu" and r.num_envs == 8 and r.resolved_horizon == 50
     assert (r.gamma, r.batch_size, r.beta_a_v, r.eval_freq) == (0.8, 256, 1 / 4, 250)  # CPU preset (README, pql)
     assert pql.resolve_args(pql.Args(env_id="PickCube-v1", cuda=False, gamma=0.99, beta_a_v=0.5)).gamma == 0.99
-    assert "note: without CUDA, PickCube-v1 runs a short trial on CPU simulation (8 envs" in capsys.readouterr().out
+    assert (
+        "note: without CUDA, PickCube-v1 runs a short trial on CPU simulation (preset cpu)" in capsys.readouterr().out
+    )
     assert r.actor_device == r.v_learner_device == r.p_learner_device == "cpu" and r.norm_obs
 
 
@@ -457,7 +459,7 @@ def test_the_simulation_runs_on_the_actors_gpu_and_renders_nowhere(monkeypatch, 
     No video is recorded: render_backend "none", else ManiSkill builds a render system on the first GPU. Checked on
     the keyword arguments that gym.make receives."""
     resolved = resolve_on_four_gpus(env_id="PickCube-v1", actor_device=actor_device)
-    assert resolved.sim_backend == sim_backend and resolved.render_backend == "none"
+    assert resolved.sim_backend == sim_backend
     assert resolved.v_learner_device == resolved.p_learner_device == actor_device
     assert resolved.num_envs == (8 if actor_device == "cpu" else 4096)  # the GPU preset for every GPU
     made = []
@@ -521,7 +523,7 @@ def test_evaluation_envs_build_a_new_scene_at_every_reset_and_there_are_8_on_the
         (dict(total_timesteps=64 * 30), "nothing would be learned"),
         (dict(evaluate=True), "--evaluate needs --checkpoint"),
         (dict(checkpoint="no/such/ckpt.pt"), "--checkpoint no/such/ckpt.pt: no such file"),
-        (dict(toy=ToyChainContinuousConfig(action_dim=0)), "--toy.action-dim"),
+        (dict(toy=ToyChainContinuousConfig(action_dim=0, autoreset_mode="same_step")), "--toy.action-dim"),
         (dict(toy=ToyChainContinuousConfig(autoreset_mode="next_step")), "--toy.autoreset-mode"),
     ],
 )
@@ -610,7 +612,7 @@ def test_the_resolved_settings_are_in_field_order_in_lines_of_at_most_120_charac
         f"toy.{field.name}" for field in dataclasses.fields(ToyChainContinuousConfig)
     ]
     assert [pair.split("=")[0] for pair in pairs] == names
-    for pair in ("gamma=0.99", "toy.horizon=200", "hidden_dims=(256,256)", "eval_freq=25", "render_backend=none"):
+    for pair in ("gamma=0.99", "toy.horizon=200", "hidden_dims=(256,256)", "eval_freq=25", "sim_backend=torch"):
         assert pair in pairs
 
 
@@ -797,7 +799,8 @@ class RecordingEnvs:
 
 @pytest.fixture(scope="module")
 def actor_run(tmp_path_factory):
-    """main() of a toy chain run (16 envs, 200 Actor steps, learning rate 0: the policy stays the initial one) with
+    """main() of a toy chain run (16 envs, 200 Actor steps, learning rate 1e-30, far below a float32 step of any
+    parameter: the policy stays the initial one) with
     the training envs recorded and the host syncs counted: calls that make the host wait for a device's result
     (Tensor.item, .tolist, .cpu, .numpy, bool(), float(), int(); torch.cuda.synchronize) made by pql.py's own lines
     on tensors outside shared memory (the shared counters and CPU slots are host memory on every device)."""
@@ -810,7 +813,7 @@ def actor_run(tmp_path_factory):
         warm_up_steps=8,
         batch_size=64,
         eval_freq=100,
-        learning_rate=0.0,
+        learning_rate=1e-30,
         sigma_min=0.02,
         sigma_max=0.2,
         cuda=False,
@@ -862,9 +865,9 @@ def test_the_actor_loop_makes_no_host_sync_per_env_step(actor_run):
 
 def test_the_actor_explores_each_env_with_its_own_sigma(actor_run):
     """Sec. 3.3 mixed exploration in the Actor loop as it runs: env i's noise (the action it gets minus pi(s), the
-    initial policy, which learning rate 0 keeps) has the std sigma_i of linspace(0.02, 0.2) over the 16 envs: 768
-    samples per env (192 learning steps x 4 action dims), measured within 8% of sigma_i (the run is deterministic: the Actor alone draws its noise). One sigma for every env
-    fails (the first and last envs' stds differ 10-fold)."""
+    initial policy, which a learning rate of 1e-30 keeps) has the std sigma_i of linspace(0.02, 0.2) over the 16 envs:
+    768 samples per env (192 learning steps x 4 action dims), measured within 8% of sigma_i (the run is deterministic:
+    the Actor alone draws its noise). One sigma for every env fails (the first and last envs' stds differ 10-fold)."""
     args, _, steps = actor_run
     explored = steps[args.warm_up_steps :]
     obs, actions = torch.stack([s[0] for s in explored]), torch.stack([s[1] for s in explored])
