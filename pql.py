@@ -90,7 +90,7 @@ class Args:
     """only evaluate the deterministic policy of --checkpoint, then exit"""
 
     env_id: str = "PickCube-v1"
-    """a ManiSkill3 task id (PickCube-v1, PushCube-v1, StackCube-v1, ...) or ToyChainContinuous-v0"""
+    """ToyChainContinuous-v0 (preset toy) or a ManiSkill3 task, PushCube-v1, ... (preset gpu on a GPU, else cpu)"""
     num_envs: Optional[int] = None
     """parallel training envs N, >= 1 (default: toy chain 64; ManiSkill gpu 4096 (Table B.1), cpu 8)"""
     num_eval_envs: Optional[int] = None
