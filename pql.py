@@ -16,35 +16,36 @@ Paper: "Parallel Q-Learning: Scaling Off-policy Reinforcement Learning under Mas
 Zechu Li, Tao Chen, Zhang-Wei Hong, Anurag Ajay, Pulkit Agrawal (ICML 2023), arXiv:2307.12983.
 
 Map from the paper to this file
-  Sec. 3.1, Fig. 1, Alg. 1   main (the Actor loop), NStepAssembler, SlotRing, network_for_the_others (transfers)
+  Sec. 3.1, Fig. 1, Alg. 1   main (the Actor loop), NStepAssembler, SlotRing, network_sent_back (transfers)
   Sec. 3.1, Alg. 3           VLearner (double Q, n-step target, target nets), ReplayBuffer, learner_process
   Sec. 3.1, Alg. 2           PLearner (maximize min Q over its state buffer)
   Sec. 3.2                   actor_may_step, v_may_update, p_may_update, may_update (ratio control), pql/ratio_*
   Sec. 3.3                   mixed_exploration_sigmas (sigma_i spread over [0.05, 0.8] across envs), explore
   Sec. 4.1 DDPG(n)           SerialLearners (--ddpg-n, and the --sequential ablation)
-  App. B.1, Table B.1/B.2    Args defaults (batch 8192, buffer 5M, Adam lr 5e-4, tau 0.05, clip 0.5, n = 3)
+  App. B.1, Table B.1/B.2    Args defaults, PRESETS (batch 8192, buffer 5M, Adam lr 5e-4, tau 0.05, clip 0.5, n = 3)
   App. C, PQL-D              --distributional: 51 atoms on [-10, 10], categorical_projection
 Departures from the original code: Adam as App. B.1 says (the original uses AdamW, weight decay 0.01); the n-step
 discount comes from --gamma (the original hard-codes 0.99; ManiSkill: 0.8, see README.md); episode ends follow
 --bootstrap-at-done (truncated: a time limit bootstraps Q'(true final observation) and a termination bootstraps 0;
 always: both bootstrap, ManiSkill's default, whose successes terminate with positive reward); the original treats
 time-outs as terminal. Autoreset (autoreset_modes.txt): same-step only, as ManiSkill; the true last observation is
-info["final_obs"].
-Evaluation runs in the Actor and the learners soon wait for it (summary.json's eval_time_s says for how long).
+info["final_obs"]. Evaluation runs in the Actor, the learners soon wait for it (summary.json: eval_time_s).
 Examples: README.md.
 """
 
 from __future__ import annotations
 
 import copy
+import ctypes
 import glob
 import json
 import os
 import signal
 import sys
+import textwrap
 import time
 import traceback
-from collections import deque
+from collections import deque, namedtuple
 from dataclasses import asdict, dataclass, field, replace
 from functools import partial
 from pathlib import Path
@@ -68,7 +69,7 @@ class Args:
     exp_name: str = os.path.basename(__file__)[: -len(".py")]
     """name of this experiment (part of the run directory name)"""
     seed: int = 1
-    """seed of torch and the environments (the learners sample with seed + 1 and seed + 2)"""
+    """seed of torch and the environments, >= 0 (the learners sample with seed + 1 and seed + 2)"""
     torch_deterministic: bool = True
     """sets torch.backends.cudnn.deterministic"""
     cuda: bool = True
@@ -89,110 +90,93 @@ class Args:
     """only evaluate the deterministic policy of --checkpoint, then exit"""
 
     env_id: str = "PickCube-v1"
-    """a ManiSkill3 task id (PickCube-v1, PushCube-v1, StackCube-v1, ...) or ToyChainContinuous-v0"""
+    """ToyChainContinuous-v0 (preset toy) or a ManiSkill3 task, PushCube-v1, ... (preset gpu on a GPU, else cpu)"""
     num_envs: Optional[int] = None
-    """parallel training envs N (default: 4096 GPU simulation (Table B.1), 8 CPU simulation, 64 toy chain)"""
+    """parallel training envs N, >= 1 (default: toy chain 64; ManiSkill gpu 4096 (Table B.1), cpu 8)"""
     num_eval_envs: Optional[int] = None
-    """parallel evaluation envs (default: 16 GPU simulation, 8 CPU simulation, 64 toy chain)"""
+    """parallel evaluation envs, >= 1 (default: toy chain 64; ManiSkill gpu 16, cpu 8)"""
     horizon: Optional[int] = None
-    """ManiSkill episode length H (default: the task's max_episode_steps); ToyChain: --toy.horizon"""
+    """ManiSkill episode length H, >= 1 (default: the task's max_episode_steps); ToyChain: --toy.horizon"""
     toy: ToyChainContinuousConfig = field(default_factory=lambda: ToyChainContinuousConfig(autoreset_mode="same_step"))
     """ToyChainContinuous-v0 settings (same-step autoreset, as ManiSkill)"""
     bootstrap_at_done: Optional[Literal["always", "truncated"]] = None
-    """episode ends that bootstrap Q'(true last obs): truncated (toy chain default) or always (ManiSkill default)"""
-
+    """episode ends that bootstrap Q'(true last obs) (default: toy chain truncated; ManiSkill always)"""
     ddpg_n: bool = False
     """the paper's DDPG(n) baseline (Sec. 4.1): one process, 1/beta_a:v x (critic, actor, soft update) per env step"""
     sequential: bool = False
     """ablation: PQL's schedule (p:v ratio, lagged target policy, copied Q functions) run serially in one process"""
     actor_device: Optional[str] = None
-    """device of the Actor: simulation, exploration policy, n-step assembly (default: cuda if used, else cpu)"""
+    """device of the Actor (simulation, exploration, n-step assembly): cpu, cuda, cuda:N (default: cuda if used)"""
     v_learner_device: Optional[str] = None
     """device of the V-learner: its replay buffer and the Q functions (default: as --actor-device)"""
     p_learner_device: Optional[str] = None
     """device of the P-learner: its state buffer and the policy (default: as --actor-device)"""
     beta_a_v: Optional[float] = None
-    """beta_a:v = f_a / f_v, Actor steps (of all N envs) per V-learner update (Sec. 3.2; default 1:8; 1:4 on CPU)"""
+    """beta_a:v = f_a / f_v > 0, Actor steps per V-update (Sec. 3.2; default: toy, gpu 1/8; cpu 1/4; see PRESETS)"""
     beta_p_v: float = 1 / 2
-    """beta_p:v = f_p / f_v, P-learner updates per V-learner update (Sec. 3.2; default 1:2)"""
-
+    """beta_p:v = f_p / f_v > 0, P-learner updates per V-learner update (Sec. 3.2; default 1:2)"""
     total_timesteps: Optional[int] = None
-    """training env steps, warm-up included (default: 30M GPU simulation, 200k CPU simulation, 64 * 600 toy chain)"""
+    """training env steps, warm-up included, >= 1 (default: toy chain 64 * 600; ManiSkill gpu 30M, cpu 200k)"""
     gamma: Optional[float] = None
-    """discount factor (default: 0.99 toy chain (Table B.1); 0.8 ManiSkill, its own PPO and SAC baselines' value)"""
+    """discount in [0, 1] (default: toy chain 0.99 (Table B.1); ManiSkill 0.8, as its own PPO and SAC baselines)"""
     nstep: int = 3
-    """n of the n-step returns (Table B.1, App. C: n = 3 works best)"""
+    """n of the n-step returns, >= 1 (Table B.1, App. C: n = 3 works best)"""
     tau: float = 0.05
-    """target-network update rate, after every V-update (Table B.1)"""
+    """target-network update rate in [0, 1], after every V-update (Table B.1)"""
     batch_size: Optional[int] = None
-    """batch size of both learners (default: 8192 (Table B.1); 1024 on CPU simulation and the toy chain)"""
+    """batch size of both learners, >= 1 (default: toy chain 1024; ManiSkill gpu 8192 (Table B.1), cpu 256)"""
     buffer_size: int = 5_000_000
-    """replay buffer capacity of each learner (Table B.1; a run never holds more than it collects)"""
+    """replay buffer capacity of each learner, >= 1 (Table B.1; a run never holds more than it collects)"""
     learning_rate: float = 5e-4
-    """Adam learning rate of the policy and the Q functions (Table B.1)"""
+    """Adam learning rate of the policy and the Q functions, > 0 (Table B.1)"""
     max_grad_norm: float = 0.5
-    """gradient-norm clip of both learners (Table B.1)"""
+    """gradient-norm clip of both learners, > 0 (Table B.1)"""
     warm_up_steps: int = 32
-    """Actor steps with uniform random actions before learning starts (Table B.1)"""
+    """Actor steps with uniform random actions before learning starts, >= 0 (Table B.1)"""
     reward_scale: float = 0.1
-    """rewards are multiplied by this for learning (Table B.2: 0.01-1); returns are logged unscaled"""
+    """rewards are multiplied by this (> 0) for learning (Table B.2: 0.01-1); returns are logged unscaled"""
     norm_obs: Optional[bool] = None
-    """running mean/std observation normalization (Table B.1; default: on, off for the toy chain; off: clip to +-5)"""
+    """running mean/std observation normalization (Table B.1; off: clip to +-5; default: toy chain off, ManiSkill on)"""
     sigma_min: float = 0.05
-    """mixed exploration: smallest noise std, of env 1 (Sec. 3.3)"""
+    """mixed exploration: smallest noise std, of env 1, >= 0 (Sec. 3.3)"""
     sigma_max: float = 0.8
-    """mixed exploration: largest noise std, of env N (Sec. 3.3)"""
+    """mixed exploration: largest noise std, of env N, >= --sigma-min (Sec. 3.3)"""
     target_noise_std: float = 0.8
-    """std of the noise added to the target policy's action, clipped to +-0.2 (the original code's values)"""
+    """std (>= 0) of the noise added to the target policy's action, clipped to +-0.2 (the original code's values)"""
     distributional: bool = False
     """PQL-D: categorical Q distributions with the C51 projection, 51 atoms on [-10, 10] (App. C)"""
-
     eval_freq: Optional[int] = None
-    """evaluate every this many Actor steps (default: 200 GPU simulation, 50 CPU simulation, 25 toy chain)"""
+    """evaluate every this many Actor steps and at the end; 0: only at the end (default: toy 25; gpu 200; cpu 250)"""
 
-    # filled in by resolve_args
-    num_actor_steps: tyro.conf.Suppress[int] = 0
+    num_actor_steps: tyro.conf.Suppress[int] = 0  # (this and the three below: filled in by resolve_args)
     resolved_horizon: tyro.conf.Suppress[int] = 0
     sim_backend: tyro.conf.Suppress[str] = ""
     hidden_dims: tyro.conf.Suppress[Optional[tuple[int, ...]]] = None  # of the policy and each Q MLP (presets)
 
 
 TOY_ENV_ID = "ToyChainContinuous-v0"
-# Small networks and batches on the toy chain, so that a run takes about a minute on two CPU cores.
-TOY_PRESET = dict(
-    num_envs=64,
-    num_eval_envs=64,
-    batch_size=1024,
-    total_timesteps=64 * 600,
-    eval_freq=25,
-    gamma=0.99,
-    beta_a_v=1 / 8,
-    norm_obs=False,
-    hidden_dims=(256, 256),
-    bootstrap_at_done="truncated",
-)
-# ManiSkill3 with GPU simulation: Table B.1 (4096 envs, batch 8192) and the original code's networks.
-MANISKILL_GPU = dict(
-    num_envs=4096,
-    num_eval_envs=16,
-    batch_size=8192,
-    total_timesteps=30_000_000,
-    eval_freq=200,
-    gamma=0.8,
-    beta_a_v=1 / 8,
-    norm_obs=True,
-    hidden_dims=(512, 256, 128),
-    bootstrap_at_done="always",
-)
-# ManiSkill3 with CPU simulation (one worker process per env): for trying things out.
-MANISKILL_CPU = dict(
-    MANISKILL_GPU, num_envs=8, num_eval_envs=8, batch_size=256, beta_a_v=1 / 4, total_timesteps=200_000, eval_freq=250
-)
+# Presets: "toy" for the toy chain (small networks and batches: about a minute on two CPU cores), "gpu" for ManiSkill3
+# on GPU simulation (Table B.1 and the original code's networks), "cpu" for CPU simulation (for trying things out).
+PRESETS = {
+    "num_envs": {"toy": 64, "gpu": 4096, "cpu": 8},
+    "num_eval_envs": {"toy": 64, "gpu": 16, "cpu": 8},
+    "batch_size": {"toy": 1024, "gpu": 8192, "cpu": 256},
+    "total_timesteps": {"toy": 64 * 600, "gpu": 30_000_000, "cpu": 200_000},
+    "eval_freq": {"toy": 25, "gpu": 200, "cpu": 250},
+    "gamma": {"toy": 0.99, "gpu": 0.8, "cpu": 0.8},
+    "beta_a_v": {"toy": 1 / 8, "gpu": 1 / 8, "cpu": 1 / 4},
+    "norm_obs": {"toy": False, "gpu": True, "cpu": True},
+    "hidden_dims": {"toy": (256, 256), "gpu": (512, 256, 128), "cpu": (512, 256, 128)},
+    "bootstrap_at_done": {"toy": "truncated", "gpu": "always", "cpu": "always"},
+}
 LOG_EVERY = 5  # Actor steps between two writes of the training scalars
 NUM_ATOMS, V_MIN, V_MAX = 51, -10.0, 10.0  # PQL-D's support (App. C)
 RATIO_EPS = 1e-9  # slack of the speed-ratio comparisons (Sec. 3.2) for floating-point ratios
 POLL_S = 2e-4  # seconds between two looks of a waiting process at the shared counters
 ROLES = {"v_learner": "V-learner", "p_learner": "P-learner"}
+# A vector step of N envs in NStepAssembler's window (next_obs: the true one); a learner's update: loss, normalized obs
+WindowStep = namedtuple("WindowStep", "obs action reward no_bootstrap done next_obs")
+UpdateResult = namedtuple("UpdateResult", "loss obs")
 
 
 class ArgsError(ValueError):
@@ -215,24 +199,57 @@ def resolve_args(args: Args) -> Args:
     args.actor_device = args.actor_device or ("cuda" if args.cuda and torch.cuda.is_available() else "cpu")
     args.v_learner_device = args.v_learner_device or args.actor_device
     args.p_learner_device = args.v_learner_device if args.ddpg_n else (args.p_learner_device or args.actor_device)
-    actor_device = torch.device(args.actor_device)
-    # ManiSkill reads the GPU's index only from "physx_cuda:N" (parse_sim_and_render_backend); "physx_cuda" is GPU 0
-    gpu_backend = "physx_cuda" if actor_device.index is None else f"physx_cuda:{actor_device.index}"
-    args.sim_backend = "torch" if is_toy else (gpu_backend if actor_device.type == "cuda" else "physx_cpu")
-    preset = TOY_PRESET if is_toy else (MANISKILL_GPU if actor_device.type == "cuda" else MANISKILL_CPU)
-    if preset is MANISKILL_CPU:
-        trial = f"{MANISKILL_CPU['num_envs']} envs, {MANISKILL_CPU['total_timesteps']:,} steps"
-        print(f"note: without CUDA, {args.env_id} runs a short trial on CPU simulation ({trial}); flags override it")
-    for name, value in preset.items():
+    preset = "toy" if is_toy else ("gpu" if args.actor_device.startswith("cuda") else "cpu")
+    if preset == "cpu":
+        print(f"note: without CUDA, {args.env_id} runs a short trial on CPU simulation (preset cpu); flags override it")
+    for name, values in PRESETS.items():
         if getattr(args, name) is None:
-            setattr(args, name, value)
+            setattr(args, name, values[preset])
+    gpus = [f"cuda:{index}" for index in range(torch.cuda.device_count())]
+    devices = ["cpu"] + (["cuda"] if gpus else []) + gpus  # the values of --*-device that this machine has
+    checks = [  # (flag, value, within its domain, the domain)
+        ("--actor-device", args.actor_device, args.actor_device in devices, f"one of {devices}"),
+        ("--v-learner-device", args.v_learner_device, args.v_learner_device in devices, f"one of {devices}"),
+        ("--p-learner-device", args.p_learner_device, args.p_learner_device in devices, f"one of {devices}"),
+        ("--seed", args.seed, args.seed >= 0, ">= 0"),
+        ("--num-envs", args.num_envs, args.num_envs >= 1, ">= 1"),
+        ("--num-eval-envs", args.num_eval_envs, args.num_eval_envs >= 1, ">= 1"),
+        ("--horizon", args.horizon, args.horizon is None or args.horizon >= 1, ">= 1"),
+        ("--beta-a-v", args.beta_a_v, args.beta_a_v > 0, "> 0"),
+        ("--beta-a-v", args.beta_a_v, args.beta_a_v <= 1 or not args.ddpg_n, "<= 1 with --ddpg-n (whole updates)"),
+        ("--beta-p-v", args.beta_p_v, args.beta_p_v > 0, "> 0"),
+        ("--total-timesteps", args.total_timesteps, args.total_timesteps >= 1, ">= 1"),
+        ("--gamma", args.gamma, 0 <= args.gamma <= 1, "in [0, 1]"),
+        ("--nstep", args.nstep, args.nstep >= 1, ">= 1"),
+        ("--tau", args.tau, 0 <= args.tau <= 1, "in [0, 1]"),
+        ("--batch-size", args.batch_size, args.batch_size >= 1, ">= 1"),
+        ("--buffer-size", args.buffer_size, args.buffer_size >= 1, ">= 1"),
+        ("--learning-rate", args.learning_rate, args.learning_rate > 0, "> 0"),
+        ("--max-grad-norm", args.max_grad_norm, args.max_grad_norm > 0, "> 0"),
+        ("--warm-up-steps", args.warm_up_steps, args.warm_up_steps >= 0, ">= 0"),
+        ("--reward-scale", args.reward_scale, args.reward_scale > 0, "> 0"),
+        ("--sigma-min", args.sigma_min, args.sigma_min >= 0, ">= 0"),
+        ("--sigma-max", args.sigma_max, args.sigma_max >= args.sigma_min, f">= --sigma-min ({args.sigma_min})"),
+        ("--target-noise-std", args.target_noise_std, args.target_noise_std >= 0, ">= 0"),
+        ("--eval-freq", args.eval_freq, args.eval_freq >= 0, ">= 0 (0: only at the end)"),
+        ("--toy.autoreset-mode", args.toy.autoreset_mode, args.toy.autoreset_mode == "same_step", "same_step"),
+    ]
+    for flag, value, ok, domain in checks:
+        if not ok:
+            raise ArgsError(f"{flag} {value}: must be {domain}")
     if is_toy:
         try:
-            args.toy.validate()
-        except ValueError as e:
-            raise ArgsError(str(e)) from e
-        if args.toy.autoreset_mode != "same_step":
-            raise ArgsError("--toy.autoreset-mode: pql.py consumes same-step autoreset (as ManiSkill); use same_step")
+            args.toy.validate()  # the --toy.* flags, each named in its message
+        except ValueError as error:
+            raise ArgsError(str(error)) from error
+    actor_device = torch.device(args.actor_device)
+    if is_toy:
+        args.sim_backend = "torch"
+    elif actor_device.type == "cuda":  # by index: a bare "physx_cuda" is ManiSkill's current device, SAPIEN's first GPU
+        gpu_index = torch.cuda.current_device() if actor_device.index is None else actor_device.index
+        args.sim_backend = f"physx_cuda:{gpu_index}"
+    else:
+        args.sim_backend = "physx_cpu"
     args.resolved_horizon = args.toy.horizon if is_toy else (args.horizon or gym.spec(args.env_id).max_episode_steps)
     icd = glob.glob("/usr/share/vulkan/icd.d/*.json") + glob.glob("/etc/vulkan/icd.d/*.json")
     if not is_toy and sys.platform == "linux" and not (icd or os.environ.get("VK_ICD_FILENAMES")):
@@ -248,6 +265,17 @@ def resolve_args(args: Args) -> Args:
     return args
 
 
+def format_settings(args: Args) -> str:
+    """The resolved settings, `name=value` in field order (nested: `toy.horizon=200`), in lines of at most 120 chars."""
+    pairs = []
+    for name, value in asdict(args).items():
+        if isinstance(value, dict):
+            pairs += [f"{name}.{nested}={nested_value}" for nested, nested_value in value.items()]
+        else:
+            pairs.append(f"{name}={value}".replace(" ", ""))  # (a tuple's spaces would split it)
+    return "settings:\n" + textwrap.fill(" ".join(pairs), width=120, break_long_words=False, break_on_hyphens=False)
+
+
 # ---- Environments (same-step autoreset: the true last observation is info["final_obs"]) ------------------------------
 def make_maniskill_env(args: Args, num_envs: int, evaluation: bool):
     """A state-observation ManiSkill env, flat actions; evaluation: a new scene each reset (ManiSkill's protocol)."""
@@ -255,8 +283,15 @@ def make_maniskill_env(args: Args, num_envs: int, evaluation: bool):
     from mani_skill.utils.wrappers.flatten import FlattenActionSpaceWrapper
     from mani_skill.utils.wrappers.gymnasium import CPUGymWrapper
 
-    sim = dict(obs_mode="state", sim_backend=args.sim_backend, reconfiguration_freq=int(evaluation))
-    env = gym.make(args.env_id, num_envs=num_envs, max_episode_steps=args.resolved_horizon, **sim)
+    env = gym.make(
+        args.env_id,
+        num_envs=num_envs,
+        max_episode_steps=args.resolved_horizon,
+        obs_mode="state",
+        sim_backend=args.sim_backend,
+        render_backend="none",  # no video, so no render system (ManiSkill would build one on the first GPU)
+        reconfiguration_freq=int(evaluation),
+    )
     if isinstance(env.action_space, gym.spaces.Dict):
         env = FlattenActionSpaceWrapper(env)
     if args.sim_backend == "physx_cpu":
@@ -287,8 +322,8 @@ class ManiSkillVecEnv(gym.vector.VectorEnv):
         # the flattened Box of FlattenActionSpaceWrapper (multi-robot tasks), not the task's Dict
         self.single_action_space = getattr(self.env, "single_action_space", self.env.unwrapped.single_action_space)
 
-    def as_tensor(self, x, dtype) -> torch.Tensor:
-        return torch.as_tensor(x if torch.is_tensor(x) else np.asarray(x), device=self.device, dtype=dtype)
+    def as_tensor(self, array, dtype) -> torch.Tensor:
+        return torch.as_tensor(array if torch.is_tensor(array) else np.asarray(array), device=self.device, dtype=dtype)
 
     def reset(self, *, seed: Optional[int] = None, options: Optional[dict] = None):
         obs, _ = self.env.reset(seed=seed, options=options)
@@ -298,10 +333,9 @@ class ManiSkillVecEnv(gym.vector.VectorEnv):
         obs, reward, terminated, truncated, info = self.env.step(actions if self.gpu else actions.cpu().numpy())
         obs = self.as_tensor(obs, torch.float32).reshape(self.num_envs, -1)
         reward = self.as_tensor(reward, torch.float32).reshape(self.num_envs)
-        success = info.get("success", np.zeros(self.num_envs, bool))
-        terminated, truncated, success = (
-            self.as_tensor(x, torch.bool).reshape(-1) for x in (terminated, truncated, success)
-        )
+        terminated = self.as_tensor(terminated, torch.bool).reshape(-1)
+        truncated = self.as_tensor(truncated, torch.bool).reshape(-1)
+        success = self.as_tensor(info.get("success", np.zeros(self.num_envs, bool)), torch.bool).reshape(-1)
         reset_now = truncated | (terminated & self.reset_on_termination)
         final_obs = obs
         if bool(reset_now.any()):  # partial reset: ManiSkill on the GPU takes env indices, a vector env a mask
@@ -341,16 +375,16 @@ def nstep_targets(rewards: torch.Tensor, no_bootstrap: torch.Tensor, dones: torc
         last     = m - 1, the step whose true next observation is bootstrapped from:
     target = return + discount * Q'(s_{t+m}, pi(s_{t+m})). Returns (returns, discounts, last), each of shape (N,).
     """
-    n = rewards.shape[0]
+    nstep = rewards.shape[0]
     done = dones.to(rewards.dtype)
     ended_before = (torch.cumsum(done, 0) - done) > 0  # an episode end happened at an earlier step of the window
     alive = (~ended_before).to(rewards.dtype)
-    powers = gamma ** torch.arange(n, device=rewards.device, dtype=rewards.dtype)
+    powers = gamma ** torch.arange(nstep, device=rewards.device, dtype=rewards.dtype)
     returns = (rewards * alive * powers[:, None]).sum(0)
-    m = alive.sum(0).long()
-    last = m - 1
+    used = alive.sum(0).long()  # m
+    last = used - 1
     cut = no_bootstrap.gather(0, last[None])[0]
-    discounts = torch.where(cut, torch.zeros_like(returns), gamma ** m.to(rewards.dtype))
+    discounts = torch.where(cut, torch.zeros_like(returns), gamma ** used.to(rewards.dtype))
     return returns, discounts, last
 
 
@@ -360,19 +394,21 @@ class NStepAssembler:
 
     def __init__(self, nstep: int, gamma: float, bootstrap_at_done: str):
         self.nstep, self.gamma, self.bootstrap_at_done = nstep, gamma, bootstrap_at_done
-        self.window: deque = deque()
+        self.window: deque = deque()  # of WindowStep
 
     def push(self, obs, action, reward, terminated, truncated, next_obs) -> Optional[dict]:
         no_bootstrap = terminated if self.bootstrap_at_done == "truncated" else torch.zeros_like(terminated)
-        self.window.append((obs, action, reward, no_bootstrap, terminated | truncated, next_obs))
+        self.window.append(WindowStep(obs, action, reward, no_bootstrap, terminated | truncated, next_obs))
         if len(self.window) < self.nstep:
             return None
-        obs0, action0 = self.window[0][:2]
-        rewards, no_bootstraps, dones, next_obs_all = (torch.stack([w[k] for w in self.window]) for k in (2, 3, 4, 5))
+        rewards = torch.stack([step.reward for step in self.window])
+        no_bootstraps = torch.stack([step.no_bootstrap for step in self.window])
+        dones = torch.stack([step.done for step in self.window])
+        next_obs_all = torch.stack([step.next_obs for step in self.window])
         returns, discounts, last = nstep_targets(rewards, no_bootstraps, dones, self.gamma)
         bootstrap_obs = next_obs_all[last, torch.arange(last.shape[0], device=last.device)]
-        self.window.popleft()
-        return dict(obs=obs0, action=action0, reward=returns, next_obs=bootstrap_obs, discount=discounts)
+        oldest = self.window.popleft()
+        return dict(obs=oldest.obs, action=oldest.action, reward=returns, next_obs=bootstrap_obs, discount=discounts)
 
 
 def categorical_projection(
@@ -401,10 +437,10 @@ def soft_update_(target: nn.Module, source: nn.Module, tau: float) -> None:
     torch._foreach_add_(target_params, list(source.parameters()), alpha=tau)
 
 
-# Speed-ratio control (Sec. 3.2), with k_v = 1 / beta_a:v V-updates per Actor step and k_p = 1 / beta_p:v per P-update:
-# the process ahead waits. The Actor may be up to two steps ahead of the V-learner (it simulates step A + 1 while the
-# V-learner trains on step A); the V-learner may use only the data's budget k_v * A and be up to two P-updates ahead of
-# the P-learner, which never gets ahead of it. This never deadlocks; the measured ratios stay near their targets.
+# Speed-ratio control (Sec. 3.2), k_v = 1 / beta_a:v V-updates per Actor step, k_p = 1 / beta_p:v per P-update: the
+# process ahead waits. The Actor may be two steps ahead of the V-learner (it simulates step A + 1 while the V-learner
+# trains on step A); the V-learner may use the data's budget k_v * A and be two P-updates ahead of the P-learner, which
+# never gets ahead of it. This never deadlocks; the measured ratios stay near their targets.
 def actor_may_step(actor_steps: int, v_updates: int, beta_a_v: float) -> bool:
     """May the Actor take learning step A + 1 (A = actor_steps taken since learning started)?"""
     k_v = 1.0 / beta_a_v
@@ -433,16 +469,17 @@ class RunningMeanStd:
         self.var = torch.ones(shape, device=device)
         self.count = torch.tensor(epsilon, device=device)
 
-    def update(self, x: torch.Tensor) -> None:
-        batch_mean, batch_var, n = x.mean(0), x.var(0, unbiased=False), x.shape[0]
-        delta, total = batch_mean - self.mean, self.count + n
-        self.mean += delta * n / total
-        self.var.copy_((self.var * self.count + batch_var * n + delta.square() * self.count * n / total) / total)
+    def update(self, batch: torch.Tensor) -> None:
+        batch_mean, batch_var, added = batch.mean(0), batch.var(0, unbiased=False), batch.shape[0]
+        delta, total = batch_mean - self.mean, self.count + added
+        self.mean += delta * added / total
+        correction = delta.square() * self.count * added / total
+        self.var.copy_((self.var * self.count + batch_var * added + correction) / total)
         self.count = total
 
-    def normalize(self, x: torch.Tensor) -> torch.Tensor:
-        """(x - mean) / sqrt(var + 1e-8), clipped to [-5, 5]; the same in all three processes."""
-        return ((x - self.mean) / torch.sqrt(self.var + 1e-8)).clamp(-5.0, 5.0)
+    def normalize(self, obs: torch.Tensor) -> torch.Tensor:
+        """(obs - mean) / sqrt(var + 1e-8), clipped to [-5, 5]; the same in all three processes."""
+        return ((obs - self.mean) / torch.sqrt(self.var + 1e-8)).clamp(-5.0, 5.0)
 
 
 def transition_shapes(obs_dim: int, act_dim: int) -> dict:
@@ -455,19 +492,19 @@ class ReplayBuffer:
 
     def __init__(self, capacity: int, shapes: dict, device: torch.device):
         self.capacity, self.device, self.pos, self.size = capacity, device, 0, 0
-        self.data = {k: torch.empty((capacity, *shape), device=device) for k, shape in shapes.items()}
+        self.data = {name: torch.empty((capacity, *shape), device=device) for name, shape in shapes.items()}
 
     def add(self, batch: dict) -> None:
-        n = next(iter(batch.values())).shape[0]
-        index = (self.pos + torch.arange(n, device=self.device)) % self.capacity
-        for k, buf in self.data.items():
-            buf[index] = batch[k].to(self.device)
-        self.pos = (self.pos + n) % self.capacity
-        self.size = min(self.size + n, self.capacity)
+        count = next(iter(batch.values())).shape[0]
+        index = (self.pos + torch.arange(count, device=self.device)) % self.capacity
+        for name, buf in self.data.items():
+            buf[index] = batch[name].to(self.device)
+        self.pos = (self.pos + count) % self.capacity
+        self.size = min(self.size + count, self.capacity)
 
     def sample(self, batch_size: int, generator: torch.Generator) -> dict:
         index = torch.randint(self.size, (batch_size,), device=self.device, generator=generator)
-        return {k: v[index] for k, v in self.data.items()}
+        return {name: buf[index] for name, buf in self.data.items()}
 
 
 # ---- Networks --------------------------------------------------------------------------------------------------------
@@ -501,8 +538,8 @@ class Critic(nn.Module):
 
     def forward(self, obs: torch.Tensor, action: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Raw outputs of both heads: Q values (B, 1), or logits (B, num_atoms) with PQL-D."""
-        x = torch.cat([obs, action], dim=-1)
-        return self.q1(x), self.q2(x)
+        obs_action = torch.cat([obs, action], dim=-1)
+        return self.q1(obs_action), self.q2(obs_action)
 
     def q_values(self, obs: torch.Tensor, action: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Q1(s, a), Q2(s, a) of shape (B,) (the means of the distributions with PQL-D)."""
@@ -532,9 +569,9 @@ def initial_networks(args: Args, obs_dim: int, act_dim: int, device) -> tuple[Po
         try:
             policy.load_state_dict(state["model"]["policy"])
             critic.load_state_dict(state["model"]["critic"])
-        except RuntimeError as e:
+        except RuntimeError as error:
             fix = "was it trained with another --env-id or --distributional?"
-            raise ArgsError(f"--checkpoint {args.checkpoint} does not fit these networks ({fix}): {e}") from e
+            raise ArgsError(f"--checkpoint {args.checkpoint} does not fit these networks ({fix}): {error}") from error
     return policy.to(device), critic.to(device), state
 
 
@@ -557,7 +594,7 @@ class VLearner:
 
     def receive(self, message: dict) -> None:
         """Alg. 3, "if new data received": one Actor step's transitions, its policy (the target policy), statistics."""
-        self.buffer.add({k: message[k] for k in self.buffer.data})
+        self.buffer.add({name: message[name] for name in self.buffer.data})
         load_vector(self.policy, message["policy"])
         self.obs_rms.mean.copy_(message["obs_mean"])
         self.obs_rms.var.copy_(message["obs_var"])
@@ -567,9 +604,8 @@ class VLearner:
         """The n-step double-Q target y = R + discount * min(Q1', Q2')(s', pi^v(s') + clip(noise)) (target networks
         Q', the lagged policy pi^v); with PQL-D the projected target distribution (B, NUM_ATOMS)."""
         next_action = self.policy(next_obs)
-        noise = (
-            torch.randn(next_action.shape, device=self.device, generator=self.generator) * self.args.target_noise_std
-        ).clamp(-0.2, 0.2)
+        noise = torch.randn(next_action.shape, device=self.device, generator=self.generator)
+        noise = (noise * self.args.target_noise_std).clamp(-0.2, 0.2)
         next_action = (next_action + noise).clamp(-1.0, 1.0)
         if self.critic.distributional:
             logits1, logits2 = self.critic_target(next_obs, next_action)
@@ -583,8 +619,8 @@ class VLearner:
         q1_next, q2_next = self.critic_target.q_values(next_obs, next_action)
         return returns + discounts * torch.min(q1_next, q2_next)
 
-    def update(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Alg. 3: Q1, Q2 on a sampled batch, then their targets' soft update. Returns the loss and normalized obs."""
+    def update(self) -> UpdateResult:
+        """Alg. 3: Q1, Q2 on a sampled batch, then their targets' soft update."""
         batch = self.buffer.sample(self.args.batch_size, self.generator)
         obs = self.obs_rms.normalize(batch["obs"])
         target = self.target(batch["reward"], batch["discount"], self.obs_rms.normalize(batch["next_obs"]))
@@ -598,7 +634,7 @@ class VLearner:
         nn.utils.clip_grad_norm_(self.critic.parameters(), self.args.max_grad_norm)
         self.optimizer.step()
         soft_update_(self.critic_target, self.critic, self.args.tau)
-        return loss.detach(), obs
+        return UpdateResult(loss=loss.detach(), obs=obs)
 
     def state_dict(self) -> dict:
         model = {"critic": self.critic.state_dict(), "critic_target": self.critic_target.state_dict()}
@@ -625,8 +661,8 @@ class PLearner:
         self.obs_rms.mean.copy_(message["obs_mean"])
         self.obs_rms.var.copy_(message["obs_var"])
 
-    def update(self, obs: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """Alg. 2: maximize min(Q1, Q2)(s, pi(s)) over normalized states (sampled unless given). Returns the loss."""
+    def update(self, obs: Optional[torch.Tensor] = None) -> UpdateResult:
+        """Alg. 2: maximize min(Q1, Q2)(s, pi(s)) over normalized states (sampled unless given)."""
         if obs is None:
             obs = self.obs_rms.normalize(self.buffer.sample(self.args.batch_size, self.generator)["obs"])
         q1, q2 = self.critic.q_values(obs, self.policy(obs))
@@ -635,13 +671,13 @@ class PLearner:
         loss.backward(inputs=list(self.policy.parameters()))  # the Q functions stay as they are
         nn.utils.clip_grad_norm_(self.policy.parameters(), self.args.max_grad_norm)
         self.optimizer.step()
-        return loss.detach()
+        return UpdateResult(loss=loss.detach(), obs=obs)
 
     def state_dict(self) -> dict:
         return {"model": {"policy": self.policy.state_dict()}, "optimizer": {"policy": self.optimizer.state_dict()}}
 
 
-def network_for_the_others(role: str, learner) -> dict:
+def network_sent_back(role: str, learner) -> dict:
     """What a learner sends back after new data (Sec. 3.1, Fig. 1): the V-learner its online Q functions (not the slow
     target networks) for the P-learner; the P-learner its policy, the Actor's and (lagged) the V-learner's target."""
     name = "critic" if role == "v_learner" else "policy"
@@ -651,87 +687,80 @@ def network_for_the_others(role: str, learner) -> dict:
 # ---- Moving data and networks between the processes (Sec. 3.1: "Data Transfer", "Network Transfer") ------------------
 class SlotRing:
     """A one-way channel between two processes: `num_slots` preallocated slots (dicts of tensors) in shared memory
-    (CPU) or CUDA memory shared by CUDA IPC, and two counters (written, read). A slot is written only when the reader
-    is done with it (has_room): no lock, nothing pickled, no transfer left half done by a process that stops.
-    On CUDA the host never waits for the GPU: the writer's stream waits for a slot's interprocess `read` event before
-    it overwrites the slot and records `written` after; the reader's stream waits for `written` and records `read`.
-    An event is recorded before the counter that announces it moves. Checked against the CUDA runtime's documentation
-    (cudaStreamWaitEvent, cudaIpcGetEventHandle) and PyTorch's source (Copy.cu); not run: no GPU was available."""
+    (CPU) or CUDA memory shared by CUDA IPC, and two counts (written, read). A slot is written only when the reader is
+    done with it (has_room): no lock, nothing pickled, no transfer left half done by a process that stops. On CUDA the
+    host never waits for the GPU: the writer's stream waits for a slot's interprocess `read` event before it overwrites
+    the slot and records `written` after; the reader's stream waits for `written` and records `read`. An event is
+    recorded before the count that announces it moves (cudaStreamWaitEvent, cudaIpcGetEventHandle)."""
 
     def __init__(self, shapes: dict, device, num_slots: int):
         self.device, self.num_slots = torch.device(device), num_slots
         # share_memory_() moves CPU tensors to shared memory; CUDA tensors go to the other process by CUDA IPC
         self.slots = [
-            {k: torch.zeros(shape, device=self.device).share_memory_() for k, shape in shapes.items()}
+            {name: torch.zeros(shape, device=self.device).share_memory_() for name, shape in shapes.items()}
             for _ in range(num_slots)
         ]
-        self.counters = torch.zeros(2, dtype=torch.int64).share_memory_()  # written, read
+        self.written = mp.RawValue(ctypes.c_int64)  # slots written (by the writer), in shared memory
+        self.read = mp.RawValue(ctypes.c_int64)  # slots read (by the reader)
         self.written_events = self.read_events = None
         if self.device.type == "cuda":  # recorded once here, so that they exist on the slots' device
-            self.written_events, self.read_events = (
-                [torch.cuda.Event(interprocess=True) for _ in range(num_slots)] for _ in range(2)
-            )
+            self.written_events = [torch.cuda.Event(interprocess=True) for _ in range(num_slots)]
+            self.read_events = [torch.cuda.Event(interprocess=True) for _ in range(num_slots)]
             for event in self.written_events + self.read_events:
                 event.record(torch.cuda.current_stream(self.device))
 
     def has_room(self) -> bool:
-        written, read = self.counters.tolist()
-        return written - read < self.num_slots
+        return self.written.value - self.read.value < self.num_slots
 
     def put(self, message: dict) -> None:
         """Writer side (call only when has_room())."""
-        index = int(self.counters[0]) % self.num_slots
+        index = self.written.value % self.num_slots
         if self.written_events:  # the reader's copies out of this slot are done before it is overwritten
             torch.cuda.current_stream(self.device).wait_event(self.read_events[index])
-        for k, tensor in self.slots[index].items():
-            tensor.copy_(message[k])
+        for key, tensor in self.slots[index].items():
+            tensor.copy_(message[key])
         if self.written_events:  # the reader's stream will wait for these copies
             self.written_events[index].record(torch.cuda.current_stream(self.device))
-        self.counters[0] += 1
+        self.written.value += 1
 
     def take(self, consume, newest_only: bool = False) -> int:
         """Reader side: passes each new slot (or only the newest) to `consume`, which copies what it keeps."""
-        written, read = self.counters.tolist()
-        for i in range(max(read, written - 1) if newest_only else read, written):
-            index = i % self.num_slots
+        written = self.written.value
+        read = self.read.value
+        for count in range(max(read, written - 1) if newest_only else read, written):
+            index = count % self.num_slots
             if self.written_events:
                 torch.cuda.current_stream(self.device).wait_event(self.written_events[index])
             consume(self.slots[index])
             if self.written_events:
                 self.read_events[index].record(torch.cuda.current_stream(self.device))
-        self.counters[1] = written
+        self.read.value = written
         return written - read
 
 
-def shared_field(index: int, kind: type = int) -> property:
-    """Field `index` of SharedCounters.values, read as `kind` (each field has one process that writes it)."""
-    return property(lambda self: kind(self.values[index]), lambda self, value: self.values.__setitem__(index, value))
+class LearnerCounts(ctypes.Structure):
+    """One learner's shared counts (written by it only): updates done, checkpoint requests served, its last loss."""
+
+    _fields_ = [("updates", ctypes.c_int64), ("served", ctypes.c_int64), ("loss", ctypes.c_double)]
 
 
-class SharedCounters:
-    """Shared float64 counts: of the ratio control (Sec. 3.2), of checkpoint requests made and served, last losses."""
+class SharedCounters(ctypes.Structure):
+    """Counts of the ratio control (Sec. 3.2) and checkpoints, last losses; in shared memory: mp.RawValue(this)."""
 
-    actor_steps = shared_field(0)
-    v_updates = shared_field(1)
-    p_updates = shared_field(2)
-    checkpoint_requests = shared_field(3)
-    v_learner_served = shared_field(4)
-    p_learner_served = shared_field(5)
-    v_learner_loss = shared_field(6, float)
-    p_learner_loss = shared_field(7, float)
-
-    def __init__(self):
-        self.values = torch.zeros(8, dtype=torch.float64).share_memory_()
-
-    def add(self, name: str, amount: int = 1) -> None:
-        setattr(self, name, getattr(self, name) + amount)
+    _fields_ = [
+        ("actor_steps", ctypes.c_int64),  # Actor steps since learning started (written by the Actor)
+        ("checkpoint_requests", ctypes.c_int64),  # written by the Actor
+        ("v_learner", LearnerCounts),
+        ("p_learner", LearnerCounts),
+    ]
 
 
 def may_update(role: str, counters: SharedCounters, args: Args) -> bool:
     """Sec. 3.2's rule for learner `role` on the shared counts (the learners, --sequential and the end of a run)."""
     if role == "v_learner":
-        return v_may_update(counters.v_updates, counters.actor_steps, counters.p_updates, args.beta_a_v, args.beta_p_v)
-    return p_may_update(counters.p_updates, counters.v_updates, args.beta_p_v)
+        v_updates = counters.v_learner.updates
+        return v_may_update(v_updates, counters.actor_steps, counters.p_learner.updates, args.beta_a_v, args.beta_p_v)
+    return p_may_update(counters.p_learner.updates, counters.v_learner.updates, args.beta_p_v)
 
 
 def learner_process(role, args, sizes, inbox, outbox, counters, stop, run_dir, threads) -> None:
@@ -740,26 +769,25 @@ def learner_process(role, args, sizes, inbox, outbox, counters, stop, run_dir, t
     try:
         torch.set_num_threads(threads)
         torch.backends.cudnn.deterministic = args.torch_deterministic
-        device = torch.device(getattr(args, f"{role}_device"))
+        device = torch.device(args.v_learner_device if role == "v_learner" else args.p_learner_device)
+        mine = counters.v_learner if role == "v_learner" else counters.p_learner  # the shared counts it writes
         if device.type == "cuda" and device.index is not None:  # plain "cuda" is the current device already
             torch.cuda.set_device(device)
-        learner = (VLearner if role == "v_learner" else PLearner)(args, *sizes, device)
-        updates = "v_updates" if role == "v_learner" else "p_updates"
-        parent = mp.parent_process()
+        learner = VLearner(args, *sizes, device) if role == "v_learner" else PLearner(args, *sizes, device)
         while not stop.is_set():
             if inbox.take(learner.receive) and outbox.has_room():  # new data: send back my network
-                outbox.put(network_for_the_others(role, learner))
-            if counters.checkpoint_requests > getattr(counters, f"{role}_served"):
+                outbox.put(network_sent_back(role, learner))
+            if counters.checkpoint_requests > mine.served:
                 request = counters.checkpoint_requests
                 torch.save(learner.state_dict(), Path(run_dir, f"{role}_state.pt"))
-                setattr(counters, f"{role}_served", request)
+                mine.served = request
             if may_update(role, counters, args) and learner.buffer.size > 0:
-                loss = learner.update()
-                counters.add(updates)
+                result = learner.update()
+                mine.updates += 1
                 continue
-            if getattr(counters, updates) > 0:  # idle: its last loss for the Actor's log (no GPU sync per update)
-                setattr(counters, f"{role}_loss", (loss[0] if role == "v_learner" else loss).item())
-            if not parent.is_alive():  # the Actor was killed (SIGKILL): no orphans
+            if mine.updates > 0:  # idle: its last loss for the Actor's log (no GPU sync per update)
+                mine.loss = result.loss.item()
+            if not mp.parent_process().is_alive():  # the Actor was killed (SIGKILL): no orphans
                 return
             time.sleep(POLL_S)
     except BaseException:  # noqa: B036 - everything goes to the Actor
@@ -770,15 +798,16 @@ def learner_process(role, args, sizes, inbox, outbox, counters, stop, run_dir, t
 def start_learners(args, ctx, supervisor, counters, sizes, numels: dict, threads: int) -> tuple[dict, dict]:
     """Sec. 3.1: starts both learner processes. Returns the SlotRings (float32) to them (Alg. 2, 3) and back."""
     obs_dim, act_dim, _ = sizes
-    n, stats = args.num_envs, {"obs_mean": (obs_dim,), "obs_var": (obs_dim,)}
-    transitions = {k: (n, *shape) for k, shape in transition_shapes(obs_dim, act_dim).items()}
+    num_envs, stats = args.num_envs, {"obs_mean": (obs_dim,), "obs_var": (obs_dim,)}
+    transitions = {name: (num_envs, *shape) for name, shape in transition_shapes(obs_dim, act_dim).items()}
     to_shapes = {
         "v_learner": {**transitions, "policy": (numels["policy"],), **stats},
-        "p_learner": {"obs": (n, obs_dim), "critic": (numels["critic"],), **stats},
+        "p_learner": {"obs": (num_envs, obs_dim), "critic": (numels["critic"],), **stats},
     }
     back_shapes = {"v_learner": {"critic": (numels["critic"],)}, "p_learner": {"policy": (numels["policy"],)}}
-    to_learner = {role: SlotRing(to_shapes[role], getattr(args, f"{role}_device"), 4) for role in ROLES}
-    from_learner = {role: SlotRing(back_shapes[role], getattr(args, f"{role}_device"), 2) for role in ROLES}
+    devices = {"v_learner": args.v_learner_device, "p_learner": args.p_learner_device}
+    to_learner = {role: SlotRing(to_shapes[role], devices[role], 4) for role in ROLES}
+    from_learner = {role: SlotRing(back_shapes[role], devices[role], 2) for role in ROLES}
     for role in ROLES:
         channels = (to_learner[role], from_learner[role])
         supervisor.processes[role] = ctx.Process(
@@ -809,27 +838,23 @@ class SerialLearners:
             self.v_learner.policy, self.p_learner.critic = self.p_learner.policy, self.v_learner.critic
         self.losses: dict = {}  # the last losses, as tensors: read when logged (no GPU sync per step)
 
-    def send(self, messages: dict) -> None:
-        self.v_learner.receive({k: t.to(self.args.v_learner_device) for k, t in messages["v_learner"].items()})
-        if self.args.sequential:
-            self.p_learner.receive({k: t.to(self.args.p_learner_device) for k, t in messages["p_learner"].items()})
-
     def update(self, counters: SharedCounters) -> None:
         if self.args.ddpg_n:
             k_v = round(1 / self.args.beta_a_v)
             for _ in range(k_v):
-                self.losses["losses/qf_loss"], obs_batch = self.v_learner.update()
-                self.losses["losses/actor_loss"] = self.p_learner.update(obs_batch)
-            counters.add("v_updates", k_v)
-            counters.add("p_updates", k_v)
+                v_result = self.v_learner.update()
+                self.losses["losses/qf_loss"] = v_result.loss
+                self.losses["losses/actor_loss"] = self.p_learner.update(v_result.obs).loss  # on the same batch
+            counters.v_learner.updates += k_v
+            counters.p_learner.updates += k_v
             return
         while True:  # Sec. 3.2's rule, serially: P-updates first, as their V-updates allow
             if may_update("p_learner", counters, self.args):
-                self.losses["losses/actor_loss"] = self.p_learner.update()
-                counters.add("p_updates")
+                self.losses["losses/actor_loss"] = self.p_learner.update().loss
+                counters.p_learner.updates += 1
             elif may_update("v_learner", counters, self.args):
-                self.losses["losses/qf_loss"] = self.v_learner.update()[0]
-                counters.add("v_updates")
+                self.losses["losses/qf_loss"] = self.v_learner.update().loss
+                counters.v_learner.updates += 1
             else:
                 break
 
@@ -868,8 +893,8 @@ class Supervisor:
         return time.time() - start
 
 
-def to_env_action(action: torch.Tensor, bounds: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    """The policy's action in [-1, 1]^d, scaled to the env's action space [low, high]."""
+def to_env_action(action: torch.Tensor, bounds: torch.Tensor) -> torch.Tensor:
+    """The policy's action in [-1, 1]^d, scaled to the env's action space [low, high] (bounds: the rows low, high)."""
     low, high = bounds
     return low + (action + 1.0) * 0.5 * (high - low)
 
@@ -897,21 +922,25 @@ def evaluate(policy: Policy, eval_envs, obs_rms: RunningMeanStd, bounds, horizon
 def save_checkpoint(path: Path, args, supervisor, counters, serial, obs_rms, global_step, iteration) -> None:
     """CONVENTIONS.md's checkpoint, no replay buffers (a resumed run refills them); learner processes write theirs."""
     if serial is None:
-        counters.add("checkpoint_requests")
+        counters.checkpoint_requests += 1
         request = counters.checkpoint_requests
-        served = lambda: min(counters.v_learner_served, counters.p_learner_served) >= request  # noqa: E731
+        served = lambda: min(counters.v_learner.served, counters.p_learner.served) >= request  # noqa: E731
         supervisor.wait_for(served, timeout=60.0, interruptible=False)
-        parts = []
+        v_part = torch.load(supervisor.run_dir / "v_learner_state.pt", map_location="cpu", weights_only=True)
+        p_part = torch.load(supervisor.run_dir / "p_learner_state.pt", map_location="cpu", weights_only=True)
         for role in ROLES:
-            parts.append(torch.load(supervisor.run_dir / f"{role}_state.pt", map_location="cpu", weights_only=True))
             (supervisor.run_dir / f"{role}_state.pt").unlink()
     else:
-        parts = [serial.v_learner.state_dict(), serial.p_learner.state_dict()]
-    state = {"model": {}, "optimizer": {}, "global_step": global_step, "iteration": iteration}
-    for part in parts:
-        state["model"].update(part["model"])
-        state["optimizer"].update(part["optimizer"])
-    state.update(obs_rms=vars(obs_rms), args=json.dumps(asdict(args)))  # obs_rms: its mean, var and count
+        v_part = serial.v_learner.state_dict()
+        p_part = serial.p_learner.state_dict()
+    state = {
+        "model": {**v_part["model"], **p_part["model"]},
+        "optimizer": {**v_part["optimizer"], **p_part["optimizer"]},
+        "global_step": global_step,
+        "iteration": iteration,
+        "obs_rms": vars(obs_rms),  # its mean, var and count
+        "args": json.dumps(asdict(args)),
+    }
     temporary = path.with_name(path.name + ".tmp")
     torch.save(state, temporary)
     os.replace(temporary, path)
@@ -924,7 +953,7 @@ def check_buffer_memory(args: Args, obs_dim: int, act_dim: int, capacity: int) -
     needed[args.p_learner_device] += capacity * 4 * obs_dim  # P-learner: s
     free_on_cpu = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     for device, bytes_needed in needed.items():
-        free = torch.cuda.mem_get_info(device)[0] if torch.device(device).type == "cuda" else free_on_cpu
+        free, _total = torch.cuda.mem_get_info(device) if torch.device(device).type == "cuda" else (free_on_cpu, 0)
         if bytes_needed > free:
             memory = f"{bytes_needed / 2**30:.1f} GiB on {device}, {free / 2**30:.1f} GiB free"
             raise ArgsError(f"--buffer-size {args.buffer_size}: the buffers need {memory}; use a smaller --buffer-size")
@@ -937,11 +966,11 @@ def main(args: Args) -> dict:
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, lambda signum, frame: stop_requested.append(signum))
     args = resolve_args(args)
+    print(format_settings(args), flush=True)
     run_name = f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}"
     run_dir = Path(args.output_dir, run_name)
     run_dir.mkdir(parents=True, exist_ok=False)
     (run_dir / "config.json").write_text(json.dumps(asdict(args), indent=2))
-    final_ckpt = run_dir / "final_ckpt.pt"
     parallel = not (args.ddpg_n or args.sequential)
     cores = len(os.sched_getaffinity(0))
     threads = max(1, cores // 3) if parallel else cores  # torch threads per process: the cores split among them
@@ -952,8 +981,14 @@ def main(args: Args) -> dict:
     if args.track:
         import wandb
 
-        run = dict(project=args.wandb_project_name, entity=args.wandb_entity, name=run_name, config=asdict(args))
-        wandb.init(**run, sync_tensorboard=True, save_code=True)
+        wandb.init(
+            project=args.wandb_project_name,
+            entity=args.wandb_entity,
+            name=run_name,
+            config=asdict(args),
+            sync_tensorboard=True,
+            save_code=True,
+        )
     writer = SummaryWriter(str(run_dir))
     last: dict[str, float] = {}  # the last value of every scalar, for summary.json
 
@@ -964,7 +999,7 @@ def main(args: Args) -> dict:
 
     summary: dict = {"interrupted": False, "eval_time_s": 0.0}
     envs = eval_envs = serial = None
-    counters = SharedCounters()
+    counters = mp.RawValue(SharedCounters)  # zeros, in shared memory
     ctx = mp.get_context("spawn")
     supervisor = Supervisor(run_dir, stop_requested, ctx.Event())
     iteration = global_step = start_step = 0  # Actor steps and env steps taken; env steps before this run
@@ -976,16 +1011,18 @@ def main(args: Args) -> dict:
         obs_dim = int(np.prod(eval_envs.single_observation_space.shape))
         act_dim = int(np.prod(eval_envs.single_action_space.shape))
         space = eval_envs.single_action_space
-        bounds = tuple(torch.as_tensor(x, dtype=torch.float32, device=device) for x in (space.low, space.high))
+        bounds = torch.as_tensor(np.stack([space.low, space.high]), dtype=torch.float32, device=device)  # low, high
         policy, critic, ckpt = initial_networks(args, obs_dim, act_dim, device)
         obs_rms = RunningMeanStd((obs_dim,), device)
         if ckpt is not None:
             iteration, global_step, start_step = ckpt["iteration"], ckpt["global_step"], ckpt["global_step"]
-            obs_rms.mean, obs_rms.var, obs_rms.count = (ckpt["obs_rms"][k].to(device) for k in ("mean", "var", "count"))
+            obs_rms.mean = ckpt["obs_rms"]["mean"].to(device)
+            obs_rms.var = ckpt["obs_rms"]["var"].to(device)
+            obs_rms.count = ckpt["obs_rms"]["count"].to(device)
         evaluation = partial(evaluate, policy, eval_envs, obs_rms, bounds, args.resolved_horizon, supervisor.check)
         if args.evaluate:
             log(evaluation(seed=args.seed + 10_000 + iteration))
-            print(" ".join(f"{k}={v:.4f}" for k, v in last.items() if k.startswith("eval/")))
+            print(" ".join(f"{name}={value:.4f}" for name, value in last.items() if name.startswith("eval/")))
             return summary
 
         capacity = min(args.buffer_size, args.num_actor_steps * args.num_envs)
@@ -995,7 +1032,7 @@ def main(args: Args) -> dict:
         critic_vector = parameters_to_vector(critic.parameters()).detach().to(args.p_learner_device)
         sizes = (obs_dim, act_dim, capacity)
         if parallel:
-            numels = {"policy": sum(p.numel() for p in policy.parameters()), "critic": critic_vector.numel()}
+            numels = {"policy": sum(param.numel() for param in policy.parameters()), "critic": critic_vector.numel()}
             to_learner, from_learner = start_learners(args, ctx, supervisor, counters, sizes, numels, threads)
         else:
             serial = SerialLearners(args, sizes)
@@ -1004,7 +1041,8 @@ def main(args: Args) -> dict:
         sigmas = mixed_exploration_sigmas(num_envs, args.sigma_min, args.sigma_max, device)  # Sec. 3.3
         assembler = NStepAssembler(args.nstep, args.gamma, args.bootstrap_at_done)
         raw_obs, _ = envs.reset(seed=args.seed + iteration)
-        ep_return, ep_len = torch.zeros(num_envs, device=device), torch.zeros(num_envs, dtype=torch.long, device=device)
+        ep_return = torch.zeros(num_envs, device=device)
+        ep_len = torch.zeros(num_envs, dtype=torch.long, device=device)
         success_once = torch.zeros(num_envs, dtype=torch.bool, device=device)
         episodes = torch.zeros(4, device=device)  # count, return, length, success of the episodes since the last log
         warm_up_end = first_step + max(args.warm_up_steps, args.nstep - 1)  # learning starts after the warm-up
@@ -1012,7 +1050,7 @@ def main(args: Args) -> dict:
         while iteration < args.num_actor_steps:
             # ---- 1. evaluate (and checkpoint) every --eval-freq Actor steps --------------------------------------
             supervisor.check()
-            if (iteration - first_step) % args.eval_freq == 0:
+            if args.eval_freq > 0 and (iteration - first_step) % args.eval_freq == 0:
                 metrics = evaluation(seed=args.seed + 10_000 + iteration)  # the learners idle meanwhile
                 summary["eval_time_s"] += metrics["time/eval"]
                 log(metrics)
@@ -1025,13 +1063,13 @@ def main(args: Args) -> dict:
             if parallel:
                 if learning:
                     timers["time/update"] += supervisor.wait_for(
-                        lambda: actor_may_step(counters.actor_steps, counters.v_updates, args.beta_a_v)
+                        lambda: actor_may_step(counters.actor_steps, counters.v_learner.updates, args.beta_a_v)
                     )
                 from_learner["p_learner"].take(lambda slot: load_vector(policy, slot["policy"]), newest_only=True)
                 from_learner["v_learner"].take(lambda slot: critic_vector.copy_(slot["critic"]), newest_only=True)
             else:
-                load_vector(policy, network_for_the_others("p_learner", serial.p_learner)["policy"])
-                critic_vector = network_for_the_others("v_learner", serial.v_learner)["critic"]
+                load_vector(policy, network_sent_back("p_learner", serial.p_learner)["policy"])
+                critic_vector = network_sent_back("v_learner", serial.v_learner)["critic"]
 
             # ---- 3. act: warm-up actions, then pi(s) + N(0, sigma_i^2), sigma_i fixed per env (Sec. 3.3) ----------
             step_start = time.time()
@@ -1059,10 +1097,12 @@ def main(args: Args) -> dict:
                     for role in ROLES:
                         timers["time/update"] += supervisor.wait_for(to_learner[role].has_room)
                         to_learner[role].put(messages[role])
-                else:
-                    serial.send(messages)
+                else:  # (each learner copies the tensors to its device)
+                    serial.v_learner.receive(messages["v_learner"])
+                    if args.sequential:
+                        serial.p_learner.receive(messages["p_learner"])
             if learning:
-                counters.add("actor_steps")
+                counters.actor_steps += 1
             timers["time/rollout"] += time.time() - step_start
 
             # ---- (the baselines of Sec. 4.1, --ddpg-n and --sequential: the updates, here, serially) ----------------
@@ -1079,7 +1119,8 @@ def main(args: Args) -> dict:
             episodes += torch.stack(
                 [done.sum(), (ep_return * done).sum(), (ep_len * done).sum(), (success_once & done).sum()]
             ).float()
-            ep_return, ep_len = ep_return * ~done, ep_len * ~done
+            ep_return *= ~done
+            ep_len *= ~done
             success_once &= ~done
             iteration += 1
             global_step += num_envs
@@ -1090,14 +1131,15 @@ def main(args: Args) -> dict:
                 if count > 0:
                     log({"charts/episodic_return": returns / count, "charts/episodic_length": lengths / count})
                     log({"charts/success_rate": successes / count})
-                if counters.v_updates > 0:  # the measured speed ratios (Sec. 3.2)
-                    log({"pql/ratio_a_v": counters.actor_steps / counters.v_updates})
-                    log({"pql/ratio_p_v": counters.p_updates / counters.v_updates})
-                if parallel:  # each learner's last loss
-                    losses = {"losses/qf_loss": (counters.v_updates, counters.v_learner_loss)}
-                    losses["losses/actor_loss"] = (counters.p_updates, counters.p_learner_loss)
-                    log({name: loss for name, (updates, loss) in losses.items() if updates > 0})
-                else:
+                v_updates = counters.v_learner.updates
+                if v_updates > 0:  # the measured speed ratios (Sec. 3.2)
+                    log({"pql/ratio_a_v": counters.actor_steps / v_updates})
+                    log({"pql/ratio_p_v": counters.p_learner.updates / v_updates})
+                if parallel and v_updates > 0:  # each learner's last loss
+                    log({"losses/qf_loss": counters.v_learner.loss})
+                if parallel and counters.p_learner.updates > 0:
+                    log({"losses/actor_loss": counters.p_learner.loss})
+                if not parallel:
                     log(serial.losses)
                 episodes.zero_()
                 timers = dict.fromkeys(timers, 0.0)
@@ -1107,26 +1149,35 @@ def main(args: Args) -> dict:
             supervisor.wait_for(lambda: not any(may_update(role, counters, args) for role in ROLES))
             from_learner["p_learner"].take(lambda slot: load_vector(policy, slot["policy"]), newest_only=True)
         else:
-            load_vector(policy, network_for_the_others("p_learner", serial.p_learner)["policy"])
+            load_vector(policy, network_sent_back("p_learner", serial.p_learner)["policy"])
         metrics = evaluation(seed=args.seed + 10_000 + iteration)
         summary["eval_time_s"] += metrics["time/eval"]
         log(metrics)
         if args.save_model:
-            save_checkpoint(final_ckpt, args, supervisor, counters, serial, obs_rms, global_step, iteration)
+            save_checkpoint(
+                run_dir / "final_ckpt.pt", args, supervisor, counters, serial, obs_rms, global_step, iteration
+            )
     except KeyboardInterrupt:
         summary["interrupted"] = True
         print("interrupted: writing summary.json" + (" and a checkpoint" if args.save_model else ""), flush=True)
         if args.save_model and (serial or supervisor.processes):  # (a learner that cannot answer: exit 1)
-            save_checkpoint(final_ckpt, args, supervisor, counters, serial, obs_rms, global_step, iteration)
+            save_checkpoint(
+                run_dir / "final_ckpt.pt", args, supervisor, counters, serial, obs_rms, global_step, iteration
+            )
     finally:
         wall = time.time() - start_time
-        summary.update(global_step=global_step, iteration=iteration, wall_time_s=wall)
-        summary.update(sps=(global_step - start_step) / wall, **last)
+        summary["global_step"] = global_step
+        summary["iteration"] = iteration
+        summary["wall_time_s"] = wall
+        summary["sps"] = (global_step - start_step) / wall
+        for name, value in last.items():  # the last value of every scalar
+            summary[name] = value
         summary["pql/learning_steps"] = counters.actor_steps
-        summary.update({"pql/v_updates": counters.v_updates, "pql/p_updates": counters.p_updates})
-        if counters.v_updates > 0:
-            summary["pql/ratio_a_v"] = counters.actor_steps / counters.v_updates
-            summary["pql/ratio_p_v"] = counters.p_updates / counters.v_updates
+        summary["pql/v_updates"] = counters.v_learner.updates
+        summary["pql/p_updates"] = counters.p_learner.updates
+        if counters.v_learner.updates > 0:
+            summary["pql/ratio_a_v"] = counters.actor_steps / counters.v_learner.updates
+            summary["pql/ratio_p_v"] = counters.p_learner.updates / counters.v_learner.updates
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         writer.close()
         supervisor.stop.set()  # every wait below is bounded

@@ -2,6 +2,7 @@
 categorical projection, mixed exploration, speed-ratio control, the learners' targets, argument validation, and
 runs of the script as a user runs it (toy chain, ManiSkill on CPU simulation, checkpoints, failures, Ctrl-C)."""
 
+import dataclasses
 import glob
 import json
 import math
@@ -256,13 +257,13 @@ def test_each_network_sync_carries_the_networks_of_sec_3_1():
     assert torch.equal(vector(v_learner.policy), new_policy)  # the target policy: what the Actor relayed
     for _ in range(3):
         v_learner.update()
-    sent = pql.network_for_the_others("v_learner", v_learner)
+    sent = pql.network_sent_back("v_learner", v_learner)
     assert set(sent) == {"critic"} and torch.equal(sent["critic"], vector(v_learner.critic))
     assert not torch.allclose(sent["critic"], vector(v_learner.critic_target))
     p_learner.receive({"obs": transitions["obs"], "critic": sent["critic"], **stats})
     assert torch.equal(vector(p_learner.critic), sent["critic"])  # the P-learner maximizes the newest Q functions
     p_learner.update()
-    sent = pql.network_for_the_others("p_learner", p_learner)
+    sent = pql.network_sent_back("p_learner", p_learner)
     assert set(sent) == {"policy"} and torch.equal(sent["policy"], vector(p_learner.policy))
 
 
@@ -287,8 +288,8 @@ def test_the_v_learner_process_sends_back_its_online_critic(tmp_path):
     outbox = pql.SlotRing({"critic": (critic_numel,)}, "cpu", 2)
     message = {k: torch.rand_like(slot) for k, slot in inbox.slots[0].items() if k != "obs_var"}
     message["obs_var"] = torch.ones(10)
-    counters = pql.SharedCounters()
-    counters.p_updates = 100  # the P-learner never holds the V-learner back here
+    counters = torch.multiprocessing.RawValue(pql.SharedCounters)
+    counters.p_learner.updates = 100  # the P-learner never holds the V-learner back here
     ctx = torch.multiprocessing.get_context("spawn")
     stop = ctx.Event()
     process = ctx.Process(
@@ -300,12 +301,13 @@ def test_the_v_learner_process_sends_back_its_online_critic(tmp_path):
     try:
         inbox.put(message)
         counters.actor_steps = 1  # one Actor step: 8 V-updates (beta_a:v = 1:8)
-        wait_until(lambda: counters.v_updates == 8, "8 V-updates")
+        wait_until(lambda: counters.v_learner.updates == 8, "8 V-updates")
         inbox.put(message)
-        wait_until(lambda: int(outbox.counters[0]) == 2, "the answer to the second message")
+        wait_until(lambda: outbox.written.value == 2, "the answer to the second message")
         counters.checkpoint_requests = 1
-        wait_until(lambda: counters.v_learner_served == 1, "the checkpoint")
-        assert counters.v_updates == 8  # no update since the answer
+        wait_until(lambda: counters.v_learner.served == 1, "the checkpoint")
+        assert counters.v_learner.updates == 8  # no update since the answer
+        assert counters.v_learner.loss > 0 and counters.p_learner.served == 0  # its last loss, for the Actor's log
         state = torch.load(tmp_path / "v_learner_state.pt", weights_only=True)
         critic.load_state_dict(state["model"]["critic"])
         sent = outbox.slots[1]["critic"]
@@ -423,7 +425,8 @@ def test_defaults_are_table_b1(capsys):
     )
     assert (a.warm_up_steps, a.sigma_min, a.sigma_max, a.beta_p_v) == (32, 0.05, 0.8, 1 / 2)
     assert (pql.NUM_ATOMS, pql.V_MIN, pql.V_MAX) == (51, -10.0, 10.0)
-    gpu = pql.MANISKILL_GPU  # Table B.1, but ManiSkill's own discount (its PPO and SAC baselines): 0.99 learned nothing
+    gpu = {name: values["gpu"] for name, values in pql.PRESETS.items()}
+    # Table B.1, but ManiSkill's own discount (its PPO and SAC baselines): 0.99 learned nothing
     assert (gpu["num_envs"], gpu["batch_size"], gpu["beta_a_v"], gpu["gamma"]) == (4096, 8192, 1 / 8, 0.8)
     toy = pql.resolve_args(pql.Args(env_id=pql.TOY_ENV_ID, cuda=False))
     assert (toy.gamma, toy.beta_a_v) == (0.99, 1 / 8)
@@ -431,22 +434,44 @@ def test_defaults_are_table_b1(capsys):
     assert r.sim_backend == "physx_cpu" and r.num_envs == 8 and r.resolved_horizon == 50
     assert (r.gamma, r.batch_size, r.beta_a_v, r.eval_freq) == (0.8, 256, 1 / 4, 250)  # CPU preset (README, pql)
     assert pql.resolve_args(pql.Args(env_id="PickCube-v1", cuda=False, gamma=0.99, beta_a_v=0.5)).gamma == 0.99
-    assert "note: without CUDA, PickCube-v1 runs a short trial on CPU simulation (8 envs" in capsys.readouterr().out
+    assert (
+        "note: without CUDA, PickCube-v1 runs a short trial on CPU simulation (preset cpu)" in capsys.readouterr().out
+    )
     assert r.actor_device == r.v_learner_device == r.p_learner_device == "cpu" and r.norm_obs
+
+
+def resolve_on_four_gpus(**fields):
+    """resolve_args on a machine with 4 visible GPUs whose current one is GPU 3 (it only names devices: no GPU needed)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(torch.cuda, "device_count", lambda: 4)
+        patch.setattr(torch.cuda, "current_device", lambda: 3)
+        return pql.resolve_args(pql.Args(**fields))
 
 
 @pytest.mark.parametrize(
     "actor_device, sim_backend",
-    [("cpu", "physx_cpu"), ("cuda", "physx_cuda"), ("cuda:0", "physx_cuda:0"), ("cuda:2", "physx_cuda:2")],
+    [("cpu", "physx_cpu"), ("cuda", "physx_cuda:3"), ("cuda:0", "physx_cuda:0"), ("cuda:1", "physx_cuda:1")],
 )
-def test_the_simulation_runs_on_the_actors_gpu(actor_device, sim_backend):
-    """ManiSkill reads a GPU index only from "physx_cuda:N" (parse_sim_and_render_backend): with --actor-device cuda:2
-    the simulation must run on GPU 2, where the Actor's tensors are, not on GPU 0. (resolve_args only names devices,
-    so this needs no GPU.)"""
-    resolved = pql.resolve_args(pql.Args(env_id="PickCube-v1", actor_device=actor_device))
+def test_the_simulation_runs_on_the_actors_gpu_and_renders_nowhere(monkeypatch, actor_device, sim_backend):
+    """ManiSkill reads a GPU index only from "physx_cuda:N" (parse_sim_and_render_backend): from a bare "physx_cuda"
+    ManiSkill takes the current torch device and SAPIEN its first CUDA device, which differ when CUDA_VISIBLE_DEVICES
+    reorders the GPUs. So the simulation gets the Actor's GPU by its index (plain cuda: the current device, here 3).
+    No video is recorded: render_backend "none", else ManiSkill builds a render system on the first GPU. Checked on
+    the keyword arguments that gym.make receives."""
+    resolved = resolve_on_four_gpus(env_id="PickCube-v1", actor_device=actor_device)
     assert resolved.sim_backend == sim_backend
     assert resolved.v_learner_device == resolved.p_learner_device == actor_device
     assert resolved.num_envs == (8 if actor_device == "cpu" else 4096)  # the GPU preset for every GPU
+    made = []
+
+    def make(env_id, **kwargs):
+        made.append(kwargs)
+        raise StopIteration  # (the env itself is not needed)
+
+    monkeypatch.setattr(gym, "make", make)
+    with pytest.raises(StopIteration):
+        pql.make_maniskill_env(resolved, 1, evaluation=False)
+    assert made[0]["sim_backend"] == sim_backend and made[0]["render_backend"] == "none"
 
 
 def test_a_multi_robot_task_gets_the_flattened_action_space(monkeypatch):
@@ -454,8 +479,8 @@ def test_a_multi_robot_task_gets_the_flattened_action_space(monkeypatch):
     ManiSkillVecEnv's GPU path (one batched env in this process, physx_cuda) must expose the flat Box (16,) that the
     networks are built on. Here the same path runs ManiSkill's CPU simulation (gym.make gets physx_cpu instead of
     physx_cuda): it steps with (1, 16) actions and resets partially at the horizon."""
-    args = pql.resolve_args(pql.Args(env_id="TwoRobotPickCube-v1", actor_device="cuda", horizon=3, num_envs=1))
-    assert args.sim_backend == "physx_cuda"
+    args = resolve_on_four_gpus(env_id="TwoRobotPickCube-v1", actor_device="cuda", horizon=3, num_envs=1)
+    assert args.sim_backend == "physx_cuda:3"
     make = gym.make
     monkeypatch.setattr(gym, "make", lambda *a, **kwargs: make(*a, **{**kwargs, "sim_backend": "physx_cpu"}))
     envs = pql.ManiSkillVecEnv(args, 1, torch.device("cpu"), evaluation=False)
@@ -498,7 +523,7 @@ def test_evaluation_envs_build_a_new_scene_at_every_reset_and_there_are_8_on_the
         (dict(total_timesteps=64 * 30), "nothing would be learned"),
         (dict(evaluate=True), "--evaluate needs --checkpoint"),
         (dict(checkpoint="no/such/ckpt.pt"), "--checkpoint no/such/ckpt.pt: no such file"),
-        (dict(toy=ToyChainContinuousConfig(action_dim=0)), "--toy.action-dim"),
+        (dict(toy=ToyChainContinuousConfig(action_dim=0, autoreset_mode="same_step")), "--toy.action-dim"),
         (dict(toy=ToyChainContinuousConfig(autoreset_mode="next_step")), "--toy.autoreset-mode"),
     ],
 )
@@ -506,6 +531,89 @@ def test_bad_input_is_rejected_with_the_flag_named(kwargs, message):
     kwargs = {"env_id": pql.TOY_ENV_ID, **kwargs}
     with pytest.raises(pql.ArgsError, match=re.escape(message)):
         pql.resolve_args(pql.Args(cuda=False, **kwargs))
+
+
+def toy(**fields):
+    return ToyChainContinuousConfig(autoreset_mode="same_step", **fields)
+
+
+OUT_OF_DOMAIN = [  # (the flag, Args fields that put it outside its domain): every numeric flag
+    ("--seed", dict(seed=-1)),
+    ("--num-envs", dict(num_envs=0)),
+    ("--num-envs", dict(num_envs=-4)),
+    ("--num-eval-envs", dict(num_eval_envs=0)),
+    ("--horizon", dict(horizon=0)),
+    ("--beta-a-v", dict(beta_a_v=0.0)),
+    ("--beta-a-v", dict(beta_a_v=2.0, ddpg_n=True)),
+    ("--beta-p-v", dict(beta_p_v=-0.5)),
+    ("--total-timesteps", dict(total_timesteps=0)),
+    ("--gamma", dict(gamma=1.5)),
+    ("--gamma", dict(gamma=float("nan"))),
+    ("--nstep", dict(nstep=0)),
+    ("--tau", dict(tau=1.5)),
+    ("--batch-size", dict(batch_size=0)),
+    ("--buffer-size", dict(buffer_size=0)),
+    ("--learning-rate", dict(learning_rate=-1e-3)),
+    ("--max-grad-norm", dict(max_grad_norm=0.0)),
+    ("--warm-up-steps", dict(warm_up_steps=-1)),
+    ("--reward-scale", dict(reward_scale=0.0)),
+    ("--sigma-min", dict(sigma_min=-0.1)),
+    ("--sigma-max", dict(sigma_min=0.5, sigma_max=0.1)),
+    ("--target-noise-std", dict(target_noise_std=-1.0)),
+    ("--eval-freq", dict(eval_freq=-3)),
+    ("--actor-device", dict(actor_device="cuda:7")),
+    ("--actor-device", dict(actor_device="tpu")),
+    ("--v-learner-device", dict(v_learner_device="cuda:4")),
+    ("--p-learner-device", dict(p_learner_device="cuda:4")),
+    ("--toy.horizon", dict(toy=toy(horizon=0))),
+    ("--toy.block-length", dict(toy=toy(block_length=0))),
+    ("--toy.num-actions", dict(toy=toy(num_actions=1))),
+    ("--toy.progression-prob", dict(toy=toy(progression_prob=1.5))),
+    ("--toy.mastery-threshold", dict(toy=toy(mastery_threshold=-1))),
+    ("--toy.reset-lambda", dict(toy=toy(reset_lambda=-1.0))),
+    ("--toy.step-time-mean", dict(toy=toy(step_time_mean=-1.0))),
+    ("--toy.step-time-spread", dict(toy=toy(step_time_spread=-1.0))),
+    ("--toy.step-time-jitter", dict(toy=toy(step_time_jitter=-1.0))),
+    ("--toy.crash-at-step", dict(toy=toy(crash_at_step=-1))),
+    ("--toy.action-dim", dict(toy=toy(action_dim=0))),
+    ("--toy.target-radius", dict(toy=toy(target_radius=0.0))),
+]
+
+
+@pytest.mark.parametrize("flag, fields", OUT_OF_DOMAIN, ids=[f"{flag}:{fields}" for flag, fields in OUT_OF_DOMAIN])
+def test_every_numeric_flag_outside_its_domain_is_an_error_naming_it(flag, fields):
+    """Every numeric flag has a domain; a value outside it is refused before anything starts, with an ArgsError that
+    begins with the flag and says the domain (`--num-envs 0: must be >= 1`). (A machine with 4 GPUs here.)"""
+    with pytest.raises(pql.ArgsError) as error:
+        resolve_on_four_gpus(**{"env_id": pql.TOY_ENV_ID, "cuda": False, **fields})
+    assert re.match(re.escape(flag) + r"[ :]", str(error.value)) and "must be" in str(error.value), str(error.value)
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--num-envs", "0"], "--num-envs 0: must be >= 1"),
+        (["--sigma-min", "0.5", "--sigma-max", "0.1"], "--sigma-max 0.1: must be >= --sigma-min (0.5)"),
+    ],
+)
+def test_bad_numeric_flags_exit_with_code_2_and_one_line_naming_the_flag(tmp_path, flags, message):
+    proc = run_script(TOY_SMALL + flags, tmp_path, check=False)
+    assert proc.returncode == 2 and proc.stderr.strip() == f"error: {message}", proc.stderr
+    assert "Traceback" not in proc.stderr and os.listdir(tmp_path) == []
+
+
+def test_the_resolved_settings_are_in_field_order_in_lines_of_at_most_120_characters():
+    args = pql.resolve_args(pql.Args(env_id=pql.TOY_ENV_ID, cuda=False))
+    lines = pql.format_settings(args).splitlines()
+    assert lines[0] == "settings:" and all(len(line) <= 120 for line in lines[1:]) and len(lines) > 5
+    pairs = " ".join(lines[1:]).split(" ")
+    names = [field.name for field in dataclasses.fields(pql.Args) if field.name != "toy"]
+    names[names.index("bootstrap_at_done") : names.index("bootstrap_at_done")] = [
+        f"toy.{field.name}" for field in dataclasses.fields(ToyChainContinuousConfig)
+    ]
+    assert [pair.split("=")[0] for pair in pairs] == names
+    for pair in ("gamma=0.99", "toy.horizon=200", "hidden_dims=(256,256)", "eval_freq=25", "sim_backend=torch"):
+        assert pair in pairs
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -638,6 +746,13 @@ def test_toy_chain_smoke(tmp_path, mode, device):
     assert ("started: pid" in proc.stdout) == (mode == "parallel")
 
 
+def test_eval_freq_0_evaluates_only_at_the_end_and_the_settings_are_printed_first(tmp_path):
+    proc = run_script(TOY_SMALL + ["--total-timesteps", str(32 * 20), "--sequential", "--eval-freq", "0"], tmp_path)
+    run_dir = only_run_dir(tmp_path)
+    assert [step for step, _ in scalars(run_dir)["eval/return"]] == [640]  # the final evaluation only
+    assert proc.stdout.startswith("settings:\n") and "eval_freq=0" in proc.stdout and "toy.horizon=50" in proc.stdout
+
+
 def test_ratio_control_holds_on_a_short_run(tmp_path):
     """Non-default ratios beta_a:v = 1:4, beta_p:v = 1:1, three processes: every ratio logged from 25 learning steps
     on (Actor step 33 = 8 warm-up + 25) is within 10% of its target, and the run ends exactly on it. This holds by
@@ -684,7 +799,8 @@ class RecordingEnvs:
 
 @pytest.fixture(scope="module")
 def actor_run(tmp_path_factory):
-    """main() of a toy chain run (16 envs, 200 Actor steps, learning rate 0: the policy stays the initial one) with
+    """main() of a toy chain run (16 envs, 200 Actor steps, learning rate 1e-30, far below a float32 step of any
+    parameter: the policy stays the initial one) with
     the training envs recorded and the host syncs counted: calls that make the host wait for a device's result
     (Tensor.item, .tolist, .cpu, .numpy, bool(), float(), int(); torch.cuda.synchronize) made by pql.py's own lines
     on tensors outside shared memory (the shared counters and CPU slots are host memory on every device)."""
@@ -697,7 +813,7 @@ def actor_run(tmp_path_factory):
         warm_up_steps=8,
         batch_size=64,
         eval_freq=100,
-        learning_rate=0.0,
+        learning_rate=1e-30,
         sigma_min=0.02,
         sigma_max=0.2,
         cuda=False,
@@ -749,9 +865,9 @@ def test_the_actor_loop_makes_no_host_sync_per_env_step(actor_run):
 
 def test_the_actor_explores_each_env_with_its_own_sigma(actor_run):
     """Sec. 3.3 mixed exploration in the Actor loop as it runs: env i's noise (the action it gets minus pi(s), the
-    initial policy, which learning rate 0 keeps) has the std sigma_i of linspace(0.02, 0.2) over the 16 envs: 768
-    samples per env (192 learning steps x 4 action dims), measured within 8% of sigma_i (the run is deterministic: the Actor alone draws its noise). One sigma for every env
-    fails (the first and last envs' stds differ 10-fold)."""
+    initial policy, which a learning rate of 1e-30 keeps) has the std sigma_i of linspace(0.02, 0.2) over the 16 envs:
+    768 samples per env (192 learning steps x 4 action dims), measured within 8% of sigma_i (the run is deterministic:
+    the Actor alone draws its noise). One sigma for every env fails (the first and last envs' stds differ 10-fold)."""
     args, _, steps = actor_run
     explored = steps[args.warm_up_steps :]
     obs, actions = torch.stack([s[0] for s in explored]), torch.stack([s[1] for s in explored])
