@@ -261,8 +261,10 @@ def make_maniskill_env(args: Args, num_envs: int, evaluation: bool, video_dir: O
     from mani_skill.utils.wrappers.gymnasium import CPUGymWrapper
     from mani_skill.utils.wrappers.record import RecordEpisode
 
-    # Renders only for a video, on the simulation's device (physx_cuda:i: GPU i; ManiSkill's default is GPU 0)
-    render_backend = args.resolved_sim_backend.replace("physx_", "") if video_dir else "none"
+    # physx_cuda:i renders on GPU i (ManiSkill's default: GPU 0 for every rank). Not "none": PushT-v1 reads render
+    # shapes as it builds its scene. CPU simulation: ManiSkill's default.
+    gpu_simulation = args.resolved_sim_backend.startswith("physx_cuda")
+    render_backend = args.resolved_sim_backend.replace("physx_", "") if gpu_simulation else "gpu"
     env_kwargs = dict(obs_mode="state", sim_backend=args.resolved_sim_backend, max_episode_steps=args.horizon)
     env_kwargs.update(reconfiguration_freq=1 if evaluation else None, render_mode="rgb_array" if video_dir else None)
     env = gym.make(args.env_id, num_envs=num_envs, render_backend=render_backend, **env_kwargs)

@@ -1209,16 +1209,16 @@ class RecordEpisodeStub(gym.Wrapper):
 
 
 @pytest.mark.parametrize("video", [True, False])
-def test_maniskill_envs_render_on_the_ranks_gpu_only_for_a_video_of_at_most_8_envs(monkeypatch, video):
-    """torchrun rank 1 (physx_cuda:1): a video env renders on cuda:1, not ManiSkill's default (GPU 0), and its frames
-    are those of the first 8 of its 128 sub-envs, tiled 2 x 4; every other env has no render system ("none")."""
+def test_maniskill_envs_render_on_the_ranks_gpu_and_a_video_shows_at_most_8_envs(monkeypatch, video):
+    """torchrun rank 1 (physx_cuda:1): its envs render on cuda:1, not on ManiSkill's default (GPU 0), and a video env's
+    frames are those of the first 8 of its 128 sub-envs, tiled 2 x 4. (Not "none": PushT-v1 needs a render system.)"""
     record = importlib.import_module("mani_skill.utils.wrappers.record")
     monkeypatch.setattr(gym, "make", lambda env_id, num_envs, **kwargs: BatchedEnvStub(num_envs, **kwargs))
     monkeypatch.setattr(record, "RecordEpisode", RecordEpisodeStub)
     args = ppo.Args(env_id="PushCube-v1", resolved_sim_backend="physx_cuda:1", horizon=50)
     env = ppo.make_maniskill_env(args, 128, evaluation=True, video_dir="videos" if video else None)
     assert env.unwrapped.kwargs["sim_backend"] == "physx_cuda:1"
-    assert env.unwrapped.kwargs["render_backend"] == ("cuda:1" if video else "none")
+    assert env.unwrapped.kwargs["render_backend"] == "cuda:1"
     if video:
         assert env.render().shape[0] == 8 and env.video_nrows == 2
 
@@ -1326,7 +1326,7 @@ def test_the_gpu_simulation_branch_trains_with_cpu_simulation(tmp_path, monkeypa
     make, resolve, compute_gae, vec_step = gym.make, ppo.resolve_args, ppo.compute_gae, ppo.PartialResetVecEnv.step
 
     def cpu_make(env_id, **kwargs):
-        env = make(env_id, **{**kwargs, "sim_backend": "physx_cpu"})
+        env = make(env_id, **{**kwargs, "sim_backend": "physx_cpu", "render_backend": "gpu"})  # (GPU or CPU: any)
         base, evaluation = env.unwrapped, kwargs["reconfiguration_freq"] == 1
         made.append(kwargs)
         evaluate, reconfigure, reset, step = base.evaluate, base._reconfigure, env.reset, env.step
@@ -1354,8 +1354,7 @@ def test_the_gpu_simulation_branch_trains_with_cpu_simulation(tmp_path, monkeypa
     args = replace(args, stagger=False)  # (immediate partial resets: the training env's PartialResetVecEnv below)
     summary = ppo.main(replace(args, horizon=H, num_steps=K, num_minibatches=2, total_timesteps=3 * K, eval_freq=2))
 
-    assert [kwargs["sim_backend"] for kwargs in made] == ["physx_cuda:0", "physx_cuda:0"]
-    assert all(kwargs["render_backend"] == "none" for kwargs in made)
+    assert [(kwargs["sim_backend"], kwargs["render_backend"]) for kwargs in made] == [("physx_cuda:0", "cuda:0")] * 2
     training = [result for batched, reset_on_termination, result in vec_steps if batched and reset_on_termination]
     assert len(training) == 3 * K  # (no stagger advance with one env)
     # partial resets by env_idx at the time limits, and final_obs (the true last observation) only there
