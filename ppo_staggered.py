@@ -84,7 +84,7 @@ class Args:
     wandb_entity: Optional[str] = None
     """wandb entity (team)"""
     capture_video: bool = False
-    """record videos of the evaluation episodes into the run directory (ManiSkill tasks)"""
+    """record videos of the evaluation episodes of the first 8 eval envs into the run directory (ManiSkill tasks)"""
     save_model: bool = False
     """write checkpoints (ckpt_{global_step}.pt at every evaluation, final_ckpt.pt at the end)"""
     checkpoint: Optional[str] = None
@@ -295,6 +295,11 @@ def resolve_args(args: Args) -> Args:
         raise ArgsError("--evaluate needs --checkpoint PATH")
     if args.cudagraphs and (args.world_size > 1 or not (args.cuda and torch.cuda.is_available())):
         raise ArgsError("--cudagraphs: one process on a CUDA GPU only (no torchrun all-reduces or CPU work in graphs)")
+    if args.env_id == "AnymalC-Reach-v1" and args.world_size > 1:  # DDP: every rank would prompt and download it
+        from mani_skill.utils.assets.data import is_data_source_downloaded
+
+        if not is_data_source_downloaded("anymal_c"):
+            raise ArgsError("--env-id AnymalC-Reach-v1: python -m mani_skill.utils.download_asset anymal_c first")
     icd_files = glob.glob("/usr/share/vulkan/icd.d/*.json") + glob.glob("/etc/vulkan/icd.d/*.json")
     if kind == "maniskill" and sys.platform.startswith("linux") and not (icd_files or os.getenv("VK_ICD_FILENAMES")):
         raise ArgsError("ManiSkill3 needs a Vulkan driver, even for state-only simulation: bash .ci/install_system.sh")
@@ -321,16 +326,31 @@ def make_maniskill_env(args: Args, num_envs: int, evaluation: bool, video_dir: O
     from mani_skill.utils.wrappers.gymnasium import CPUGymWrapper
     from mani_skill.utils.wrappers.record import RecordEpisode
 
+    # physx_cuda:i renders on GPU i (ManiSkill's default: GPU 0 for every rank). Not "none": PushT-v1 reads render
+    # shapes as it builds its scene. CPU simulation: ManiSkill's default.
+    gpu_simulation = args.resolved_sim_backend.startswith("physx_cuda")
+    render_backend = args.resolved_sim_backend.replace("physx_", "") if gpu_simulation else "gpu"
     env_kwargs = dict(obs_mode="state", sim_backend=args.resolved_sim_backend, max_episode_steps=args.horizon)
     env_kwargs.update(reconfiguration_freq=1 if evaluation else None, render_mode="rgb_array" if video_dir else None)
-    env = gym.make(args.env_id, num_envs=num_envs, **env_kwargs)
-    if video_dir:
-        env = RecordEpisode(env, video_dir, save_trajectory=False, max_steps_per_video=args.horizon)
+    env = gym.make(args.env_id, num_envs=num_envs, render_backend=render_backend, **env_kwargs)
+    if video_dir:  # the first VIDEO_ENVS sub-envs, tiled (RecordEpisode tiles all the frames the env renders)
+        env = RecordEpisode(FirstFrames(env), video_dir, save_trajectory=False, max_steps_per_video=args.horizon)
+        env.video_nrows = int(math.sqrt(min(num_envs, VIDEO_ENVS)))
     if args.resolved_sim_backend == "physx_cpu":  # one env with numpy outputs, for a Gymnasium vector env
         env = CPUGymWrapper(env)
     if isinstance(env.unwrapped.single_action_space, gym.spaces.Dict):  # e.g. TwoRobotPickCube-v1 (one per robot)
         env = FlattenActionSpaceWrapper(env)
     return env
+
+
+VIDEO_ENVS = 8  # --capture-video records this many evaluation envs at most, as ManiSkill's baselines
+
+
+class FirstFrames(gym.Wrapper):
+    """The frames of the first VIDEO_ENVS sub-envs only (on a GPU, a tile of 128 would take ~10 GB of host memory)."""
+
+    def render(self):
+        return self.env.render()[:VIDEO_ENVS]
 
 
 class TerminationInInfo(gym.Wrapper):
@@ -407,7 +427,9 @@ def make_env(args: Args, num_envs: int, device: torch.device, evaluation: bool, 
     if args.resolved_sim_backend.startswith("physx_cuda"):
         env = make_maniskill_env(args, num_envs, evaluation, video_dir)
     else:
-        video_dirs = [video_dir and os.path.join(video_dir, f"env{i}") for i in range(num_envs)]
+        video_dirs = [
+            os.path.join(video_dir, f"env{i}") if video_dir and i < VIDEO_ENVS else None for i in range(num_envs)
+        ]
         fns = [partial(make_single_env, args, evaluation, env_video_dir) for env_video_dir in video_dirs]
         disabled = gym.vector.AutoresetMode.DISABLED
         if args.resolved_sim_backend == "physx_cpu" and num_envs > 1:  # one ManiSkill process per env
@@ -629,10 +651,12 @@ def make_agent(envs) -> nn.Module:
 
 class StopSignals:
     """DDP: Ctrl-C or SIGTERM (torchrun forwards Ctrl-C to every rank, SIGTERMs them when one dies) raises
-    KeyboardInterrupt before training; in training it is noted, and all ranks stop together at the next iteration."""
+    KeyboardInterrupt before training; in training it is noted, and all ranks stop together at the next iteration.
+    So does a rank whose launcher is gone (torchrun killed: its ranks, in sessions of their own, would train on)."""
 
     def __init__(self):
         self.requested = self.training = False
+        self.launcher = os.getppid()
         signal.signal(signal.SIGINT, self.handle)
         signal.signal(signal.SIGTERM, self.handle)
 
@@ -695,14 +719,18 @@ def ppo_loss(agent: nn.Module, minibatch: dict, args: Args) -> tuple[torch.Tenso
     unclipped) and its named statistics. STAGGER: means over the trained-on steps only (minibatch["valid"]: not waiting
     for a gate, not a next-step reset). DDP: this rank's shares of the means over all ranks (count), summed later."""
     valid = minibatch["valid"]
-    count = all_reduce_sum(valid.sum())
     _, newlogprob, entropy, newvalue = agent.get_action_and_value(minibatch["obs"], minibatch["actions"])
     logratio = newlogprob - minibatch["logprobs"]
     ratio = logratio.exp()
     advantages = minibatch["advantages"]
-    mean = all_reduce_sum(masked_mean(advantages, valid, count))
-    std = all_reduce_sum(masked_mean((advantages - mean).square(), valid, count)).sqrt()
-    advantages = (advantages - mean) / (std + 1e-8)
+    # DDP: count, sum and sum of squares of all ranks' valid advantages in one all-reduce (float64: E[A^2] - E[A]^2)
+    masked = torch.where(valid, advantages, 0.0).double()
+    shares = torch.stack([valid.sum().double(), masked.sum(), masked.square().sum()])
+    count, total, total_sq = all_reduce_sum(shares)
+    mean = total / count.clamp(min=1)
+    std = (total_sq / count.clamp(min=1) - mean.square()).clamp(min=0).sqrt()
+    advantages = (advantages - mean.float()) / (std.float() + 1e-8)
+    count = count.float()
     pg_loss1 = -advantages * ratio
     pg_loss2 = -advantages * ratio.clamp(1 - args.clip_coef, 1 + args.clip_coef)
     pg_loss = masked_mean(torch.max(pg_loss1, pg_loss2), valid, count)
@@ -726,8 +754,11 @@ def minibatch_gradients(agent: nn.Module, optimizer, args: Args, minibatch: dict
     optimizer.zero_grad(set_to_none=False)
     loss, stats = ppo_loss(agent, minibatch, args)
     loss.backward()
-    for parameter in agent.parameters():  # DDP: summed (the losses are shares): one rank's gradient on all rows
-        all_reduce_sum(parameter.grad)
+    if dist.is_initialized():  # DDP: summed in one flat all-reduce (the losses are shares): one rank's gradient
+        grads = [parameter.grad for parameter in agent.parameters()]
+        flat = all_reduce_sum(torch.cat([grad.flatten() for grad in grads]))
+        for grad, summed in zip(grads, flat.split([grad.numel() for grad in grads])):
+            grad.copy_(summed.view_as(grad))
     nn.utils.clip_grad_norm_(agent.parameters(), args.max_grad_norm)
     return stats
 
@@ -750,7 +781,8 @@ def ppo_update(gradients, optimizer, batch: dict, args: Args) -> dict:
         # DDP: the KL of all ranks decides, so that every rank stops at the same epoch.
         if args.target_kl > 0 and bool(all_reduce_sum(stats["approx_kl"]) > args.target_kl):
             break
-    return {name: all_reduce_sum(total) / num_steps_taken for name, total in totals.items()}
+    means = all_reduce_sum(torch.stack(list(totals.values()))) / num_steps_taken  # DDP: one all-reduce for all
+    return dict(zip(totals, means))
 
 
 @torch.no_grad()
@@ -813,10 +845,13 @@ def main(args: Args) -> dict:
         # ---- build: envs, agent, optimizer, observation normalizer (and the checkpoint to resume or evaluate) ------
         envs = None if args.evaluate else make_env(args, N, device, evaluation=False)
         video_dir = str(run_dir / "videos") if args.capture_video and rank == 0 else None
-        eval_envs = make_env(args, args.num_eval_envs, device, evaluation=True, video_dir=video_dir)
-        agent = make_agent(eval_envs).to(device)
-        optimizer = torch.optim.Adam(agent.parameters(), lr=args.learning_rate, eps=1e-5)  # Table 3: Adam, eps 1e-5
-        obs_rms = RunningMeanStd(eval_envs.single_observation_space.shape, device, enabled=not is_toy)  # Table 3
+        if rank == 0 or envs is None:  # DDP: rank 0 alone evaluates
+            eval_envs = make_env(args, args.num_eval_envs, device, evaluation=True, video_dir=video_dir)
+        spaces = envs if envs is not None else eval_envs
+        agent = make_agent(spaces).to(device)
+        # Table 3: Adam, eps 1e-5; on CUDA one fused kernel per step (the step is outside --cudagraphs' graph)
+        optimizer = torch.optim.Adam(agent.parameters(), lr=args.learning_rate, eps=1e-5, fused=device.type == "cuda")
+        obs_rms = RunningMeanStd(spaces.single_observation_space.shape, device, enabled=not is_toy)  # Table 3
         if args.checkpoint:
             global_step = start_step = load_checkpoint(args.checkpoint, agent, optimizer, obs_rms, device)
             print(f"resuming from {args.checkpoint} at global step {global_step}")
@@ -904,7 +939,8 @@ def main(args: Args) -> dict:
             stop.training = True
 
         for iteration in range(global_step // (args.batch_size * args.world_size) + 1, args.num_iterations + 1):
-            if stop and all_reduce_sum(torch.tensor(float(stop.requested), device=device)) > 0:  # DDP: any rank's
+            stopping = stop and (stop.requested or os.getppid() != stop.launcher)  # (launcher gone: torchrun killed)
+            if stop and all_reduce_sum(torch.tensor(float(stopping), device=device)) > 0:  # DDP: any rank's
                 raise KeyboardInterrupt  # Ctrl-C stops every rank here
             # ---- 1. evaluate and checkpoint, every --eval-freq iterations (before the rollout, as ManiSkill's ppo.py)
             if args.eval_freq > 0 and (iteration - 1) % args.eval_freq == 0:
@@ -1026,7 +1062,9 @@ def main(args: Args) -> dict:
         if args.world_size > 1:  # DDP: every rank holds rank 0's weights and observation statistics: checked here
             weights = nn.utils.parameters_to_vector(agent.parameters()).detach()
             state = torch.cat([weights, obs_rms.totals().flatten().float()])
-            difference = (state - all_reduce_sum(state * (rank == 0))).abs().max()  # (the sum: rank 0's)
+            state_of_rank_0 = state.clone()
+            dist.broadcast(state_of_rank_0, src=0)
+            difference = (state - state_of_rank_0).abs().max()
             dist.all_reduce(difference, op=dist.ReduceOp.MAX)
             summary["ddp/max_weight_difference"] = float(difference)
         log_evaluation("final_ckpt.pt")

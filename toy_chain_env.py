@@ -371,9 +371,7 @@ class ToyChainContinuousConfig(ToyChainConfig):
         if self.action_dim < 1:
             raise ValueError(f"--toy.action-dim {self.action_dim}: must be >= 1")
         if not 0.0 < self.target_radius <= 2.0:
-            raise ValueError(
-                f"--toy.target-radius {self.target_radius}: must be in (0, 2] (RMS distance in [-1, 1]^d)"
-            )
+            raise ValueError(f"--toy.target-radius {self.target_radius}: must be in (0, 2] (RMS distance in [-1, 1]^d)")
 
 
 def draw_target_vectors(config: ToyChainContinuousConfig) -> torch.Tensor:

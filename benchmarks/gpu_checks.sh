@@ -10,10 +10,12 @@
 # copy, and the motion-planning and git packages nothing imports. No ManiSkill scene can be built from it; the
 # PhysX GPU library (physx_cuda) is not in any wheel: SAPIEN downloads it from GitHub on first use.
 #
-# run: in the order of their value per minute, each under its own time limit (seconds, env vars):
-#   T_TESTS (300)  every CUDA test case (pytest -k cuda) except those that simulate ManiSkill on the GPU
-#   T_SPEED (200)  benchmarks/speed.py --skip-maniskill: ppo_staggered's ToyChain speed on the CPU and on CUDA
-#   T_VER (240)    benchmarks/ver_throughput.py --experiment gpu at one spread level, one repeat
+# run: in one call of at most 9 minutes, each step under its own time limit (seconds, env vars):
+#   T_GRAPHS (120) ppo_staggered's --cudagraphs equality test, first and on its own, so that it completes
+#   T_TESTS (180)  every other CUDA test case (pytest -k cuda) except those that simulate ManiSkill on the GPU
+#   T_SCALE (180)  benchmarks/speed.py --scaling 512 4096 32768: ppo_staggered on ToyChain (K = 5), training steps/s
+#                  on the CPU vs eager CUDA vs --cudagraphs, side by side (speed_scaling_{gpu}_{date}.md/json)
+#   then, with what is left of BUDGET (520): benchmarks/ver_throughput.py --experiment gpu at one spread level
 # Logs and results go to $OUT (at most 8 files come back from there).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -53,15 +55,23 @@ run() {
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
     python3 -c "import torch, tensordict, mani_skill.envs; print(torch.__version__, torch.cuda.get_device_name(0))"
   } 2>&1 | tee "$OUT/env.log"
-  timeout "${T_TESTS:-300}" python3 -m pytest tests -q -rs -p no:cacheprovider --durations=0 \
-    -k "cuda and not stackcube_preset and not simulation_runs_on" 2>&1 | tee "$OUT/cuda_tests.log"
+  timeout "${T_GRAPHS:-120}" python3 -m pytest tests/test_ppo_staggered.py -q -rs -p no:cacheprovider --durations=0 \
+    -k "cudagraphs" 2>&1 | tee -a "$OUT/cuda_tests.log"
+  echo "cudagraphs test done at $((SECONDS - t0)) s"
+  timeout "${T_TESTS:-180}" python3 -m pytest tests -q -rs -p no:cacheprovider --durations=0 \
+    -k "cuda and not cudagraphs and not stackcube_preset and not simulation_runs_on" 2>&1 | tee -a "$OUT/cuda_tests.log"
   echo "tests done at $((SECONDS - t0)) s"
   mkdir -p "$OUT/bench"
-  timeout "${T_SPEED:-200}" python3 benchmarks/speed.py --skip-maniskill --repeats 3 --output "$OUT/bench" 2>&1 |
-    tee "$OUT/speed.log"
+  timeout "${T_SCALE:-180}" python3 benchmarks/speed.py --scaling 512 4096 32768 --iterations 12 \
+    --output "$OUT/bench" 2>&1 | tee "$OUT/speed.log"
   echo "speed done at $((SECONDS - t0)) s"
-  timeout "${T_VER:-240}" python3 benchmarks/ver_throughput.py --experiment gpu --spreads 1.5 --repeats 1 \
-    --gpu-ranks 2 --output "$OUT/bench" 2>&1 | tee "$OUT/ver.log"
+  local left=$((${BUDGET:-520} - (SECONDS - t0)))
+  if [ "$left" -ge 60 ]; then
+    timeout "$left" python3 benchmarks/ver_throughput.py --experiment gpu --spreads 1.5 --repeats 1 \
+      --gpu-ranks 2 --output "$OUT/bench" 2>&1 | tee "$OUT/ver.log"
+  else
+    echo "ver_throughput skipped: ${left} s left" | tee "$OUT/ver.log"
+  fi
   echo "all done at $((SECONDS - t0)) s"
 }
 

@@ -6,6 +6,8 @@
      steps/s of ppo_staggered (rollout + PPO update), staggered and naive.
   3. StackCube-v1, CPU simulation (physx_cpu, one worker process per env): raw env steps/s vs training steps/s at
      the same N, staggered.
+With --scaling N1 N2 ... instead: ToyChain training steps/s (K = 5) at each N on the CPU, on CUDA eagerly and with
+--cudagraphs, side by side (speed_scaling_{gpu}_{date}.md and .json).
 Each on the CPU, and on CUDA as well for 1-2 when a GPU is present. Training steps/s are N*K / (rollout + update
 time) per iteration, the first iteration left out (warm-up); evaluation time is not counted.
 
@@ -13,6 +15,7 @@ Writes benchmarks/results/speed.md and speed.json.
 
   python benchmarks/speed.py                 # about 5 minutes on 2 CPU cores
   python benchmarks/speed.py --maniskill-envs 2 4
+  python benchmarks/speed.py --scaling 512 4096 32768   # on a GPU machine (gpu_checks.sh run)
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import platform
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -45,6 +48,10 @@ class Options:
     """numbers of CPU-simulated StackCube-v1 envs (worker processes) to measure"""
     skip_maniskill: bool = False
     """leave out the StackCube-v1 measurements"""
+    scaling: list[int] = field(default_factory=list)
+    """measure only ToyChain training at these numbers of envs: CPU vs eager CUDA vs --cudagraphs"""
+    iterations: int = 20
+    """--scaling: iterations of each run (the median of all but the first is reported)"""
     output: str = str(RESULTS)
     """where speed.md and speed.json go"""
 
@@ -132,9 +139,55 @@ def raw_maniskill_sps(num_envs: int, repeats: int) -> float:
         envs.close()
 
 
+def scaling(options: Options, out: Path) -> None:
+    """ToyChain (Table 2's K = 5) at each N of --scaling: training steps/s on the CPU, on CUDA and with --cudagraphs."""
+    tmp = tempfile.mkdtemp(prefix="speed_scaling_")
+    modes = {"cpu": (False, False), "cuda": (True, False), "cudagraphs": (True, True)}
+    if not torch.cuda.is_available():
+        modes = {"cpu": (False, False)}
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
+    date = time.strftime("%Y-%m-%d")
+    results = {"gpu": gpu, "date": date, "machine": f"{torch.get_num_threads()} CPU threads, torch {torch.__version__}"}
+    results["rows"] = []
+    for num_envs in options.scaling:
+        row = {"num_envs": num_envs}
+        for mode, (cuda, cudagraphs) in modes.items():
+            args = ppo.Args(env_id="ToyChain-v0", cuda=cuda, cudagraphs=cudagraphs, num_envs=num_envs, output_dir=tmp)
+            args = replace(args, total_timesteps=num_envs * 5 * options.iterations, eval_freq=10**6)
+            measured = training_sps(args, float("nan"))
+            row[f"{mode}_sps"] = measured["train_sps"]
+            row[f"{mode}_update_share"] = measured["update_share"]
+        results["rows"].append(row)
+        print(row, flush=True)
+    name = f"speed_scaling_{gpu.replace(' ', '_')}_{date}"
+    (out / f"{name}.json").write_text(json.dumps(results, indent=1))
+    lines = [
+        f"# ppo_staggered on ToyChain (K = 5): CPU vs CUDA vs --cudagraphs ({gpu}, {date})",
+        "",
+        f"`python benchmarks/speed.py --scaling ...`; {results['machine']}. Training steps/s = N*K / (rollout + update "
+        f"time), the median of {options.iterations - 1} iterations after the first; evaluation excluded.",
+        "",
+        "| N | CPU | CUDA (eager) | CUDA --cudagraphs | cudagraphs / eager | update share (eager, graphs) |",
+        "|---|---|---|---|---|---|",
+    ]
+    for row in results["rows"]:
+        eager, graphs = row.get("cuda_sps", float("nan")), row.get("cudagraphs_sps", float("nan"))
+        shares = (
+            f"{row.get('cuda_update_share', float('nan')):.0%}, {row.get('cudagraphs_update_share', float('nan')):.0%}"
+        )
+        lines.append(
+            f"| {row['num_envs']:,} | {row['cpu_sps']:,.0f} | {eager:,.0f} | {graphs:,.0f} | {graphs / eager:.1f}x "
+            f"| {shares} |"
+        )
+    (out / f"{name}.md").write_text("\n".join(lines + [""]))
+    print((out / f"{name}.md").read_text())
+
+
 def main(options: Options):
     out = Path(options.output)
     out.mkdir(parents=True, exist_ok=True)
+    if options.scaling:
+        return scaling(options, out)
     tmp = tempfile.mkdtemp(prefix="speed_")
     devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
     results: dict = {

@@ -5,6 +5,7 @@ of 2 ranks x 64 envs against 1 rank x 128 envs, the observation statistics merge
 checkpoint resumed on 2 ranks with identical weights, a killed rank, Ctrl-C."""
 
 import glob
+import importlib
 import json
 import math
 import os
@@ -15,6 +16,7 @@ import subprocess
 import sys
 import time
 import typing
+from dataclasses import replace
 from datetime import timedelta
 from functools import partial
 
@@ -1286,3 +1288,191 @@ def test_ctrl_c_under_torchrun_ends_every_rank_and_rank_0_writes_the_summary_and
     assert summary["interrupted"] is True and summary["global_step"] > 0
     ckpt = torch.load(os.path.join(run_dir, "final_ckpt.pt"), weights_only=True)
     assert ckpt["global_step"] == summary["global_step"]
+
+
+# ---- The GPU path, checked on the CPU ---------------------------------------------------------------------------------
+class BatchedEnvStub(gym.Env):
+    """What gym.make returns for a batched ManiSkill task, reduced to the kwargs it got and one frame per sub-env."""
+
+    def __init__(self, num_envs, **kwargs):
+        self.num_envs, self.kwargs = num_envs, kwargs
+        self.single_action_space = gym.spaces.Box(-1.0, 1.0, (2,))
+
+    def render(self):
+        return np.zeros((self.num_envs, 4, 4, 3), dtype=np.uint8)
+
+
+class RecordEpisodeStub(gym.Wrapper):
+    def __init__(self, env, output_dir, **kwargs):
+        super().__init__(env)
+
+
+@pytest.mark.parametrize("video", [True, False])
+def test_maniskill_envs_render_on_the_ranks_gpu_and_a_video_shows_at_most_8_envs(monkeypatch, video):
+    """torchrun rank 1 (physx_cuda:1): its envs render on cuda:1, not on ManiSkill's default (GPU 0), and a video env's
+    frames are those of the first 8 of its 128 sub-envs, tiled 2 x 4. (Not "none": PushT-v1 needs a render system.)"""
+    record = importlib.import_module("mani_skill.utils.wrappers.record")
+    monkeypatch.setattr(gym, "make", lambda env_id, num_envs, **kwargs: BatchedEnvStub(num_envs, **kwargs))
+    monkeypatch.setattr(record, "RecordEpisode", RecordEpisodeStub)
+    args = ppo.Args(env_id="PushCube-v1", resolved_sim_backend="physx_cuda:1", horizon=50)
+    env = ppo.make_maniskill_env(args, 128, evaluation=True, video_dir="videos" if video else None)
+    assert env.unwrapped.kwargs["sim_backend"] == "physx_cuda:1"
+    assert env.unwrapped.kwargs["render_backend"] == "cuda:1"
+    if video:
+        assert env.render().shape[0] == 8 and env.video_nrows == 2
+
+
+def test_cpu_simulation_records_the_first_8_eval_envs(monkeypatch):
+    """CPU simulation (one env per process): of 12 evaluation envs, the first 8 record a video each."""
+    video_dirs = []
+
+    def capture(fns, **kwargs):
+        video_dirs.extend(fn.args[2] for fn in fns)
+        raise InterruptedError  # (no env is built)
+
+    monkeypatch.setattr(gym.vector, "AsyncVectorEnv", capture)
+    args = ppo.Args(env_id="PushCube-v1", resolved_sim_backend="physx_cpu", horizon=50)
+    with pytest.raises(InterruptedError):
+        ppo.make_env(args, 12, torch.device("cpu"), evaluation=True, video_dir="videos")
+    assert video_dirs == [f"videos/env{i}" for i in range(8)] + [None] * 4
+
+
+def test_anymal_under_torchrun_is_refused_early_while_its_robot_is_not_downloaded(monkeypatch):
+    """Every rank would ask (input()) and download the robot at the same moment: refused, naming the command."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    data = importlib.import_module("mani_skill.utils.assets.data")
+    monkeypatch.setattr(data, "is_data_source_downloaded", lambda uid: uid != "anymal_c")
+    with pytest.raises(ppo.ArgsError, match="python -m mani_skill.utils.download_asset anymal_c"):
+        ppo.resolve_args(ppo.Args(env_id="AnymalC-Reach-v1", cuda=False))
+    monkeypatch.setenv("WORLD_SIZE", "1")  # one process: ManiSkill's own prompt
+    assert ppo.resolve_args(ppo.Args(env_id="AnymalC-Reach-v1", cuda=False)).world_size == 1
+
+
+def counted_update_of_rank(rank, world_size, port, out_dir):
+    """update_of_rank, counting the all-reduces of the update."""
+    calls = []
+    all_reduce = torch.distributed.all_reduce
+    torch.distributed.all_reduce = lambda tensor, *a, **kw: calls.append(tensor.numel()) or all_reduce(tensor, *a, **kw)
+    update_of_rank(rank, world_size, port, out_dir)
+    json.dump(calls, open(os.path.join(out_dir, f"all_reduces_{rank}.json"), "w"))
+
+
+def test_an_update_under_torchrun_makes_two_all_reduces_per_minibatch(tmp_path):
+    """The 2-rank update of the test above (2 minibatches, stopped by the KL after epoch 1): per minibatch one
+    all-reduce of the loss's three scalar shares and one of all gradients, flat; then the KL and the statistics."""
+    mp.spawn(counted_update_of_rank, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
+    num_parameters = sum(p.numel() for p in ppo.ChainAgent(num_blocks=10, num_actions=4).parameters())
+    for rank in (0, 1):
+        calls = json.load(open(tmp_path / f"all_reduces_{rank}.json"))
+        assert calls == [3, num_parameters, 3, num_parameters, 1, 6], calls
+
+
+def main_of_rank(rank, world_size, port, out_dir):
+    """ppo_staggered's main as torchrun's rank `rank` (gloo) on a small ToyChain run; records which envs it built."""
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size))
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    built, make_env = [], ppo.make_env
+    ppo.make_env = lambda args, num_envs, device, evaluation, **kw: (
+        built.append(evaluation) or make_env(args, num_envs, device, evaluation, **kw)
+    )
+    args = ppo.Args(env_id="ToyChain-v0", cuda=False, output_dir=out_dir, num_envs=16, num_eval_envs=4)
+    summary = ppo.main(replace(args, toy=ToyChainConfig(horizon=20), total_timesteps=2 * 16 * 5 * 2, eval_freq=1))
+    json.dump({"built": built, "summary": summary}, open(os.path.join(out_dir, f"main_{rank}.json"), "w"))
+
+
+def test_under_torchrun_rank_0_alone_builds_an_evaluation_env(tmp_path):
+    mp.spawn(main_of_rank, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
+    ranks = [json.load(open(tmp_path / f"main_{rank}.json")) for rank in (0, 1)]
+    assert ranks[0]["built"] == [False, True] and ranks[1]["built"] == [False]
+    assert ranks[0]["summary"]["ddp/max_weight_difference"] == 0.0 and "eval/return" in ranks[0]["summary"]
+
+
+def test_ranks_whose_torchrun_is_killed_stop_and_rank_0_writes_the_summary(tmp_path):
+    """kill -9 of torchrun leaves its ranks (sessions of their own) as orphans: each sees its parent change and
+    stops at the next iteration, as at Ctrl-C; rank 0 writes summary.json. Whatever happens, nothing is left."""
+    proc = run_torchrun(TOY_SMALL + ["--total-timesteps", str(10**8), "--save-model", "--eval-freq", "1"], tmp_path)
+    ranks = {}
+    try:
+        ranks = ranks_of(proc)
+        deadline = time.time() + 300
+        while time.time() < deadline and len(glob.glob(os.path.join(str(tmp_path), "*", "ckpt_*.pt"))) < 3:
+            time.sleep(0.2)  # a few updates made
+        assert len(ranks) == 2 and proc.poll() is None
+        proc.kill()
+        out, err = proc.communicate(timeout=120)  # (the pipes close once both ranks are gone)
+        deadline = time.time() + 30
+        while time.time() < deadline and any(alive(pid) for pid in ranks.values()):
+            time.sleep(0.1)
+        assert not [pid for pid in ranks.values() if alive(pid)], "the ranks trained on without their launcher"
+    finally:
+        for pid in [*ranks.values(), proc.pid]:
+            try:
+                os.killpg(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        proc.wait()
+    summary = json.load(open(os.path.join(only_run_dir(tmp_path), "summary.json")))
+    assert summary["interrupted"] is True and summary["global_step"] > 0, out[-3000:] + err[-3000:]
+
+
+def test_the_gpu_simulation_branch_trains_with_cpu_simulation(tmp_path, monkeypatch):
+    """The branch a GPU run takes (one batched ManiSkill env in this process, PartialResetVecEnv resetting by env_idx),
+    with gym.make given physx_cpu instead of physx_cuda:0 and one env. PushCube-v1, H = 6, K = 4, 3 iterations: the
+    time limits fall at training steps 6 (iteration 2, t = 1) and 12 (iteration 3, t = 3). The task is made to
+    succeed exactly at its time limit, so a success read after the reset would be lost."""
+    H, K = 6, 4
+    made, reconfigurations, env_resets, raw_steps, vec_steps, gae_calls = [], [], [], [], [], []
+    make, resolve, compute_gae, vec_step = gym.make, ppo.resolve_args, ppo.compute_gae, ppo.PartialResetVecEnv.step
+
+    def cpu_make(env_id, **kwargs):
+        env = make(env_id, **{**kwargs, "sim_backend": "physx_cpu", "render_backend": "gpu"})  # (GPU or CPU: any)
+        base, evaluation = env.unwrapped, kwargs["reconfiguration_freq"] == 1
+        made.append(kwargs)
+        evaluate, reconfigure, reset, step = base.evaluate, base._reconfigure, env.reset, env.step
+        base.evaluate = lambda: {**evaluate(), "success": base.elapsed_steps >= H}
+        base._reconfigure = lambda options: reconfigurations.append(evaluation) or reconfigure(options)
+        if not evaluation:
+            env.reset = lambda **kw: env_resets.append(kw.get("options")) or reset(**kw)
+            env.step = lambda action: raw_steps.append(step(action)) or raw_steps[-1]
+        return env
+
+    def recording_vec_step(self, actions):
+        result = vec_step(self, actions)
+        vec_steps.append((self.batched_maniskill, self.reset_on_termination, result))
+        return result
+
+    def recording_compute_gae(rewards, values, next_values, no_bootstrap, dones, gamma, gae_lambda):
+        gae_calls.append([tensor.clone() for tensor in (rewards, values, next_values, no_bootstrap, dones)])
+        return compute_gae(rewards, values, next_values, no_bootstrap, dones, gamma, gae_lambda)
+
+    monkeypatch.setattr(gym, "make", cpu_make)
+    monkeypatch.setattr(ppo, "resolve_args", lambda args: replace(resolve(args), resolved_sim_backend="physx_cuda:0"))
+    monkeypatch.setattr(ppo.PartialResetVecEnv, "step", recording_vec_step)
+    monkeypatch.setattr(ppo, "compute_gae", recording_compute_gae)
+    args = ppo.Args(env_id="PushCube-v1", cuda=False, output_dir=str(tmp_path), num_envs=1, num_eval_envs=1)
+    args = replace(args, stagger=False)  # (immediate partial resets: the training env's PartialResetVecEnv below)
+    summary = ppo.main(replace(args, horizon=H, num_steps=K, num_minibatches=2, total_timesteps=3 * K, eval_freq=2))
+
+    assert [(kwargs["sim_backend"], kwargs["render_backend"]) for kwargs in made] == [("physx_cuda:0", "cuda:0")] * 2
+    training = [result for batched, reset_on_termination, result in vec_steps if batched and reset_on_termination]
+    assert len(training) == 3 * K  # (no stagger advance with one env)
+    # partial resets by env_idx at the time limits, and final_obs (the true last observation) only there
+    assert [step for step, (_, _, _, truncated, _) in enumerate(training, 1) if truncated.any()] == [6, 12]
+    assert [options for options in env_resets if options] == [{"env_idx": torch.tensor([0])}] * 2
+    for step in (6, 12):
+        raw_obs, vec_obs, info = raw_steps[step - 1][0], training[step - 1][0], training[step - 1][4]
+        torch.testing.assert_close(info["final_obs"], raw_obs)
+        assert not torch.equal(vec_obs, raw_obs)  # the reset one
+        assert info["success"].tolist() == [True]  # read before the reset
+    assert ["final_obs" in info for *_, info in training].count(True) == 2
+    # V(final obs) bootstrapped at the time limit (t = 1 of iteration 2), V(next obs) elsewhere
+    rewards, values, next_values, no_bootstrap, dones = gae_calls[1]
+    assert dones[:, 0].tolist() == [False, True, False, False] and not no_bootstrap.any()
+    assert next_values[1, 0] != values[2, 0]
+    torch.testing.assert_close(next_values[[0, 2], 0], values[[1, 3], 0])
+    # the episodes succeeded at their last step: read before the reset, in training and in evaluation
+    assert summary["charts/success_rate"] == 1.0 and summary["eval/success_at_end"] == 1.0
+    # the evaluation env builds a new scene at its every reset (3 evaluations: iterations 1 and 3, the end), the
+    # training env never after its creation
+    assert reconfigurations.count(False) == 0 and reconfigurations.count(True) >= 3
+    assert json.load(open(os.path.join(summary["run_dir"], "summary.json")))["global_step"] == 3 * K
