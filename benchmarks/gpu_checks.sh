@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The checks a lent GPU machine (no network, CUDA torch already installed, Python 3.12) runs, in one call.
+# The checks a GPU machine (no network, CUDA torch already installed, Python 3.12) runs, in one call.
 #
 #   bash benchmarks/gpu_checks.sh pack   # here, on the machine with network: writes .whl/site.tar.xz (about 40 MB)
 #   bash benchmarks/gpu_checks.sh run    # there, with .whl carried: unpacks, then runs the checks into $OUT
