@@ -888,7 +888,7 @@ def test_defaults_follow_habitat_lab_and_conventions():
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        (dict(num_envs=3, num_steps=7, num_minibatches=4), "--num-minibatches 4 equal minibatches"),
+        (dict(num_envs=3, num_steps=7, num_minibatches=4), "--num-minibatches 4: must divide the batch"),
         (dict(env_id="NoSuchEnv-v9"), "NoSuchEnv-v9"),
         (dict(toy=ToyChainWorkerConfig(horizon=52)), "--toy.horizon"),
         (dict(toy=ToyChainWorkerConfig(slow_env_factor=0.0)), "--toy.slow-env-factor"),
