@@ -1399,7 +1399,7 @@ def test_ctrl_c_during_start_up_writes_the_summary(tmp_path):
 @pytest.mark.parametrize(
     "flags, message",
     [
-        (["--num-envs", "3", "--num-steps", "7"], "error: the batch T*N = 7*3 = 21 does not split"),
+        (["--num-envs", "3", "--num-steps", "7"], "error: --num-minibatches 4: must divide the batch T*N = 7*3 = 21"),
         (["--num-envs", "0"], "error: --num-envs 0: must be >= 1"),  # (it hung)
         (["--num-steps", "0"], "error: --num-steps 0: must be >= 1"),
         (["--checkpoint", "no_such_checkpoint.pt"], "error: --checkpoint no_such_checkpoint.pt: no such file"),
