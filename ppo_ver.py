@@ -3,34 +3,26 @@
 Paper: "VER: Scaling On-Policy RL Leads to the Emergence of Navigation in Embodied Rearrangement",
 Erik Wijmans, Irfan Essa, Dhruv Batra (NeurIPS 2022), arXiv:2210.05064.
 
-Batched on-policy RL waits for the slowest environment twice: at every step (action-level stragglers) and at the
-end of every rollout of T steps per env (episode-level stragglers). VER removes both waits while staying on-policy:
-env workers (processes) step their envs independently and write results into shared memory; the main process (the
-inference worker) batches whatever observations are waiting (dynamic batching) and sends actions back; a rollout
-ends as soon as T x N steps have been collected in total, however many each env contributed (fast envs contribute
-more), and actions still being simulated then are carried into the next rollout. Learning is PPO on sequences of
-variable length, corrected for the biased sampling by truncated importance weights. With torchrun, every process
-(rank) collects and learns (DD-PPO), gradients are all-reduced, and stragglers among the ranks are preempted.
+Batched on-policy RL waits for the slowest env at every step and at the end of every rollout. VER removes both waits
+while staying on-policy: env workers step their envs independently into shared memory; the main process (the inference
+worker) batches whatever observations are waiting (dynamic batching); a rollout ends once T x N steps are collected in
+total, however many each env gave, and actions still in flight are carried into the next rollout. PPO learns on the
+variable-length sequences, weighted by truncated importance weights. Under torchrun every rank collects and learns
+(DD-PPO), and stragglers among the ranks are preempted.
 
 Map from the paper to this file
-  Sec. 2.1, Fig. 2   env_worker, SharedSlots, EnvWorkers (processes, shared CPU memory, pipes); Collector (the main
-                     process is the inference worker: dynamic batching with a minimum batch size)
-  Sec. 2.2 VER       Collector.collect (T x N steps per rollout, no per-env quota); Collector.start_next_rollout
-                     (inflight actions carried over); --no-variable-experience (NoVER), --sync (SyncOnRL, DD-PPO)
+  Sec. 2.1, Fig. 2   env_worker, SharedSlots, EnvWorkers; Collector (the inference worker, dynamic batching)
+  Sec. 2.2 VER       Collector.collect (T x N steps, no per-env quota), Collector.start_next_rollout (inflight
+                     actions); --no-variable-experience (NoVER), --sync (SyncOnRL, DD-PPO's collection)
   Sec. 2.2, Fig. 3B  build_sequences, make_minibatches (shuffle sequences, cut into equal-size minibatches)
   Sec. 2.2, Fig. 3C  pack_layout, Agent.evaluate (LSTM over a PackedSequence, each piece from its stored state)
   GAE                compute_gae_packed (over sequences split at rollout and episode boundaries)
-  Sec. 4 "Training"  importance_weights (truncated at 1.0), ppo_loss (weighted losses, learned entropy coef.),
-                     ppo_update
-  Sec. 2.3           allreduce_gradients (DD-PPO), optimal_preemption_time (argmax_S S/(Time(S)+LT)), ver_stop_rule,
-                     fill_from_previous (a preempted rank's batch is filled with the previous rollout's experience);
-                     --sync under torchrun preempts with DD-PPO's own rule instead (--sync-frac)
-  Not in VER         RunningMeanStd (obs_rms): observation normalization (running mean/std, as ppo_staggered.py /
-                     Table 3 of the staggered-resets paper; ManiSkill tasks only)
+  Sec. 4 "Training"  importance_weights (truncated at 1.0), ppo_loss (learned entropy coefficient), ppo_update
+  Sec. 2.3           allreduce_gradients, optimal_preemption_time (argmax_S S/(Time(S)+LT)), ver_stop_rule,
+                     fill_from_previous; ddppo_stop_rule (--sync under torchrun, --sync-frac)
+  Not in VER         RunningMeanStd (obs_rms): observation normalization as ppo_staggered.py, Box observations only
 Autoreset (autoreset_modes.txt): none in the collector. Each env worker resets its own env in the step that ends an
 episode and reports the true last observation with the reset one (ToyChain runs in same_step mode for that).
---bootstrap-at-done (CONVENTIONS.md): `truncated` bootstraps V(true last observation) at time limits and 0 at
-terminations; `always` bootstraps V(true last observation) at every episode end (ManiSkill's default).
 
 Examples
   python ppo_ver.py --toy.step-time-mean 0.004 --toy.step-time-spread 1  # VER, heterogeneous simulation time
@@ -105,8 +97,7 @@ class Args:
     toy: ToyChainWorkerConfig = field(default_factory=ToyChainWorkerConfig)
     """ToyChain-v0 settings (the step-time and straggler options make its simulation time heterogeneous, VER Sec. 2)"""
     bootstrap_at_done: Optional[Literal["always", "truncated"]] = None
-    """what an episode end bootstraps (CONVENTIONS.md): V(true last obs) always, or only at truncations (0 at
-    terminations) (default: ToyChain truncated; ManiSkill always)"""
+    """V(true last obs) at every episode end, or at truncations only (default: ToyChain truncated; ManiSkill always)"""
 
     # ---- PPO ------------------------------------------------------------------------------------------------------
     total_timesteps: Optional[int] = None
@@ -128,8 +119,7 @@ class Args:
     ent_coef: Optional[float] = None
     """entropy bonus coefficient, >= 0; with --learned-ent-coef its start (default: ToyChain 0.01; ManiSkill 0)"""
     learned_ent_coef: bool = False
-    """learn the entropy coefficient alpha in [1e-4, 1] towards --target-entropy
-    (Sec. 4: alpha ([H]_sg - lambda) - [alpha]_sg H)"""
+    """learn the entropy coefficient alpha in [1e-4, 1] towards --target-entropy (Sec. 4)"""
     target_entropy: float = 0.0
     """lambda: the minimum policy entropy that the learned coefficient enforces (Sec. 4 sets 0)"""
     vf_coef: float = 0.5
@@ -143,23 +133,19 @@ class Args:
 
     # ---- VER (Sec. 2), and DD-PPO under torchrun (Sec. 2.3) ----------------------------------------------------------
     variable_experience: bool = True
-    """variable experience rollout: T x N steps per rollout from any envs (Sec. 2.2); --no-variable-experience is
-    NoVER: the same workers and dynamic batching, but exactly T steps from every env"""
+    """VER: T x N steps per rollout from any envs (Sec. 2.2); --no-variable-experience is NoVER: T from every env"""
     sync: bool = False
     """SyncOnRL (DD-PPO's collection): step all envs, wait for all of them, then act; implies NoVER"""
     inference_min_batch: Optional[int] = None
-    """dynamic batching: act once this many envs are waiting (1 to N), or after half a policy step's time
-    (default: N / 1.5, as habitat-lab; N with --sync)"""
+    """dynamic batching: act once this many envs are waiting (default: N / 1.5, as habitat-lab; N with --sync)"""
     sync_frac: float = 0.6
-    """DD-PPO's preemption rule (--sync under torchrun), in [0, 1]: a rank stops collecting once this fraction of the
-    ranks have finished their rollout (and it has a quarter of its own)"""
+    """DD-PPO's preemption (--sync under torchrun), in [0, 1]: stop once this fraction of the ranks have finished"""
 
     # ---- evaluation -------------------------------------------------------------------------------------------------
     eval_freq: int = 10
     """evaluate every this many iterations (and at the end); 0 = only at the end"""
     num_eval_episodes: int = 16
-    """evaluation episodes, >= 1 (deterministic policy, one env in the main process, one episode after another;
-    ToyChain: no step delays)"""
+    """evaluation episodes, >= 1 (deterministic policy, one env in the main process; ToyChain: no step delays)"""
 
     # ---- filled in by resolve_args ------------------------------------------------------------------------------
     batch_size: tyro.conf.Suppress[int] = 0
@@ -204,9 +190,7 @@ class WorkerError(RuntimeError):
 
 # ---- Argument resolution: presets, derived sizes, checks (all before any env or process starts) ----------------------
 def check_domains(args: Args) -> None:
-    """Every numeric flag within its domain (presets filled in), else ArgsError "--flag VALUE: must be DOMAIN". The
-    --toy.* flags are checked by ToyChainWorkerConfig.validate (resolve_args)."""
-    in_unit = "in [0, 1]"
+    """Every numeric flag within its domain (presets filled in), else ArgsError "--flag VALUE: must be DOMAIN"."""
     rows = [  # (flag, value, within its domain, the domain)
         ("--seed", args.seed, args.seed >= 0, ">= 0"),
         ("--num-envs", args.num_envs, args.num_envs >= 1, ">= 1"),
@@ -214,8 +198,8 @@ def check_domains(args: Args) -> None:
         ("--total-timesteps", args.total_timesteps, args.total_timesteps >= 1, ">= 1"),
         ("--learning-rate", args.learning_rate, args.learning_rate > 0, "> 0"),
         ("--num-steps", args.num_steps, args.num_steps >= 1, ">= 1"),
-        ("--gamma", args.gamma, 0 <= args.gamma <= 1, in_unit),
-        ("--gae-lambda", args.gae_lambda, 0 <= args.gae_lambda <= 1, in_unit),
+        ("--gamma", args.gamma, 0 <= args.gamma <= 1, "in [0, 1]"),
+        ("--gae-lambda", args.gae_lambda, 0 <= args.gae_lambda <= 1, "in [0, 1]"),
         ("--num-minibatches", args.num_minibatches, args.num_minibatches >= 1, ">= 1"),
         ("--update-epochs", args.update_epochs, args.update_epochs >= 1, ">= 1"),
         ("--clip-coef", args.clip_coef, args.clip_coef > 0, "> 0"),
@@ -225,7 +209,7 @@ def check_domains(args: Args) -> None:
         ("--max-grad-norm", args.max_grad_norm, args.max_grad_norm > 0, "> 0"),
         ("--target-kl", args.target_kl, args.target_kl is None or args.target_kl > 0, "> 0"),
         ("--inference-min-batch", args.inference_min_batch, args.inference_min_batch >= 1, ">= 1"),
-        ("--sync-frac", args.sync_frac, 0 <= args.sync_frac <= 1, in_unit),
+        ("--sync-frac", args.sync_frac, 0 <= args.sync_frac <= 1, "in [0, 1]"),
         ("--eval-freq", args.eval_freq, args.eval_freq >= 0, ">= 0 (0: only at the end)"),
         ("--num-eval-episodes", args.num_eval_episodes, args.num_eval_episodes >= 1, ">= 1"),
     ]
@@ -271,11 +255,8 @@ def resolve_args(args: Args, world_size: Optional[int] = None) -> Args:
         raise ArgsError("--evaluate needs --checkpoint PATH")
     resolved.batch_size = resolved.num_envs * resolved.num_steps
     if resolved.batch_size % resolved.num_minibatches != 0:
-        raise ArgsError(
-            f"the batch T*N = {resolved.num_steps}*{resolved.num_envs} = {resolved.batch_size} does not split into "
-            f"--num-minibatches {resolved.num_minibatches} equal minibatches (Sec. 2.2); pick T, N or minibatches "
-            "so that it divides"
-        )
+        batch = f"T*N = {resolved.num_steps}*{resolved.num_envs} = {resolved.batch_size}"
+        raise ArgsError(f"--num-minibatches {resolved.num_minibatches}: must divide the batch {batch} (Sec. 2.2)")
     return resolved
 
 
@@ -293,8 +274,8 @@ def format_settings(args: Args) -> str:
 
 # ---- Environments: one env as a worker (or the evaluation loop) steps it ---------------------------------------------
 class ManiSkillEnv:
-    """One ManiSkill3 env (CPU simulation), numpy in and out, with ToyChainWorkerEnv's interface: step() resets an
-    ended episode itself and returns (obs, reward, terminated, truncated, final_obs: true last obs or None, success)."""
+    """One ManiSkill3 env (CPU simulation) with ToyChainWorkerEnv's interface: step() resets an ended episode itself
+    and returns (obs, reward, terminated, truncated, final_obs: true last obs or None, success)."""
 
     def __init__(self, env):
         self.env = env
@@ -318,8 +299,7 @@ class ManiSkillEnv:
 
 
 def make_env(args: Args, evaluation: bool = False, rank: int = 0, env_index: int = 0):
-    """ToyChain-v0 or a ManiSkill3 task on CPU simulation (physx_cpu), as env `env_index` of `rank`. Evaluation:
-    ToyChain without delays, stragglers or crashes; ManiSkill ignores terminations, new scene per reset (protocol)."""
+    """Env `env_index` of `rank`; evaluation: ToyChain without delays or crashes, ManiSkill a new scene per reset."""
     if args.env_kind == "toy":  # same_step autoreset (resolve_args)
         step_time = 0.0 if evaluation else args.toy.step_time_of(rank, args.world_size, env_index)
         config = replace(args.toy, step_time_mean=step_time, crash_at_step=0 if evaluation else args.toy.crash_at_step)
@@ -335,8 +315,7 @@ def make_env(args: Args, evaluation: bool = False, rank: int = 0, env_index: int
 # ---- Env workers (Sec. 2.1, Fig. 2): processes that write into preallocated shared CPU memory ------------------------
 @dataclass
 class SharedSlots:
-    """Preallocated shared CPU memory with one slot per env (Sec. 2.1): a worker writes the result of a step into
-    its env's slot and the main process writes the next action there. A pipe message only says which env is ready."""
+    """Shared CPU memory, one slot per env (Sec. 2.1): step results and actions; a pipe only says which env is ready."""
 
     obs: torch.Tensor  # (N, *obs_shape): the observation to act on
     final_obs: torch.Tensor  # (N, *obs_shape): the true last observation of an episode that ended in this step
@@ -349,7 +328,7 @@ class SharedSlots:
 
     @staticmethod
     def allocate(num_envs: int, env) -> "SharedSlots":
-        """Slots for num_envs copies of `env`: a Box (ManiSkill) as float32, a Discrete space (ToyChain) as int64."""
+        """A Box (ManiSkill) as float32, a Discrete space (ToyChain) as int64."""
 
         def shared(shape, dtype):
             return torch.zeros((num_envs, *shape), dtype=dtype).share_memory_()
@@ -370,8 +349,8 @@ class SharedSlots:
 
 
 def env_worker(env_index: int, args: Args, slots: SharedSlots, conn, rank: int) -> None:
-    """An env worker process (Sec. 2.1): builds and resets its env, then steps it as the main process asks, writing each
-    result into the env's shared-memory slot, never waiting for others; exits when its pipe closes or after an error."""
+    """An env worker process (Sec. 2.1): steps its env as the main process asks, never waiting for others; exits when
+    its pipe closes or after an error."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the main process's to handle: it shuts the workers down
     torch.set_num_threads(1)
     view = {name: slot[env_index].numpy() for name, slot in vars(slots).items()}
@@ -399,9 +378,8 @@ def env_worker(env_index: int, args: Args, slots: SharedSlots, conn, rank: int) 
 
 
 class EnvWorkers:
-    """The env worker processes of this rank, one per env, a duplex pipe to each. They start from a forkserver (fast:
-    torch and gymnasium are imported once; no CUDA or thread state is inherited). A pipe is also a liveness signal:
-    if a worker dies, poll() raises WorkerError; if the main process dies, the pipes close and the workers exit."""
+    """This rank's env workers, one per env, each with a duplex pipe, started from a forkserver (no CUDA or thread state
+    inherited). If a worker dies, poll() raises WorkerError; if the main process dies, the pipes close."""
 
     def __init__(self, args: Args, slots: SharedSlots, rank: int):
         ctx = mp.get_context("forkserver")
@@ -426,8 +404,7 @@ class EnvWorkers:
                 self._raise_dead(env)
 
     def poll(self, timeout: float) -> list[int]:
-        """Env ids whose step result arrived within `timeout` seconds (all that are ready, without waiting longer
-        once one is; math.inf: until one is). Raises WorkerError if a worker reported an error or died."""
+        """Env ids whose result arrived within `timeout` s (math.inf: until one has). Raises WorkerError."""
         arrived = []
         for conn in wait_for_connections(self.conns, timeout=None if timeout == math.inf else max(timeout, 0)):
             env = self.conns.index(conn)
@@ -447,7 +424,7 @@ class EnvWorkers:
         raise WorkerError(f"env worker {env} (pid {process.pid}) died with exit code {process.exitcode} (killed?)")
 
     def close(self, timeout: float = 3.0) -> None:
-        """Closes the pipes (a worker exits when its pipe closes), waits up to `timeout` s, then kills what is left."""
+        """Closes the pipes, waits up to `timeout` s for the workers to exit, then kills what is left."""
         for conn in self.conns:
             conn.close()
         deadline = time.monotonic() + timeout
@@ -467,9 +444,8 @@ def sequence_starts(lengths: np.ndarray) -> np.ndarray:
 
 
 def build_sequences(env_ids: np.ndarray, episode_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Groups the steps of one rollout (in time order per env, as collected) into sequences: one env's one episode in
-    time order (Sec. 2.2: a sequence starts at a rollout or episode start). Returns (order, lengths): the step indices
-    sequence after sequence, and the length of each sequence."""
+    """Groups a rollout's steps into sequences, one env's one episode each, in time order (Sec. 2.2). Returns (order,
+    lengths): the step indices sequence after sequence, and each sequence's length."""
     order = np.lexsort((episode_ids, env_ids))  # stable: time order is kept inside each (env, episode)
     env_sorted = env_ids[order]
     episode_sorted = episode_ids[order]
@@ -481,11 +457,9 @@ def build_sequences(env_ids: np.ndarray, episode_ids: np.ndarray) -> tuple[np.nd
 
 
 def pack_layout(lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """The PackedSequence layout of sequences stored one after another (Sec. 2.2, Fig. 3C: the elements of all
-    sequences at a time step are next to one another). Returns (select, batch_sizes, sorted_sequences):
-      packed[j] = flat[select[j]]      (flat: the sequences concatenated in their given order)
-      batch_sizes[t]                   number of sequences longer than t (PackedSequence.batch_sizes)
-      sorted_sequences                 the sequences by decreasing length: the batch order of the packed data"""
+    """The PackedSequence layout of sequences stored one after another (Sec. 2.2, Fig. 3C). Returns (select,
+    batch_sizes, sorted_sequences): packed[j] = flat[select[j]]; batch_sizes[t] = the number of sequences longer than
+    t; sorted_sequences: the sequences by decreasing length (the batch order of the packed data)."""
     lengths = np.asarray(lengths, dtype=np.int64)
     sorted_sequences = np.argsort(-lengths, kind="stable")
     rank = np.empty_like(sorted_sequences)
@@ -509,12 +483,10 @@ def compute_gae_packed(
     gamma: float,
     gae_lambda: float,
 ) -> torch.Tensor:
-    """GAE over variable-length sequences in PackedSequence layout (inputs in packed order, see pack_layout).
-    delta_t = r_t + gamma * V(s_{t+1}) - V(s_t)
-    A_t     = delta_t + gamma * lambda * A_{t+1}       inside a sequence; A = delta at a sequence's last step
-    Sequences end at episode ends, where next_values holds V(true last observation) or 0 (a termination with
-    --bootstrap-at-done truncated), and at the rollout's end (next_values = V(next observation), the bootstrap).
-    Time runs backwards over the packed steps; the sequences present at step t+1 are a prefix of those at t."""
+    """GAE over variable-length sequences, inputs in packed order (pack_layout):
+    delta_t = r_t + gamma * V(s_{t+1}) - V(s_t);  A_t = delta_t + gamma * lambda * A_{t+1} inside a sequence, delta_t
+    at its last step. next_values: V(next obs) at the rollout's end, V(true last obs) or 0 at an episode end. Time runs
+    backwards; the sequences present at step t+1 are a prefix of those at t."""
     deltas = rewards + gamma * next_values - values
     advantages = torch.zeros_like(rewards)
     offsets = np.concatenate([[0], np.cumsum(batch_sizes)])
@@ -530,9 +502,8 @@ def compute_gae_packed(
 def make_minibatches(
     lengths: np.ndarray, num_minibatches: int, rng: np.random.Generator
 ) -> list[tuple[np.ndarray, np.ndarray]]:
-    """VER's minibatches (Sec. 2.2, Fig. 3B): shuffle the sequences, concatenate their steps and cut the result into
-    `num_minibatches` equal chunks; a cut inside a sequence makes each piece its own sequence (from the stored
-    recurrent state of its first step). Returns, per minibatch, (its steps' indices, its pieces' lengths)."""
+    """Sec. 2.2, Fig. 3B: shuffle the sequences, concatenate them and cut into equal chunks; a piece cut from a sequence
+    starts from its first step's stored recurrent state. Returns, per minibatch, (step indices, piece lengths)."""
     lengths = np.asarray(lengths, dtype=np.int64)
     total = int(lengths.sum())
     size = total // num_minibatches
@@ -549,9 +520,8 @@ def make_minibatches(
 
 
 def importance_weights(env_ids: torch.Tensor, num_envs: int, num_steps: int, clip_max: float = 1.0) -> torch.Tensor:
-    """Truncated importance weights of VER's biased sampling (Sec. 4 "Training", truncated as in IMPALA): uniform
-    sampling would give every env T steps; VER gives env e n_e, so its steps are weighted w_e = min(clip_max, T / n_e)
-    (1.0 in the paper): over-represented fast envs are down-weighted. NoVER, sync: T steps each, all weights 1."""
+    """Truncated importance weights (Sec. 4, as IMPALA): env e gave n_e steps where uniform sampling gives T, so its
+    steps weigh min(clip_max, T / n_e); NoVER and sync: all 1."""
     counts = torch.bincount(env_ids, minlength=num_envs).to(torch.float32)
     return (num_steps / counts[env_ids]).clamp(max=clip_max)
 
@@ -559,12 +529,10 @@ def importance_weights(env_ids: torch.Tensor, num_envs: int, num_steps: int, cli
 def optimal_preemption_time(
     step_times: np.ndarray, rank_cap: int, env_cap: Optional[int], learn_time: float, resolution: float = 1e-3
 ) -> tuple[float, int, float]:
-    """The straggler preemption rule of Sec. 2.3: collect the S steps that maximize S / (Time(S) + LT).
-    step_times[r, e] is the mean time env e of rank r took per step in the previous rollout (simulation plus
-    inference); in a rollout of length t it collects floor(t / step_times[r, e]) steps, at most env_cap (T with
-    NoVER; None with VER), and rank r at most rank_cap = T x N. Candidate rollout times are the times at which some
-    env finishes a step (rounded up to `resolution`). Returns (t*, S(t*), t_full): the best rollout time, its steps,
-    and the time at which every rank has its full batch (no preemption is needed when t* == t_full)."""
+    """Sec. 2.3: the rollout time t that maximizes S(t) / (t + LT). Env e of rank r takes step_times[r, e] per step,
+    so it collects floor(t / step_times[r, e]) steps, at most env_cap (T with NoVER; None with VER); a rank at most
+    rank_cap = T x N. Candidates: the times some env finishes a step (rounded up to `resolution`). Returns (t*, S(t*),
+    t_full), t_full: when every rank has its full batch (no preemption needed if t* == t_full)."""
     tau = np.asarray(step_times, dtype=np.float64)
     if env_cap is None:  # VER: a rank reaches its cap by (cap + N) / (its step rate) at the latest
         bound = ((rank_cap + tau.shape[1]) / (1.0 / tau).sum(axis=1)).max()
@@ -585,9 +553,8 @@ def optimal_preemption_time(
 
 
 class RunningMeanStd:
-    """Observation normalization, a departure from VER (as ppo_staggered.py, Table 3 of the staggered-resets paper):
-    running mean and variance (Chan et al.'s parallel update), normalized observations clipped to +-10. Enabled for
-    Box observations (ManiSkill); the identity for a Discrete one (ToyChain's block index, which is embedded)."""
+    """Observation normalization, not in VER (as ppo_staggered.py): running mean and variance (Chan et al.'s parallel
+    update), clipped to +-10; the identity for a Discrete observation (ToyChain's block index, embedded)."""
 
     def __init__(self, shape, device, enabled: bool):
         self.mean = torch.zeros(shape, device=device)
@@ -645,10 +612,9 @@ def mlp(sizes: list[int], out_std: float) -> nn.Sequential:
 
 
 class Agent(nn.Module):
-    """Actor-critic for Box or Discrete observations (ToyChain's block index, embedded first) and actions. MLP
-    (default): separate actor and critic MLPs. --recurrent: an input layer and an LSTM shared by the actor and critic
-    heads (the paper's is a 2-layer LSTM, Sec. 4; here 1 layer), trained over packed sequences. Sizes are not flags.
-    Continuous actions: a Gaussian, learned state-independent log std. log_ent_coef: the learned entropy coefficient."""
+    """Actor-critic; a Discrete observation (ToyChain) is embedded first. MLP: separate actor and critic. --recurrent:
+    an input layer and an LSTM shared by both heads (the paper's has 2 layers, Sec. 4; here 1). Continuous actions: a
+    Gaussian with a learned state-independent log std. log_ent_coef: the learned entropy coefficient (Sec. 4)."""
 
     def __init__(
         self,
@@ -709,8 +675,7 @@ class Agent(nn.Module):
         return action_dist, self.critic(features).squeeze(-1)
 
     def step(self, obs, state):
-        """One step of every env (inference): returns (action distribution, value, next_state); `state` is zeros at
-        episode starts."""
+        """Inference, one step of every env: (action distribution, value, next_state)."""
         features = self.embed(obs)
         if not self.recurrent:
             return (*self._heads(features), None)
@@ -718,10 +683,8 @@ class Agent(nn.Module):
         return (*self._heads(out[0]), next_state)
 
     def evaluate(self, obs, actions, state0=None, piece_lengths: Optional[np.ndarray] = None):
-        """Log-probabilities, entropies and values of a minibatch of stored steps (learning).
-        Recurrent: the minibatch is a set of pieces of sequences stored one after another (make_minibatches); they
-        are run through the LSTM as one PackedSequence (Sec. 2.2, Fig. 3C), each piece starting from its own stored
-        state `state0` ((layers, pieces, hidden) each; zeros where the piece starts an episode)."""
+        """Log-probs, entropies and values of stored steps (learning). Recurrent: the minibatch's pieces of sequences
+        (make_minibatches) run through the LSTM as one PackedSequence (Fig. 3C), each from its stored state `state0`."""
         features = self.embed(obs)
         if self.recurrent:
             select, batch_sizes, sorted_pieces = pack_layout(piece_lengths)
@@ -738,9 +701,8 @@ class Agent(nn.Module):
 
 # ---- Rollout storage and collection (Sec. 2.1, 2.2) ------------------------------------------------------------------
 class RolloutStorage:
-    """The steps of one rollout, one row per (env, step) in the order the policy acted: a linear buffer, as VER has no
-    (T, N) shape (Sec. 2.2). A row is written when the policy acts and completed when the env's result arrives.
-    Capacity (T + 2) x N: at most N carried-in rows, T x N completed ones and one in flight per env."""
+    """One rollout's steps in a linear buffer (VER has no (T, N) shape, Sec. 2.2), a row per step in acting order,
+    completed when the env's result arrives. Capacity (T + 2) x N: N carried in, T x N completed, N in flight."""
 
     def __init__(self, capacity: int, slots: SharedSlots, lstm_shape: Optional[tuple], device):
         self.device = device
@@ -768,10 +730,9 @@ class RolloutStorage:
         self.size = k
 
 
-# A batch is a dict of per-step tensors on the training device (obs, actions, logprobs, values, advantages, returns,
-# weights, hidden, env_ids), its steps sequence after sequence, and "lengths": the sequence lengths (numpy).
 def build_batch(st: RolloutStorage, num_envs: int, num_steps: int, gamma: float, gae_lambda: float) -> dict:
-    """The completed steps of a rollout as sequences, with GAE advantages and importance weights."""
+    """A rollout's completed steps as a batch: per-step tensors, sequence after sequence, with GAE advantages and
+    importance weights, and "lengths" (numpy), the sequence lengths."""
     rows = np.flatnonzero(st.complete[: st.size])
     order, lengths = build_sequences(st.env_ids[rows], st.episode_ids[rows])
     rows = rows[order]
@@ -821,7 +782,7 @@ def fill_from_previous(batch: dict, previous: dict, size: int, rng: np.random.Ge
 
 
 # The states of an env in the Collector (see its docstring), one entry per env in Collector.env_state.
-STEPPING, ARRIVED, COMPLETED, HELD, ACTING = 0, 1, 2, 3, 4
+STEPPING, ARRIVED, COMPLETED, HELD = 0, 1, 2, 3
 
 
 @dataclass
@@ -844,18 +805,14 @@ class Rollout:
 class Collector:
     """Experience collection of one rank (Sec. 2.1, 2.2, Fig. 2); the main process is the inference worker.
     Each env is in one of these states (env_state):
-      STEPPING   its worker simulates the action the policy chose (the step's row is "in flight"); at the start,
-                 its worker builds and resets the env (the first observation arrives without a row)
-      ARRIVED    the result (reward, flags, next observation) is in its shared-memory slot, not yet read
-      COMPLETED  the result was recorded into the step's row; the new observation waits for an action
+      STEPPING   its worker simulates the policy's action (the step's row is "in flight"), or, at the start, resets
+      ARRIVED    the result is in its shared-memory slot, not yet read
+      COMPLETED  the result is in the step's row; the new observation waits for an action
       HELD       NoVER and sync only: the env has its T steps and waits for the next rollout
-      ACTING     in the batch the policy runs on now, after which it is stepping again
-    VER: a rollout ends once T x N steps are complete, whichever envs gave them. Then every env is stepping or arrived
-    (its step is carried into the next rollout: "Inflight actions", Sec. 2.2), or completed (its observation gets an
-    action from the next policy, and its value under this one bootstraps this rollout). NoVER: an env is held once
-    it has T steps; the rollout ends when all are. Sync (SyncOnRL): NoVER acting on all envs at once. A step's
-    V(s_{t+1}) is its next observation's value when the policy acts on it (or at the rollout's end); at an episode
-    end, V(true last observation) from the env's own recurrent state (0: termination, --bootstrap-at-done truncated)."""
+    VER: a rollout ends once T x N steps are complete, whichever envs gave them; the steps then in flight are carried
+    into the next rollout ("Inflight actions", Sec. 2.2). NoVER: an env is held once it has T steps. Sync (SyncOnRL):
+    NoVER acting on all envs at once. A step's V(s_{t+1}) is its next observation's value when the policy acts on it
+    (or at the rollout's end); at an episode end, V(true last observation) from the env's own recurrent state."""
 
     clock = staticmethod(time.perf_counter)  # seconds (tests use a simulated clock)
 
@@ -903,8 +860,7 @@ class Collector:
             if stop_early is not None and stop_early(rollout.env_steps, self.clock() - rollout.start_time):
                 break
             self.act(rollout)
-        # V (this policy) of the observations waiting for an action bootstraps their envs' last steps (an env with an
-        # action in flight has it already: the value of that step's observation)
+        # V (this policy) of the observations waiting for an action bootstraps their envs' last steps
         envs = np.flatnonzero(self.awaiting_row >= 0)
         if len(envs) > 0:
             self.bootstrap(self.awaiting_row[envs], envs, self.slots.obs)
@@ -991,11 +947,10 @@ class Collector:
         return True
 
     def act(self, rollout: Rollout) -> None:
-        """Runs the policy on every COMPLETED env (ACTING), stores the steps, sends the actions (STEPPING)."""
+        """Runs the policy on every COMPLETED env, stores the steps, sends the actions (STEPPING)."""
         envs = np.flatnonzero(self.env_state == COMPLETED)
         if len(envs) == 0:
             return
-        self.env_state[envs] = ACTING
         start = self.clock()
         idx = torch.as_tensor(envs)
         with torch.no_grad():
@@ -1081,9 +1036,8 @@ def allreduce_gradients(parameters) -> None:
 
 
 def ver_stop_rule(gathered: np.ndarray, rank_cap: int, env_cap: Optional[int]) -> tuple[Callable, float]:
-    """Sec. 2.3: the rollout time t* maximizing S / (Time(S) + LT) over all ranks' envs, from each env's mean step
-    time in the previous rollout and the mean learning time LT (gathered[r] = (rank r's step times..., its LT)); every
-    rank stops t* seconds into its rollout unless all fill their batch by then. Returns (the rule for collect, t*)."""
+    """Sec. 2.3: every rank stops t* seconds into its rollout unless all fill their batch by then; gathered[r] = rank
+    r's step times and its learning time LT. Returns (the rule for collect, t*)."""
     t_star, _, t_full = optimal_preemption_time(gathered[:, :-1], rank_cap, env_cap, float(gathered[:, -1].mean()))
     stop_after = t_star if t_star < t_full else math.inf
     return (lambda steps, elapsed: elapsed >= stop_after), t_star
@@ -1098,10 +1052,9 @@ def ddppo_stop_rule(store: dist.Store, args: Args, iteration: int) -> Callable:
 
 # ---- PPO update (Sec. 2.2, 4) ----------------------------------------------------------------------------------------
 def ppo_loss(agent: Agent, minibatch: dict, args: Args) -> tuple[torch.Tensor, dict]:
-    """The loss of one VER minibatch, every term weighted by the truncated importance weights w (Sec. 4):
-    mean(w * clipped surrogate) + vf_coef * mean(w * value loss) - ent_coef * mean(w * entropy); with
-    --learned-ent-coef, ent_coef is [alpha]_sg and alpha * ([unweighted mean entropy]_sg - target) is added.
-    Returns (loss, detached statistics)."""
+    """Sec. 4, every term weighted by the truncated importance weights w: mean(w * clipped surrogate) + vf_coef *
+    mean(w * value loss) - ent_coef * mean(w * entropy); with --learned-ent-coef, ent_coef is [alpha]_sg and
+    alpha * ([unweighted mean entropy]_sg - target) is added. Returns (loss, detached statistics)."""
     newlogprob, entropy, newvalue = agent.evaluate(
         minibatch["obs"], minibatch["actions"], minibatch["state0"], minibatch["piece_lengths"]
     )
@@ -1135,8 +1088,8 @@ def ppo_loss(agent: Agent, minibatch: dict, args: Args) -> tuple[torch.Tensor, d
 def ppo_update(
     args: Args, agent: Agent, optimizer: torch.optim.Optimizer, batch: dict, rng: np.random.Generator
 ) -> dict:
-    """PPO epochs over VER minibatches (Sec. 2.2) with ppo_loss; gradients are averaged over the ranks (DD-PPO) and
-    alpha is kept in [1e-4, 1] as habitat-lab does. Returns the mean of each statistic over the minibatches."""
+    """PPO epochs over VER minibatches (Sec. 2.2); gradients averaged over the ranks (DD-PPO); alpha kept in [1e-4, 1]
+    as habitat-lab does. Returns the mean of each statistic over the minibatches."""
     device = batch["obs"].device
     policy_params = [param for name, param in agent.named_parameters() if name != "log_ent_coef"]
     totals = {}
@@ -1180,8 +1133,7 @@ def ppo_update(
 
 # ---- Checkpoints, evaluation -----------------------------------------------------------------------------------------
 def save_checkpoint(path: Path, agent, optimizer, obs_rms: RunningMeanStd, global_step: int, iteration: int) -> None:
-    """What resuming needs, in CONVENTIONS.md's layout (iteration: the updates made), written to a temporary file and
-    renamed, so that a save interrupted by Ctrl-C never leaves a half-written checkpoint."""
+    """CONVENTIONS.md's layout, written to a temporary file and renamed: Ctrl-C never leaves half a checkpoint."""
     state = {
         "model": agent.state_dict(),
         "optimizer": optimizer.state_dict(),
@@ -1199,8 +1151,7 @@ def save_checkpoint(path: Path, agent, optimizer, obs_rms: RunningMeanStd, globa
 
 @torch.no_grad()
 def evaluate(agent: Agent, env, obs_rms: RunningMeanStd, num_episodes: int, seed: int, device) -> dict:
-    """Deterministic policy on observations normalized by obs_rms (no update), `num_episodes` episodes one after another
-    on one env, in the main process. Returns the means of eval/return, episode_len, success_once and success_at_end."""
+    """Means of eval/* over `num_episodes` episodes of the deterministic policy on one env (obs_rms not updated)."""
     totals = {"eval/return": 0.0, "eval/episode_len": 0.0, "eval/success_once": 0.0, "eval/success_at_end": 0.0}
     obs = env.reset(seed=seed)  # (then an ended episode resets the env itself: step() returns the next one's start)
     for episode in range(num_episodes):

@@ -888,7 +888,7 @@ def test_defaults_follow_habitat_lab_and_conventions():
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        (dict(num_envs=3, num_steps=7, num_minibatches=4), "--num-minibatches 4 equal minibatches"),
+        (dict(num_envs=3, num_steps=7, num_minibatches=4), "--num-minibatches 4: must divide the batch"),
         (dict(env_id="NoSuchEnv-v9"), "NoSuchEnv-v9"),
         (dict(toy=ToyChainWorkerConfig(horizon=52)), "--toy.horizon"),
         (dict(toy=ToyChainWorkerConfig(slow_env_factor=0.0)), "--toy.slow-env-factor"),
@@ -1399,7 +1399,7 @@ def test_ctrl_c_during_start_up_writes_the_summary(tmp_path):
 @pytest.mark.parametrize(
     "flags, message",
     [
-        (["--num-envs", "3", "--num-steps", "7"], "error: the batch T*N = 7*3 = 21 does not split"),
+        (["--num-envs", "3", "--num-steps", "7"], "error: --num-minibatches 4: must divide the batch T*N = 7*3 = 21"),
         (["--num-envs", "0"], "error: --num-envs 0: must be >= 1"),  # (it hung)
         (["--num-steps", "0"], "error: --num-steps 0: must be >= 1"),
         (["--checkpoint", "no_such_checkpoint.pt"], "error: --checkpoint no_such_checkpoint.pt: no such file"),
