@@ -3,14 +3,12 @@
 Paper: "Cleanba: A Reproducible and Efficient Distributed Reinforcement Learning Platform",
 Shengyi Huang, Jiayi Weng, Rujikorn Charakorn, Min Lin, Zhongwen Xu, Santiago Ontanon (ICLR 2024), arXiv:2310.00036.
 
-Actor threads step EnvPool and sample actions while the learner trains; the two meet through one rollout queue and
-one params queue per actor thread, both of size 1 (Fig. 1, right), so that the policy behind every update is known
-whatever the speed of either side (Table 1, Sec. 4.2). By default the actor gets params before every rollout: the
-synchronous architecture of the paper's headline PPO result and of the original script (update i trains on data of
-pi_i). --concurrency skips the get at iteration 2 (Cleanba's architecture): from update 2 on the learner trains on
-data of pi_{i-1} while the actor collects the next rollout, which Sec. 5.3 found costs PPO data efficiency.
-The batch is local_num_envs x num_steps per learner process whatever the number of actor threads (Sec. 4.1, App. A);
-torchrun runs several learners whose summed gradients make the step of one learner on the global minibatch.
+Actor threads step EnvPool while the learner trains; each meets the learner through a rollout queue and a params
+queue of size 1 (Fig. 1, right), so the policy behind every update is known whatever the speed of either side (Table 1,
+Sec. 4.2). By default the actor gets params before every rollout (synchronous, the paper's headline PPO setting: update
+i trains on data of pi_i); --concurrency skips that get at iteration 2 (Cleanba's architecture: data of pi_{i-1}, which
+Sec. 5.3 found costs PPO data efficiency). The batch is local_num_envs x num_steps per learner process (Sec. 4.1,
+App. A); torchrun runs several learners whose summed gradients make the step of one learner on the global minibatch.
 
 Map from the paper to this file
   Fig. 1 right, Table 1    ActorThread.actor_loop, train, blocking, should_get_params
@@ -26,9 +24,7 @@ one, whose value is bootstrapped at a truncation (at every end with --bootstrap-
 
 Examples
   python cleanba_ppo.py --env-id ToyChain-v0                                 # seconds on a CPU
-  python cleanba_ppo.py --env-id CartPole-v1                                 # CleanRL's ppo.py settings, CPU minutes
   python cleanba_ppo.py --env-id Breakout-v5 --actor-device-ids 0            # Table 2, 50M steps on GPU 0
-  python cleanba_ppo.py --env-id Breakout-v5 --concurrency                   # Cleanba's architecture
   torchrun --nproc_per_node 2 cleanba_ppo.py --env-id Breakout-v5 --local-num-envs 64   # 2 learners, same batch
 """
 
@@ -79,9 +75,9 @@ class Args:
     wandb_entity: Optional[str] = None
     """wandb entity (team)"""
     save_model: bool = False
-    """write checkpoints (ckpt_{global_step}.pt every --checkpoint-freq iterations, final_ckpt.pt at the end)"""
+    """write ckpt_{global_step}.pt every --checkpoint-freq iterations and final_ckpt.pt at the end"""
     checkpoint_freq: int = 500
-    """with --save-model, write ckpt_{global_step}.pt every this many iterations (>= 1)"""
+    """iterations between two ckpt_{global_step}.pt (>= 1)"""
     checkpoint: Optional[str] = None
     """a checkpoint to resume training from (model, optimizer, iteration), or to evaluate with --evaluate"""
     evaluate: bool = False
@@ -90,11 +86,9 @@ class Args:
     """episodes of the final evaluation (one per eval env; 0: none) and of --evaluate (>= 0; >= 1 with --evaluate)"""
 
     env_id: str = "Breakout-v5"
-    """an EnvPool Atari task (Breakout-v5, Pong-v5, ...), an EnvPool classic-control task (CartPole-v1, Acrobot-v1)
-    or ToyChain-v0"""
+    """EnvPool Atari (Breakout-v5, Pong-v5, ...), EnvPool classic control (CartPole-v1, Acrobot-v1) or ToyChain-v0"""
     max_episode_steps: int = 27000
-    """Atari: episode time limit in agent steps (>= 1), 27,000 = 108,000 frames (Sec. 5; a truncation); classic
-    control keeps its task's own limit (CartPole-v1, Acrobot-v1: 500 steps, a truncation)"""
+    """Atari episode time limit in agent steps (>= 1; 27,000 = 108,000 frames, Sec. 5); classic control keeps its own"""
     bootstrap_at_done: Literal["always", "truncated"] = "truncated"
     """truncated: a time limit bootstraps V(last observation), a termination 0; always: every episode end bootstraps"""
     toy: ToyChainConfig = field(default_factory=ToyChainConfig)
@@ -113,8 +107,7 @@ class Args:
     """seconds (>= 0) the learner sleeps after each update (Sec. 3): a slower learner must give exactly the same run"""
 
     total_timesteps: Optional[int] = None
-    """env steps of all processes together, at least one batch (default: Atari 50M, Table 2; classic 500k; ToyChain
-    64,000)"""
+    """env steps of all processes, at least one batch (default: Atari 50M, Table 2; classic 500k; ToyChain 64,000)"""
     learning_rate: float = 2.5e-4
     """Adam learning rate (> 0; Table 2)"""
     anneal_lr: bool = True
@@ -138,8 +131,7 @@ class Args:
     vf_coef: float = 0.5
     """value-loss coefficient (>= 0; Table 2)"""
     clip_vloss: Optional[bool] = None
-    """clip the value loss around the actor's values by clip_coef (default: Atari False, Table 2; classic True, as
-    CleanRL's ppo.py; ToyChain False)"""
+    """clip the value loss around the actor's values by clip_coef (default: Atari False, Table 2; classic True)"""
     max_grad_norm: float = 0.5
     """global gradient-norm clip (> 0; Table 2)"""
     target_kl: Optional[float] = None
@@ -158,8 +150,7 @@ class Args:
 
 TOY_ENV_ID = "ToyChain-v0"
 CLASSIC_ENVS = {"CartPole-v1": (4, 2), "Acrobot-v1": (6, 3)}  # EnvPool classic control: observation size, actions
-# App. B Table 2 (Atari), CleanRL's ppo.py settings for classic control (4 envs x 128 steps, 500k steps, clip 0.2, value
-# clipping; the rest are Table 2's values too) and small settings for the toy chain; any flag overrides them.
+# App. B Table 2 (Atari), CleanRL's ppo.py (classic control; its other values are Table 2's) and small toy settings
 PRESETS = {
     "atari": dict(local_num_envs=128, num_steps=128, total_timesteps=50_000_000, clip_coef=0.1, clip_vloss=False),
     "classic": dict(local_num_envs=4, num_steps=128, total_timesteps=500_000, clip_coef=0.2, clip_vloss=True),
@@ -186,20 +177,15 @@ def env_family(env_id: str) -> Optional[str]:
 
 
 def resolve_args(args: Args, world_size: int = 1) -> Args:
-    """Fills the presets and the App. A sizes into a copy of `args`; raises ArgsError for the usual mistakes.
-
-    local_batch_size = local_num_envs x num_steps, batch_size = world_size x local_batch_size, and the minibatches
-    are those divided by num_minibatches. Actor threads and devices do not appear: they are hardware (Sec. 4.1)."""
+    """A copy of `args` with the presets and the App. A sizes filled in (actor threads are hardware, Sec. 4.1)."""
     args = dataclasses.replace(args)
     family = env_family(args.env_id)
     if family is None:
-        raise ArgsError(
-            f"--env-id {args.env_id!r} is none of: an EnvPool Atari task (Breakout-v5, Pong-v5, ...), an EnvPool "
-            f"classic-control task ({', '.join(CLASSIC_ENVS)}), {TOY_ENV_ID}"
-        )
-    if family == "toy" and args.toy.autoreset_mode != "next_step":
-        raise ArgsError("--toy.autoreset-mode: this script consumes next-step autoreset (EnvPool's); use next_step")
+        known = f"an EnvPool Atari task (Breakout-v5, ...), an EnvPool classic-control task ({', '.join(CLASSIC_ENVS)})"
+        raise ArgsError(f"--env-id {args.env_id!r}: must be {known} or {TOY_ENV_ID}")
     if family == "toy":
+        if args.toy.autoreset_mode != "next_step":
+            raise ArgsError("--toy.autoreset-mode: this script consumes next-step autoreset (EnvPool's); use next_step")
         try:
             args.toy.validate()
         except ValueError as error:
@@ -239,20 +225,14 @@ def resolve_args(args: Args, world_size: int = 1) -> Args:
             raise ArgsError(f"--actor-device-ids {device_id}: must be a CUDA device index in [0, {cuda_devices})")
     threads = args.num_actor_threads * len(args.actor_device_ids or [0])
     if args.local_num_envs % threads:
-        raise ArgsError(
-            f"--local-num-envs {args.local_num_envs} does not split over {threads} actor threads "
-            f"(--num-actor-threads x actor devices)"
-        )
+        raise ArgsError(f"--local-num-envs {args.local_num_envs} does not split over {threads} actor threads")
     args.world_size = world_size
     args.envs_per_thread = args.local_num_envs // threads
     args.num_envs = args.local_num_envs * world_size
     args.local_batch_size = args.local_num_envs * args.num_steps
     args.batch_size = args.local_batch_size * world_size
     if args.local_batch_size % args.num_minibatches:
-        raise ArgsError(
-            f"the batch local_num_envs x num_steps = {args.local_batch_size} does not split into "
-            f"--num-minibatches {args.num_minibatches}"
-        )
+        raise ArgsError(f"--num-minibatches {args.num_minibatches}: must divide the batch size {args.local_batch_size}")
     args.local_minibatch_size = args.local_batch_size // args.num_minibatches
     args.minibatch_size = args.local_minibatch_size * world_size
     args.num_iterations = args.total_timesteps // args.batch_size
@@ -266,8 +246,7 @@ def resolve_args(args: Args, world_size: int = 1) -> Args:
 
 
 def format_settings(args: Args) -> str:
-    """The resolved settings, printed at start: `name=value` pairs in field order (the nested ToyChain ones as
-    `toy.horizon=200`), several to a line of at most 120 characters."""
+    """The resolved settings as `name=value` pairs in field order (`toy.horizon=200`), in lines of 120 characters."""
     pairs = []
     for name, value in asdict(args).items():
         if isinstance(value, dict):
@@ -279,8 +258,7 @@ def format_settings(args: Args) -> str:
 
 # ---- Environments: EnvPool Atari and classic control, ToyChain-v0 behind EnvPool's API (all next-step autoreset) ----
 def env_seeds(seed: int, rank: int, first_env: int, num_envs: int, start_iteration: int) -> list[int]:
-    """One seed per env from its global index, so that an env gets the same seed whatever the number of actor
-    threads it is split over; resuming at a later iteration draws new ones."""
+    """One seed per env from its global index (the same however envs are split over threads); resuming draws anew."""
     return [
         int(np.random.SeedSequence([seed, rank, first_env + env, start_iteration]).generate_state(1)[0] >> 1)
         for env in range(num_envs)
@@ -310,8 +288,7 @@ def should_get_params(actor_iteration: int, concurrency: bool) -> bool:
 
 
 def noise_seed(seed: int, rank: int, iteration: int, step: int, stream: int = 0) -> int:
-    """Seed of the sampling noise of a learner process's envs at one rollout step (stream 0) or of its minibatch
-    shuffling (stream 1): a function of the seed and the iteration alone, so independent of timing and resuming."""
+    """Seed of the action noise at one rollout step (stream 0) or of the minibatch shuffling (stream 1): timing-free."""
     return int(np.random.SeedSequence([seed, rank, iteration, step, stream]).generate_state(1)[0])
 
 
@@ -329,13 +306,11 @@ def logprob_entropy(logits: torch.Tensor, actions: torch.Tensor):
 
 
 def compute_gae(rewards, values, last_value, no_bootstrap, dones, gamma: float, gae_lambda: float):
-    """Generalized advantage estimation over a (T, N) rollout whose row t is the transition (o_t, a_t, r_t).
-
+    """Generalized advantage estimation over a (T, N) rollout whose row t is the transition (o_t, a_t, r_t):
     next value of row t = values[t + 1] (next-step autoreset: after an episode end that row is the stale one, whose
     observation is the episode's true last one), last_value = V(o_T) for the last row.
     delta_t = r_t + gamma * (1 - no_bootstrap_t) * next_value_t - values[t]   (cut: a termination, unless 'always')
-    A_t     = delta_t + gamma * lambda * (1 - done_t) * A_{t+1}
-    Returns (advantages, returns = advantages + values).
+    A_t     = delta_t + gamma * lambda * (1 - done_t) * A_{t+1};   returns = A + values
     """
     next_values = torch.cat([values[1:], last_value.unsqueeze(0)], dim=0)
     deltas = rewards + gamma * (1.0 - no_bootstrap.float()) * next_values - values
@@ -348,21 +323,16 @@ def compute_gae(rewards, values, last_value, no_bootstrap, dones, gamma: float, 
 
 
 def learner_targets(batch: dict, args: Args):
-    """The learner's GAE targets (advantages, returns) of a (T, N) batch: with --bootstrap-at-done truncated, a time
-    limit bootstraps V(the episode's true last observation), a termination 0; with always, every end bootstraps."""
+    """The learner's GAE targets (advantages, returns) of a (T, N) batch, bootstrapped as --bootstrap-at-done says."""
     dones = batch["terminations"] | batch["truncations"]
-    if args.bootstrap_at_done == "truncated":
-        no_bootstrap = batch["terminations"]
-    else:
-        no_bootstrap = torch.zeros_like(dones)
+    no_bootstrap = batch["terminations"] if args.bootstrap_at_done == "truncated" else torch.zeros_like(dones)
     values = batch["values"]
     return compute_gae(batch["rewards"], values, batch["last_value"], no_bootstrap, dones, args.gamma, args.gae_lambda)
 
 
 def ppo_loss_terms(newlogprob, entropy, newvalue, minibatch: dict, clip_coef: float, clip_vloss: bool = False) -> dict:
-    """Per-sample PPO terms (App. A): clipped surrogate (as a loss), 0.5 x squared value error (clipped if
-    clip_vloss), entropy, and the diagnostics approx_kl = (ratio - 1) - log ratio and clipfrac. The ratio is taken
-    against the behaviour policy that collected the data (minibatch["logprobs"], the actor's), as Cleanba does."""
+    """Per-sample PPO terms (App. A): clipped surrogate, 0.5 x squared value error (clipped if clip_vloss), entropy,
+    approx_kl = (ratio - 1) - log ratio, clipfrac; the ratio is against the actor's logprobs, as in Cleanba."""
     advantages, returns = minibatch["advantages"], minibatch["returns"]
     logratio = newlogprob - minibatch["logprobs"]
     ratio = logratio.exp()
@@ -382,17 +352,15 @@ def ppo_loss_terms(newlogprob, entropy, newvalue, minibatch: dict, clip_coef: fl
 
 
 def normalize_advantages(advantages, valid, count, total, total_sq):
-    """(A - mean) / (std + 1e-8) with the mean and unbiased std of the valid advantages of the global minibatch, from
-    its count, sum and sum of squares summed over all learners."""
+    """(A - mean) / (std + 1e-8), from the count, sum and sum of squares of the valid advantages of all learners."""
     mean = total / count
     std = math.sqrt(max((total_sq - count * mean * mean) / max(count - 1.0, 1.0), 0.0))
     return torch.where(valid, (advantages - mean) / (std + 1e-8), torch.zeros_like(advantages))
 
 
 def ppo_loss(agent: nn.Module, minibatch: dict, args: Args, count: float):
-    """The clipped PPO loss of one minibatch (App. A, Alg. 1): the mean over the valid samples of the global minibatch
-    (count: summed over all learners) of policy_loss - ent_coef x entropy + vf_coef x value_loss. A next-step reset
-    row (valid False: its action was ignored by the env) weighs 0. Returns (loss, the per-sample terms)."""
+    """The clipped PPO loss (App. A, Alg. 1): the mean of policy_loss - ent_coef x entropy + vf_coef x value_loss over
+    the valid samples of the global minibatch (count: all learners'; a next-step reset row weighs 0), and the terms."""
     logits, newvalue = agent(minibatch["obs"])
     newlogprob, entropy = logprob_entropy(logits, minibatch["actions"])
     terms = ppo_loss_terms(newlogprob, entropy, newvalue, minibatch, args.clip_coef, args.clip_vloss)
@@ -408,15 +376,9 @@ def layer_init(layer: nn.Linear, std: float = math.sqrt(2), bias_const: float = 
     return layer
 
 
-def tanh_mlp(inputs: int, outputs: int, std: float) -> nn.Sequential:
-    """Two 64-unit tanh layers and a linear output layer of orthogonal gain `std` (CleanRL's classic control)."""
-    return nn.Sequential(
-        layer_init(nn.Linear(inputs, 64)),
-        nn.Tanh(),
-        layer_init(nn.Linear(64, 64)),
-        nn.Tanh(),
-        layer_init(nn.Linear(64, outputs), std=std),
-    )
+def two_layers(inputs: int, activation) -> list[nn.Module]:
+    """Two 64-unit layers: CleanRL's classic-control networks (tanh) and the ToyChain torso (ReLU)."""
+    return [layer_init(nn.Linear(inputs, 64)), activation(), layer_init(nn.Linear(64, 64)), activation()]
 
 
 class ResidualBlock(nn.Module):
@@ -437,28 +399,21 @@ def conv_sequence(in_channels: int, out_channels: int) -> nn.Sequential:
 
 
 class Agent(nn.Module):
-    """Policy and value heads on a shared torso. Atari: the IMPALA ResNet (Espeholt et al. 2018; Sec. 5), stages of
-    16/32/32 channels and a 256-unit dense layer on (B, 4, 84, 84) uint8 frames; ToyChain: 2 x 64 ReLU on the one-hot
-    block index. Heads: orthogonal gain 0.01 (policy) and 1 (value). Classic control: two 2 x 64 tanh networks on the
-    observation, no shared torso (CleanRL's ppo.py)."""
+    """Policy and value heads (orthogonal gain 0.01 and 1) on a shared torso: the IMPALA ResNet on Atari's uint8 frames
+    (Sec. 5), 2 x 64 ReLU on ToyChain's one-hot block index; classic control: two 2 x 64 tanh networks."""
 
     def __init__(self, args: Args):
         super().__init__()
         self.obs_scale = 255.0 if env_family(args.env_id) == "atari" else 1.0  # Atari: uint8 frames
         if args.env_id == TOY_ENV_ID:
             self.num_blocks, num_actions, hidden = args.toy.num_blocks, args.toy.num_actions, 64
-            self.torso = nn.Sequential(
-                layer_init(nn.Linear(self.num_blocks, hidden)),
-                nn.ReLU(),
-                layer_init(nn.Linear(hidden, hidden)),
-                nn.ReLU(),
-            )
+            self.torso = nn.Sequential(*two_layers(self.num_blocks, nn.ReLU))
         elif args.env_id in CLASSIC_ENVS:  # no shared torso: two networks, as CleanRL's ppo.py
             obs_size, num_actions = CLASSIC_ENVS[args.env_id]
             self.num_blocks = 0
             self.torso = nn.Identity()
-            self.actor = tanh_mlp(obs_size, num_actions, std=0.01)
-            self.critic = tanh_mlp(obs_size, 1, std=1.0)
+            self.actor = nn.Sequential(*two_layers(obs_size, nn.Tanh), layer_init(nn.Linear(64, num_actions), std=0.01))
+            self.critic = nn.Sequential(*two_layers(obs_size, nn.Tanh), layer_init(nn.Linear(64, 1), std=1.0))
         else:
             self.num_blocks, num_actions, hidden = 0, 18, 256  # the full action space (Sec. 5)
             self.torso = nn.Sequential(
@@ -488,8 +443,7 @@ class Stopped(Exception):
 
 
 def blocking(call, alive):
-    """queue.get / queue.put that blocks as in Fig. 1, but wakes every half second to check alive(), so that a
-    partner that died or a run that is ending never leaves this thread waiting forever."""
+    """queue.get / queue.put that blocks as in Fig. 1, but raises Stopped once alive() is False (checked each 0.5 s)."""
     while True:
         try:
             return call(timeout=0.5)
@@ -499,8 +453,7 @@ def blocking(call, alive):
 
 
 class Episodes:
-    """Per-env running raw game score and length (a stale next-step reset row counts for nothing) and the sums over
-    the episodes that ended: charts/episodic_return and eval/return are raw scores, never the clipped rewards."""
+    """Per-env raw game score and length (a stale next-step reset row counts for nothing), summed over ended ones."""
 
     def __init__(self, num_envs: int):
         self.returns = torch.zeros(num_envs, dtype=torch.float64)
@@ -509,8 +462,7 @@ class Episodes:
         self.sums = dict(count=0.0, returns=0.0, lengths=0.0, successes=0.0)
 
     def step(self, reward, info: dict, done: torch.Tensor, counted: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """Accounts one env step; adds the episodes that ended (where `counted`) to the sums; returns which ended.
-        The raw reward is info["reward"] where the env clips the reward it returns (Atari), else the reward."""
+        """Accounts one env step (info["reward"]: Atari's raw score), sums the ended episodes where `counted`."""
         valid = ~self.stale
         self.returns += torch.as_tensor(info["reward"] if "reward" in info else reward).double() * valid
         self.lengths += valid.float()
@@ -532,12 +484,11 @@ ROLLOUT_KEYS = ("obs", "actions", "logprobs", "values", "rewards", "terminations
 
 
 class ActorThread(threading.Thread):
-    """One actor thread: its own EnvPool (envs_per_thread envs), its own copy of the network on its device, its own
-    params queue and rollout queue of size 1 (Fig. 1 right)."""
+    """One actor thread (Fig. 1 right): its own EnvPool, network copy, params queue and rollout queue of size 1."""
 
     def __init__(self, args: Args, index: int, device, rank: int, start_iteration: int, template: nn.Module, stop):
         super().__init__(daemon=True, name=f"actor-{index}")
-        self.args, self.index, self.device, self.rank = args, index, device, rank
+        self.args, self.device, self.rank = args, device, rank
         self.start_iteration, self.stop = start_iteration, stop
         self.params_queue: queue.Queue = queue.Queue(maxsize=1)
         self.rollout_queue: queue.Queue = queue.Queue(maxsize=1)
@@ -550,8 +501,7 @@ class ActorThread(threading.Thread):
 
     @torch.no_grad()
     def policy(self, obs: torch.Tensor, iteration: int, step: int):
-        """Actions, log-probabilities and values for this thread's envs; the noise rows are those of its envs.
-        One blocking device-to-host copy per env step, and the thread's one generator re-seeded."""
+        """Actions, log-probabilities and values for this thread's envs, sampled with the noise rows of its envs."""
         logits, value = self.agent(obs.to(self.device))
         self.generator.manual_seed(noise_seed(self.args.seed, self.rank, iteration, step))
         uniform = torch.rand((self.args.local_num_envs, logits.shape[-1]), generator=self.generator, device=self.device)
@@ -632,8 +582,7 @@ class Learner:
         self.optimizer = torch.optim.Adam(agent.parameters(), lr=args.learning_rate, eps=1e-5)  # Table 2
 
     def update(self, batch: dict, iteration: int) -> dict:
-        """GAE, then update_epochs x num_minibatches Adam steps on the clipped PPO loss (App. A, Alg. 1).
-        batch: (T, local_num_envs) tensors on the learner device."""
+        """GAE, then update_epochs x num_minibatches Adam steps on (T, local_num_envs) tensors (App. A, Alg. 1)."""
         args = self.args
         # Table 2: the learning rate decays linearly to 0; iteration i (1-based) uses lr0 (1 - (i - 1) / num_iterations)
         lr = args.learning_rate * (1.0 - (iteration - 1.0) / args.num_iterations if args.anneal_lr else 1.0)
@@ -671,9 +620,8 @@ class Learner:
         return out
 
     def minibatch_step(self, minibatch: dict) -> dict:
-        """One Adam step on one minibatch. The all-reduce SUMS the learners' gradients of ppo_loss (a mean over the
-        global minibatch), so the step is that of one learner holding the whole minibatch (App. A).
-        Returns the global sums of the logged terms (float64 tensors) and the global count of valid samples."""
+        """One Adam step on the SUM of the learners' gradients of ppo_loss (a mean over the global minibatch): the step
+        of one learner holding the whole minibatch (App. A). Returns the global sums of the logged terms and count."""
         args = self.args
         valid, advantages = minibatch["valid"], minibatch["advantages"]
         moments = torch.stack([valid.sum(), (advantages * valid).sum(), (advantages.square() * valid).sum()]).double()
@@ -726,8 +674,7 @@ class Logger:
 
 
 def save_checkpoint(path: Path, agent, optimizer, iteration: int, global_step: int) -> None:
-    """Model, optimizer, iteration and global step (all randomness derives from the seed and the iteration), written
-    to a temporary file and renamed, so that a crash never leaves a half-written checkpoint."""
+    """Written to a temporary file and renamed (a crash never leaves half a checkpoint); the seed does the rest."""
     state = {
         "model": agent.state_dict(),
         "optimizer": optimizer.state_dict(),
@@ -764,8 +711,7 @@ def evaluate(args: Args, agent: nn.Module, device: torch.device) -> dict:
 
 # ---- Training: the learner loop in the main thread (Fig. 1 right: `def learner()`), actor threads beside it ----
 def publish_params(agent: nn.Module, actors: list[ActorThread], version: int) -> None:
-    """Fig. 1 right: param_Q.put(params) for every actor thread; a snapshot per actor device, as the optimizer keeps
-    changing the learner's own tensors."""
+    """Fig. 1 right: param_Q.put(params) for every actor thread, a snapshot per actor device."""
     snapshots = {}
     for actor in actors:
         if actor.device not in snapshots:
@@ -778,8 +724,7 @@ def publish_params(agent: nn.Module, actors: list[ActorThread], version: int) ->
 
 def train(args: Args, learner: Learner, actors: list, logger, run_dir, start_iteration: int, global_step: int) -> dict:
     """Starts the actor threads and runs iterations start_iteration .. num_iterations (iteration i turns pi_i into
-    pi_{i+1}). Ctrl-C or a failed actor thread ends it where it is. Returns {"iteration", "global_step"} of the last
-    finished iteration, "interrupted" and, if an actor thread failed, its error as "actor_error"."""
+    pi_{i+1}) until the end, Ctrl-C or a failed actor thread (its error returned as "actor_error")."""
     agent, device, rank = learner.agent, learner.device, learner.rank
     finished = start_iteration - 1
     try:
@@ -814,6 +759,7 @@ def train(args: Args, learner: Learner, actors: list, logger, run_dir, start_ite
             count, returns, lengths, successes = all_reduce_sum(sums, args.world_size).tolist()  # named back at once
             if rank != 0:
                 continue
+            params_queue_get_time = float(np.mean([rollout["params_queue_get_time"] for rollout in rollouts]))
             data_version = rollouts[0]["policy_version"]  # the same in every actor thread's rollout
             row = {
                 "losses/policy_loss": losses["policy_loss"],
@@ -830,9 +776,7 @@ def train(args: Args, learner: Learner, actors: list, logger, run_dir, start_ite
                 "cleanba/policy_lag": iteration - data_version,
                 # Sec. 4.2: rollout_Q.get() longer than param_Q.get(): the actors are the bottleneck
                 "cleanba/rollout_queue_get_time": rollout_queue_get_time,
-                "cleanba/params_queue_get_time": float(
-                    np.mean([rollout["params_queue_get_time"] for rollout in rollouts])
-                ),
+                "cleanba/params_queue_get_time": params_queue_get_time,
                 "time/rollout": float(np.mean([rollout["rollout_time"] for rollout in rollouts])),
                 "time/update": update_time,
             }
