@@ -2,18 +2,15 @@
 
 Paper: "Cleanba: A Reproducible and Efficient Distributed Reinforcement Learning Platform",
 Shengyi Huang, Jiayi Weng, Rujikorn Charakorn, Min Lin, Zhongwen Xu, Santiago Ontanon (ICLR 2024), arXiv:2310.00036.
-IMPALA and V-trace: Espeholt et al., "IMPALA: Scalable Distributed Deep-RL with Importance Weighted Actor-Learner
-Architectures" (ICML 2018).
+IMPALA and V-trace: Espeholt et al., "IMPALA: Scalable Distributed Deep-RL with ..." (ICML 2018), arXiv:1802.01561.
 
-Actor threads step EnvPool and sample actions from the policy mu they hold; the learner corrects for the gap between
-mu and its own policy pi with V-trace, the importance ratios being pi/mu of the actions taken. Actor and learner meet
-through one rollout queue and one params queue per actor thread, both of size 1 (Fig. 1, right). By default the actor
-skips its params get at iteration 2 (Cleanba's architecture, the original script's default): from update 2 on the
-learner trains on data of the second-latest policy pi_{i-1} while the actor collects the next rollout, whatever the
-speed of either side (Table 1, Sec. 4.2); Sec. 5.3 found that this costs IMPALA no data efficiency.
---no-concurrency is the synchronous architecture. The batch is local_num_envs x num_steps per learner process
-whatever the number of actor threads (Sec. 4.1, App. A); torchrun runs several learners whose summed gradients make
-the step of one learner on the global minibatch.
+Actor threads step EnvPool with the policy mu they hold; the learner corrects for the gap to its own policy pi with
+V-trace (importance ratios pi/mu). Each actor thread meets the learner through a rollout queue and a params queue of
+size 1 (Fig. 1, right). By default the actor skips its params get at iteration 2 (Cleanba's architecture): from update
+2 on the learner trains on data of the second-latest policy pi_{i-1} while the actors collect the next rollout, whatever
+the speed of either side (Table 1; Sec. 5.3: no cost in data efficiency for IMPALA). --no-concurrency is the
+synchronous architecture. The batch is local_num_envs x num_steps per learner process (Sec. 4.1, App. A); torchrun runs
+several learners whose summed gradients make the step of one learner on the global minibatch.
 
 Map from the paper to this file
   Fig. 1 right, Table 1    ActorThread.actor_loop, train, blocking, should_get_params
@@ -23,18 +20,14 @@ Map from the paper to this file
   App. B, Table 3          vtrace, impala_loss, Learner                  (RMSprop eps 0.01, lr 6e-4 annealed, clip 40)
   Sec. 5 (Espeholt 2018)   Agent                                         (IMPALA ResNet 16/32/32, 256 hidden)
   Sec. 3 (Fig. 2)          --debug-learner-delay                         (a slow learner: same numbers, slower)
-Time alignment: row t of a rollout is one transition (o_t, a_t, log mu(a_t|o_t), r_t, terminated_t, truncated_t), the
-reward and flags being those the env returned for a_t (rlax's convention).
-Autoreset: EnvPool's next-step mode (ToyChain-v0 runs in the same mode): the step after an episode end only resets
-the env (action ignored, reward 0); that row is masked out of the loss and the trace is cut at every episode end. Its
-observation is the episode's true last one, whose value is bootstrapped at a truncation (at every end with
---bootstrap-at-done always).
+Row t of a rollout is one transition (o_t, a_t, log mu(a_t|o_t), r_t, terminated_t, truncated_t), the reward and flags
+being those the env returned for a_t (rlax's convention). Autoreset: EnvPool's next-step mode (ToyChain-v0 too): the
+step after an episode end only resets the env; that row is masked out of the loss, the trace is cut at every end, and
+its observation (the true last one) is bootstrapped at a truncation (at every end with --bootstrap-at-done always).
 
 Examples
   python cleanba_impala.py --env-id ToyChain-v0                              # seconds on a CPU
-  python cleanba_impala.py --env-id CartPole-v1                              # CPU minutes
   python cleanba_impala.py --env-id Breakout-v5 --actor-device-ids 0         # Table 3, 50M steps on GPU 0
-  python cleanba_impala.py --env-id Breakout-v5 --no-concurrency             # the synchronous architecture
   torchrun --nproc_per_node 2 cleanba_impala.py --env-id Breakout-v5 --local-num-envs 64   # 2 learners, same batch
 """
 
@@ -47,6 +40,7 @@ import math
 import os
 import queue
 import sys
+import textwrap
 import threading
 import time
 from dataclasses import asdict, dataclass, field
@@ -84,9 +78,9 @@ class Args:
     wandb_entity: Optional[str] = None
     """wandb entity (team)"""
     save_model: bool = False
-    """write checkpoints (ckpt_{global_step}.pt every --checkpoint-freq iterations, final_ckpt.pt at the end)"""
+    """write ckpt_{global_step}.pt every --checkpoint-freq iterations and final_ckpt.pt at the end"""
     checkpoint_freq: int = 500
-    """with --save-model, write ckpt_{global_step}.pt every this many iterations (>= 1)"""
+    """iterations between two ckpt_{global_step}.pt (>= 1)"""
     checkpoint: Optional[str] = None
     """a checkpoint to resume training from (model, optimizer, iteration), or to evaluate with --evaluate"""
     evaluate: bool = False
@@ -95,20 +89,17 @@ class Args:
     """episodes of the final evaluation (one per eval env; >= 0, 0: none) and of --evaluate"""
 
     env_id: str = "Breakout-v5"
-    """an EnvPool Atari task (Breakout-v5, Pong-v5, ...), an EnvPool classic-control task (CartPole-v1, Acrobot-v1)
-    or ToyChain-v0"""
+    """EnvPool Atari (Breakout-v5, Pong-v5, ...), EnvPool classic control (CartPole-v1, Acrobot-v1) or ToyChain-v0"""
     max_episode_steps: int = 27000
-    """Atari: episode time limit in agent steps (>= 1), 27,000 = 108,000 frames (Sec. 5; a truncation); classic
-    control keeps its task's own limit (CartPole-v1, Acrobot-v1: 500 steps, a truncation)"""
+    """Atari episode time limit in agent steps (>= 1; 27,000 = 108,000 frames, Sec. 5); classic control keeps its own"""
     bootstrap_at_done: Literal["always", "truncated"] = "truncated"
     """truncated: a time limit bootstraps V(last observation), a termination 0; always: every episode end bootstraps"""
     toy: ToyChainConfig = field(default_factory=ToyChainConfig)
     """ToyChain-v0 settings (always next-step autoreset, as EnvPool)"""
 
     local_num_envs: Optional[int] = None
-    """envs per learner process (>= 1), split evenly over its actor threads (default: Atari 128, Table 3; classic
-    control 16; ToyChain 32). The original Cleanba's --local-num-envs counts envs per ACTOR THREAD: ours = theirs x
-    num_actor_threads x devices"""
+    """envs per learner process (>= 1), split over its actor threads (default: Atari 128, Table 3; classic 16; ToyChain
+    32). The original Cleanba's --local-num-envs counts envs per ACTOR THREAD: ours = theirs x threads x devices"""
     num_actor_threads: int = 2
     """actor threads per actor device (>= 1), each with its own EnvPool and queues (hardware, not a hyperparameter)"""
     actor_device_ids: Optional[list[int]] = None
@@ -119,14 +110,13 @@ class Args:
     """seconds (>= 0) the learner sleeps after each update (Sec. 3): a slower learner must give exactly the same run"""
 
     total_timesteps: Optional[int] = None
-    """env steps of all processes together, at least one batch (default: Atari 50M, Table 3; classic control 500k;
-    ToyChain 64,000)"""
+    """env steps of all processes, at least one batch (default: Atari 50M, Table 3; classic 500k; ToyChain 64,000)"""
     learning_rate: float = 6e-4
     """RMSprop learning rate (> 0; Table 3)"""
     anneal_lr: bool = True
     """linearly decay the learning rate to 0 (Table 3)"""
     num_steps: Optional[int] = None
-    """rollout (unroll) length per env and update (>= 1; default: Atari 20, Table 3; classic control 20; ToyChain 10)"""
+    """unroll length per env and update (>= 1; default: Atari 20, Table 3; classic 20; ToyChain 10)"""
     gamma: float = 0.99
     """discount factor (in [0, 1]; Table 3)"""
     vtrace_lambda: float = 1.0
@@ -136,17 +126,15 @@ class Args:
     clip_pg_rho_threshold: float = 1.0
     """rho-bar_pg (> 0), clip of the importance ratios of the policy-gradient advantages (Table 3)"""
     num_minibatches: Optional[int] = None
-    """minibatches per update (>= 1), each a group of whole env sequences; one pass (default: Atari 4, Table 3;
-    classic control 8; ToyChain 4)"""
+    """minibatches of whole env sequences, one pass (>= 1; default: Atari 4, Table 3; classic 8; ToyChain 4)"""
     ent_coef: float = 0.01
     """entropy coefficient (>= 0; Table 3)"""
     vf_coef: float = 0.5
     """baseline coefficient (>= 0): the loss has vf_coef x 0.5 x sum (v_s - V)^2 (Table 3, as Cleanba and torchbeast)"""
     max_grad_norm: Optional[float] = None
-    """global gradient-norm clip (> 0; default: Atari 40, Table 3; classic control 1,000; ToyChain 40)"""
+    """global gradient-norm clip (> 0; default: Atari 40, Table 3; classic 1,000; ToyChain 40)"""
     rmsprop_eps: Optional[float] = None
-    """RMSprop epsilon (> 0), added outside the square root as in PyTorch (default: Atari 0.01, Table 3; classic
-    control 0.1; ToyChain 0.01)"""
+    """RMSprop epsilon outside the square root (> 0; default: Atari 0.01, Table 3; classic 0.1; ToyChain 0.01)"""
     rmsprop_alpha: float = 0.99
     """RMSprop decay (in [0, 1); Table 3)"""
 
@@ -163,12 +151,7 @@ class Args:
 
 TOY_ENV_ID = "ToyChain-v0"
 CLASSIC_ENVS = {"CartPole-v1": (4, 2), "Acrobot-v1": (6, 3)}  # EnvPool classic control: observation size, actions
-# App. B Table 3 (Atari), Table 3's unroll on 16 envs for classic control, and small settings for the toy chain;
-# any flag overrides them. Classic control's returns (about +-100, rewards not clipped) depart from Table 3's optimizer:
-# RMSprop epsilon 0.1, the denominator's floor in IMPALA's TensorFlow RMSProp (with 0.01 outside the square root,
-# CartPole's final return fell: median 255 vs 420); clip 1,000, as at 40 the value's gradient (norm 1,000-2,500 until it
-# fits the returns) shrank the policy's steps below epsilon (Acrobot's policy stayed uniform for 300k steps on 2 of 5
-# concurrent seeds); 8 minibatches, twice the steps, so that the value fits sooner (README.md, cleanba_classic).
+# App. B Table 3 (Atari); classic control departs from its optimizer (why: benchmarks/results/cleanba_classic.md)
 TABLE_3 = dict(num_minibatches=4, max_grad_norm=40.0, rmsprop_eps=0.01)
 CLASSIC_OPTIMIZER = dict(num_minibatches=8, max_grad_norm=1000.0, rmsprop_eps=0.1)
 PRESETS = {
@@ -197,20 +180,15 @@ def env_family(env_id: str) -> Optional[str]:
 
 
 def resolve_args(args: Args, world_size: int = 1) -> Args:
-    """Fills the presets and the App. A sizes into a copy of `args`; raises ArgsError for the usual mistakes.
-
-    local_batch_size = local_num_envs x num_steps, batch_size = world_size x local_batch_size, and the minibatches
-    are those divided by num_minibatches. Actor threads and devices do not appear: they are hardware (Sec. 4.1)."""
+    """A copy of `args` with the presets and the App. A sizes filled in (actor threads are hardware, Sec. 4.1)."""
     args = dataclasses.replace(args)
     family = env_family(args.env_id)
     if family is None:
-        raise ArgsError(
-            f"--env-id {args.env_id!r} is none of: an EnvPool Atari task (Breakout-v5, Pong-v5, ...), an EnvPool "
-            f"classic-control task ({', '.join(CLASSIC_ENVS)}), {TOY_ENV_ID}"
-        )
-    if family == "toy" and args.toy.autoreset_mode != "next_step":
-        raise ArgsError("--toy.autoreset-mode: this script consumes next-step autoreset (EnvPool's); use next_step")
+        known = f"an EnvPool Atari task (Breakout-v5, ...), an EnvPool classic-control task ({', '.join(CLASSIC_ENVS)})"
+        raise ArgsError(f"--env-id {args.env_id!r}: must be {known} or {TOY_ENV_ID}")
     if family == "toy":
+        if args.toy.autoreset_mode != "next_step":
+            raise ArgsError("--toy.autoreset-mode: this script consumes next-step autoreset (EnvPool's); use next_step")
         try:
             args.toy.validate()  # every --toy.* flag, each named with its value and domain
         except ValueError as error:
@@ -218,7 +196,6 @@ def resolve_args(args: Args, world_size: int = 1) -> Args:
     for name, value in PRESETS[family].items():
         if getattr(args, name) is None:
             setattr(args, name, value)
-    # the domain of every numeric flag: (flag, value, within the domain, the domain)
     checks = [
         ("--seed", args.seed, args.seed >= 0, ">= 0"),
         ("--checkpoint-freq", args.checkpoint_freq, args.checkpoint_freq >= 1, ">= 1"),
@@ -252,20 +229,14 @@ def resolve_args(args: Args, world_size: int = 1) -> Args:
             raise ArgsError(f"--actor-device-ids {device_id}: must be a CUDA device index in [0, {cuda_devices})")
     threads = args.num_actor_threads * len(args.actor_device_ids or [0])
     if args.local_num_envs % threads:
-        raise ArgsError(
-            f"--local-num-envs {args.local_num_envs} does not split over {threads} actor threads "
-            f"(--num-actor-threads x actor devices)"
-        )
+        raise ArgsError(f"--local-num-envs {args.local_num_envs} does not split over {threads} actor threads")
     args.world_size = world_size
     args.envs_per_thread = args.local_num_envs // threads
     args.num_envs = args.local_num_envs * world_size
     args.local_batch_size = args.local_num_envs * args.num_steps
     args.batch_size = args.local_batch_size * world_size
     if args.local_num_envs % args.num_minibatches:
-        raise ArgsError(
-            f"--local-num-envs {args.local_num_envs} does not split into --num-minibatches "
-            f"{args.num_minibatches} groups of whole env sequences (V-trace runs along each sequence)"
-        )
+        raise ArgsError(f"--num-minibatches {args.num_minibatches}: must divide --local-num-envs {args.local_num_envs}")
     args.local_minibatch_size = args.local_batch_size // args.num_minibatches
     args.minibatch_size = args.local_minibatch_size * world_size
     args.num_iterations = args.total_timesteps // args.batch_size
@@ -279,27 +250,19 @@ def resolve_args(args: Args, world_size: int = 1) -> Args:
 
 
 def format_settings(args: Args) -> str:
-    """The resolved settings as printed at start: `settings:`, then name=value pairs in field order (the nested toy
-    settings as toy.horizon=...), several to a line of at most 120 characters."""
+    """The resolved settings as `name=value` pairs in field order (`toy.horizon=200`), in lines of 120 characters."""
     pairs = []
     for name, value in asdict(args).items():
         if isinstance(value, dict):
-            pairs.extend(f"{name}.{key}={item}" for key, item in value.items())
+            pairs.extend(f"{name}.{inner_name}={inner_value}" for inner_name, inner_value in value.items())
         else:
             pairs.append(f"{name}={value}")
-    lines = ["settings:"]
-    for pair in pairs:
-        if len(lines) > 1 and len(lines[-1]) + 1 + len(pair) <= 120:
-            lines[-1] += " " + pair
-        else:
-            lines.append("  " + pair)
-    return "\n".join(lines)
+    return "settings:\n" + textwrap.fill(" ".join(pairs), width=120, break_long_words=False, break_on_hyphens=False)
 
 
 # ---- Environments: EnvPool Atari and classic control, ToyChain-v0 behind EnvPool's API (all next-step autoreset) ----
 def env_seeds(seed: int, rank: int, first_env: int, num_envs: int, start_iteration: int) -> list[int]:
-    """One seed per env from its global index, so that an env gets the same seed whatever the number of actor
-    threads it is split over; resuming at a later iteration draws new ones."""
+    """One seed per env from its global index (the same whatever the actor threads); a resumed run draws new ones."""
     return [
         int(np.random.SeedSequence([seed, rank, first_env + env, start_iteration]).generate_state(1)[0] >> 1)
         for env in range(num_envs)
@@ -314,8 +277,7 @@ def make_env(args: Args, num_envs: int, seeds: list[int]):
     pool = dict(env_type="gymnasium", num_envs=num_envs, batch_size=num_envs, seed=seeds)
     if args.env_id in CLASSIC_ENVS:  # the task's own time limit (a truncation); a fallen pole is a termination
         return envpool.make(args.env_id, **pool)
-    # Sec. 5 (Machado et al. 2018): sticky actions 0.25, full action space, no life-loss signal, 84x84 grey, 4 stacked
-    # frames, frame skip 4; rewards clipped for learning (info["reward"] keeps the raw game score).
+    # Sec. 5 (Machado et al. 2018); rewards clipped for learning, info["reward"] keeps the raw game score
     protocol = dict(repeat_action_probability=0.25, full_action_space=True, episodic_life=False, noop_max=1)
     frames = dict(reward_clip=True, stack_num=4, frame_skip=4, img_height=84, img_width=84, gray_scale=True)
     return envpool.make(args.env_id, **pool, max_episode_steps=args.max_episode_steps, **protocol, **frames)
@@ -323,14 +285,12 @@ def make_env(args: Args, num_envs: int, seeds: list[int]):
 
 # ---- Pure functions (importable, tested in tests/test_cleanba_impala.py) ----
 def should_get_params(actor_iteration: int, concurrency: bool) -> bool:
-    """Fig. 1 (right), line 7: the actor gets new params before every rollout, except at iteration 2 with
-    concurrency, so that it rolls out D_2 with pi_1 while the learner trains pi_1 on D_1."""
+    """Fig. 1 (right), line 7: the actor gets params before every rollout, except at iteration 2 with concurrency."""
     return not (concurrency and actor_iteration == 2)
 
 
 def noise_seed(seed: int, rank: int, iteration: int, step: int, stream: int = 0) -> int:
-    """Seed of the sampling noise of a learner process's envs at one rollout step (stream 0) or of its minibatch
-    shuffling (stream 1): a function of the seed and the iteration alone, so independent of timing and resuming."""
+    """Seed of the sampling noise at one rollout step: a function of the seed and the iteration, not of timing."""
     return int(np.random.SeedSequence([seed, rank, iteration, step, stream]).generate_state(1)[0])
 
 
@@ -350,24 +310,19 @@ def logprob_entropy(logits: torch.Tensor, actions: torch.Tensor):
 def vtrace(
     values, next_values, rewards, no_bootstrap, dones, log_rhos, gamma, lambda_=1.0, rho_bar=1.0, pg_rho_bar=1.0
 ):
-    """V-trace targets and policy-gradient advantages (Espeholt et al. 2018, Sec. 4.1; rlax's vtrace) over (T, N).
+    """V-trace targets and policy-gradient advantages over (T, N), without gradient (Espeholt et al. 2018, Sec. 4.1).
 
     Row t is one transition x_t --a_t--> x'_t:
-      values[t]       = V(x_t);  next_values[t] = V(x'_t): values[t + 1] inside the rollout (after an episode end that
-                        is the stale reset row, whose observation is the episode's true last one), V(o_T) for the last
-      rewards[t]      = r_t, the reward the env returned for a_t
-      no_bootstrap[t] = a_t ended the episode and x'_t is not bootstrapped (a termination, unless 'always')
-      dones[t]        = a_t ended the episode: row t + 1 is another episode, so the trace is cut there
-      log_rhos[t]     = log pi(a_t|x_t) - log mu(a_t|x_t), learner over behaviour (actor) policy
+      values[t] = V(x_t);  next_values[t] = V(x'_t) (values[t + 1], V(o_T) for the last row)
+      rewards[t] = r_t;  no_bootstrap[t] = cut_t: x'_t is not bootstrapped;  dones[t] = done_t: a_t ended the episode
+      log_rhos[t] = log pi(a_t|x_t) - log mu(a_t|x_t), learner over behaviour (actor) policy
     With rho_t = exp(log_rhos[t]) and c_t = lambda min(1, rho_t):
       delta_t   = min(rho-bar, rho_t) (r_t + gamma (1 - cut_t) next_values[t] - values[t])
       v_t - V   = delta_t + gamma (1 - done_t) c_t (v_{t+1} - V(x_{t+1}))
       q_t       = r_t + gamma (1 - cut_t) (lambda v_{t+1} + (1 - lambda) V(x_{t+1}) if not done_t and t < T - 1,
                                           else next_values[t])
       pg_adv_t  = min(rho-bar_pg, rho_t) (q_t - values[t])
-    Returns (vs, pg_advantages), without gradient. With only terminations as episode ends this is
-    rlax.vtrace_td_error_and_advantage(v_tm1=values, v_t=next_values, r_t=rewards, discount_t=gamma (1 - cut)).
-    """
+    With only terminations as episode ends this is rlax.vtrace_td_error_and_advantage, discount_t = gamma (1 - cut)."""
     with torch.no_grad():
         rhos = log_rhos.exp()
         discounts = gamma * (1.0 - no_bootstrap.to(values.dtype))
@@ -387,10 +342,8 @@ def vtrace(
 
 
 def impala_loss(agent: nn.Module, batch: dict, args: Args):
-    """The IMPALA loss of whole env sequences (Espeholt et al. 2018, Sec. 4.2), summed over the valid rows as Cleanba
-    and torchbeast do: -log pi(a_t|x_t) pg_adv_t + vf_coef 0.5 (v_t - V(x_t))^2 - ent_coef H(pi(.|x_t)).
-    The learner evaluates its network on o_0 .. o_{T-1} and o_T (batch["next_obs"]); the ratios are pi/mu, its own
-    log-probabilities over the actor's. Returns (loss, the sums of the logged terms and the number of valid rows)."""
+    """The IMPALA loss of whole env sequences (Espeholt et al. 2018, Sec. 4.2) and its terms, summed over the valid rows
+    as Cleanba and torchbeast do: -log pi(a_t|x_t) pg_adv_t + vf_coef 0.5 (v_t - V(x_t))^2 - ent_coef H(pi(.|x_t))."""
     obs = batch["obs"]
     num_steps, num_envs = obs.shape[:2]
     all_logits, all_values = agent(torch.cat([obs, batch["next_obs"].unsqueeze(0)]).flatten(0, 1))
@@ -399,10 +352,7 @@ def impala_loss(agent: nn.Module, batch: dict, args: Args):
     logprob, entropy = logprob_entropy(logits, batch["actions"])
     log_rhos = logprob.detach() - batch["logprobs"]
     dones = batch["terminations"] | batch["truncations"]  # every end cuts the trace
-    if args.bootstrap_at_done == "truncated":
-        no_bootstrap = batch["terminations"]  # a truncation bootstraps V(last observation), the reset row's
-    else:
-        no_bootstrap = torch.zeros_like(dones)  # every end bootstraps V(last observation)
+    no_bootstrap = batch["terminations"] if args.bootstrap_at_done == "truncated" else torch.zeros_like(dones)
     fixed = values.detach()  # the targets and advantages carry no gradient
     vs, pg_advantages = vtrace(
         fixed[:-1],
@@ -442,15 +392,9 @@ def layer_init(layer: nn.Linear, std: float = math.sqrt(2), bias_const: float = 
     return layer
 
 
-def tanh_mlp(inputs: int, outputs: int, std: float) -> nn.Sequential:
-    """Two 64-unit tanh layers and a linear output layer of orthogonal gain `std` (CleanRL's classic control)."""
-    return nn.Sequential(
-        layer_init(nn.Linear(inputs, 64)),
-        nn.Tanh(),
-        layer_init(nn.Linear(64, 64)),
-        nn.Tanh(),
-        layer_init(nn.Linear(64, outputs), std=std),
-    )
+def two_layers(inputs: int, activation) -> list[nn.Module]:
+    """Two 64-unit layers: CleanRL's classic-control networks (tanh) and the ToyChain torso (ReLU)."""
+    return [layer_init(nn.Linear(inputs, 64)), activation(), layer_init(nn.Linear(64, 64)), activation()]
 
 
 class ResidualBlock(nn.Module):
@@ -471,10 +415,7 @@ def conv_sequence(in_channels: int, out_channels: int) -> nn.Sequential:
 
 
 class Agent(nn.Module):
-    """Policy and value heads on a shared torso. Atari: the IMPALA ResNet (Espeholt et al. 2018; Sec. 5), stages of
-    16/32/32 channels and a 256-unit dense layer on (B, 4, 84, 84) uint8 frames; ToyChain: 2 x 64 ReLU on the one-hot
-    block index. Heads: orthogonal gain 0.01 (policy) and 1 (value). Classic control: two 2 x 64 tanh networks on the
-    observation, no shared torso (CleanRL's ppo.py)."""
+    """Policy and value heads on a shared torso: the IMPALA ResNet on Atari frames (Sec. 5), 2 x 64 ReLU on ToyChain."""
 
     def __init__(self, args: Args):
         super().__init__()
@@ -483,18 +424,13 @@ class Agent(nn.Module):
         if args.env_id in CLASSIC_ENVS:  # no shared torso: two networks, as CleanRL's ppo.py
             obs_size, num_actions = CLASSIC_ENVS[args.env_id]
             self.torso = nn.Identity()
-            self.actor = tanh_mlp(obs_size, num_actions, std=0.01)
-            self.critic = tanh_mlp(obs_size, 1, std=1.0)
+            self.actor = nn.Sequential(*two_layers(obs_size, nn.Tanh), layer_init(nn.Linear(64, num_actions), std=0.01))
+            self.critic = nn.Sequential(*two_layers(obs_size, nn.Tanh), layer_init(nn.Linear(64, 1), std=1.0))
             return
         if args.env_id == TOY_ENV_ID:
             num_actions = args.toy.num_actions
             hidden = 64
-            self.torso = nn.Sequential(
-                layer_init(nn.Linear(self.num_blocks, hidden)),
-                nn.ReLU(),
-                layer_init(nn.Linear(hidden, hidden)),
-                nn.ReLU(),
-            )
+            self.torso = nn.Sequential(*two_layers(self.num_blocks, nn.ReLU))
         else:
             num_actions = 18  # the full action space (Sec. 5)
             hidden = 256
@@ -524,8 +460,7 @@ class Stopped(Exception):
 
 
 def blocking(call, alive):
-    """queue.get / queue.put that blocks as in Fig. 1, but wakes every half second to check alive(), so that a
-    partner that died or a run that is ending never leaves this thread waiting forever."""
+    """queue.get / queue.put that blocks as in Fig. 1 but raises Stopped once alive() is False (checked every 0.5 s)."""
     while True:
         try:
             return call(timeout=0.5)
@@ -535,8 +470,7 @@ def blocking(call, alive):
 
 
 class Episodes:
-    """Per-env running raw game score and length (a stale next-step reset row counts for nothing) and the sums over
-    the episodes that ended: charts/episodic_return and eval/return are raw scores, never the clipped rewards."""
+    """Per-env running raw game score (never the clipped reward) and length, and the sums over the ended episodes."""
 
     def __init__(self, num_envs: int):
         self.returns = torch.zeros(num_envs, dtype=torch.float64)
@@ -545,8 +479,7 @@ class Episodes:
         self.sums = dict(count=0.0, returns=0.0, lengths=0.0, successes=0.0)
 
     def step(self, reward, info: dict, done: torch.Tensor, counted: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """Accounts one env step; adds the episodes that ended (where `counted`) to the sums; returns which ended.
-        The raw reward is info["reward"] where the env clips the reward it returns (Atari), else the reward."""
+        """Accounts one env step (a stale reset row counts for nothing); sums the ended episodes where `counted`."""
         valid = ~self.stale
         self.returns += torch.as_tensor(info["reward"] if "reward" in info else reward).double() * valid
         self.lengths += valid.float()
@@ -563,13 +496,11 @@ class Episodes:
         return ended
 
 
-# the (T, envs) tensors of a rollout; row t is one transition (o_t, a_t, ..., r_t)
 ROLLOUT_KEYS = ("obs", "actions", "logprobs", "rewards", "terminations", "truncations", "valid")
 
 
 class ActorThread(threading.Thread):
-    """One actor thread: its own EnvPool (envs_per_thread envs), its own copy of the network on its device, its own
-    params queue and rollout queue of size 1 (Fig. 1 right)."""
+    """Its own EnvPool, network copy on its device, params queue and rollout queue of size 1 (Fig. 1 right)."""
 
     def __init__(self, args: Args, index: int, device, rank: int, start_iteration: int, template: nn.Module, stop):
         super().__init__(daemon=True, name=f"actor-{index}")
@@ -589,8 +520,7 @@ class ActorThread(threading.Thread):
 
     @torch.no_grad()
     def policy(self, obs: torch.Tensor, iteration: int, step: int):
-        """Actions and their log-probabilities under the actor's policy mu; the noise rows are those of its envs.
-        One blocking device-to-host copy per env step, and the thread's one generator re-seeded at every step."""
+        """Actions and their log-probabilities under the actor's policy mu (the noise rows of its envs)."""
         logits, _ = self.agent(obs.to(self.device))
         self.generator.manual_seed(noise_seed(self.args.seed, self.rank, iteration, step))
         uniform = torch.rand((self.args.local_num_envs, logits.shape[-1]), generator=self.generator, device=self.device)
@@ -671,14 +601,12 @@ class Learner:
         self.agent = agent
         self.device = device
         self.rank = rank
-        # Table 3: RMSprop with eps 0.01 (outside the square root) and decay 0.99, no momentum, not centred.
         self.optimizer = torch.optim.RMSprop(
             agent.parameters(), lr=args.learning_rate, alpha=args.rmsprop_alpha, eps=args.rmsprop_eps
         )
 
     def update(self, batch: dict, iteration: int) -> dict:
-        """num_minibatches RMSprop steps, each on a group of whole env sequences (one pass, no shuffling, as Cleanba).
-        batch: (T, local_num_envs) tensors on the learner device, next_obs (local_num_envs, ...)."""
+        """num_minibatches RMSprop steps, each on whole env sequences (one pass, no shuffling, as Cleanba)."""
         args = self.args
         # Table 3: the learning rate decays linearly to 0; iteration i (1-based) uses lr0 (1 - (i - 1) / num_iterations)
         lr = args.learning_rate * (1.0 - (iteration - 1.0) / args.num_iterations if args.anneal_lr else 1.0)
@@ -697,9 +625,7 @@ class Learner:
         return out
 
     def minibatch_step(self, minibatch: dict) -> dict:
-        """One RMSprop step. The loss is a sum over the minibatch's rows (Cleanba, torchbeast) and the all-reduce SUMS
-        the learners' gradients, so the step is that of one learner holding the whole global minibatch (App. A).
-        Returns the global sums of the logged terms, the gradient norm and the global count of valid rows."""
+        """One RMSprop step on the SUM of all learners' gradients: one learner's step on the global batch (App. A)."""
         args = self.args
         loss, sums = impala_loss(self.agent, minibatch, args)
         self.optimizer.zero_grad()
@@ -717,8 +643,7 @@ class Learner:
 
 # ---- Logging, checkpoints, evaluation ----
 class Logger:
-    """TensorBoard scalars (mirrored to wandb with --track) and updates.jsonl (one line per update, exact floats);
-    keeps the last value of each scalar for summary.json. Only learner rank 0 logs."""
+    """TensorBoard (wandb with --track), updates.jsonl, and the last value of each scalar for summary.json."""
 
     def __init__(self, run_dir: Path, args: Args, run_name: str):
         if args.track:
@@ -749,8 +674,7 @@ class Logger:
 
 
 def save_checkpoint(path: Path, agent, optimizer, iteration: int, global_step: int) -> None:
-    """Model, optimizer, iteration and global step (all randomness derives from the seed and the iteration), written
-    to a temporary file and renamed, so that a crash never leaves a half-written checkpoint."""
+    """Written to a temporary file and renamed; all randomness derives from the seed and the iteration."""
     state = {
         "model": agent.state_dict(),
         "optimizer": optimizer.state_dict(),
@@ -763,35 +687,30 @@ def save_checkpoint(path: Path, agent, optimizer, iteration: int, global_step: i
 
 @torch.no_grad()
 def evaluate(args: Args, agent: nn.Module, device: torch.device) -> dict:
-    """num_eval_episodes episodes, one per env of a separate pool (seeds apart from training), stepped and counted as
-    the actors do (Episodes): eval/return is the raw game score."""
-    num_episodes = args.num_eval_episodes
-    envs = make_env(args, num_episodes, env_seeds(args.seed, 10_000, 0, num_episodes, 0))
+    """num_eval_episodes episodes, one per env of a separate pool, counted as the actors count theirs."""
+    count = args.num_eval_episodes
+    envs = make_env(args, count, env_seeds(args.seed, 10_000, 0, count, 0))
     generator = torch.Generator(device=device).manual_seed(args.seed + 12345)
-    episodes = Episodes(num_episodes)
-    finished = torch.zeros(num_episodes, dtype=torch.bool)  # each env counts its first episode only
+    episodes = Episodes(count)
+    finished = torch.zeros(count, dtype=torch.bool)  # each env counts its first episode only
     envs.async_reset()
     obs, _, _, _, _ = envs.recv()
     while not bool(finished.all()):
         logits, _ = agent(torch.tensor(obs).to(device))
         action = sample_actions(logits, torch.rand(logits.shape, generator=generator, device=device))
-        envs.send(action.cpu().numpy(), np.arange(num_episodes, dtype=np.int32))
+        envs.send(action.cpu().numpy(), np.arange(count, dtype=np.int32))
         obs, reward, terminated, truncated, info = envs.recv()
         finished |= episodes.step(reward, info, torch.tensor(terminated | truncated), counted=~finished)
     envs.close()
-    out = {
-        "eval/return": episodes.sums["returns"] / num_episodes,
-        "eval/episode_len": episodes.sums["lengths"] / num_episodes,
-    }
+    out = {"eval/return": episodes.sums["returns"] / count, "eval/episode_len": episodes.sums["lengths"] / count}
     if args.env_id == TOY_ENV_ID:
-        out["eval/success_at_end"] = episodes.sums["successes"] / num_episodes
+        out["eval/success_at_end"] = episodes.sums["successes"] / count
     return out
 
 
 # ---- Training: the learner loop in the main thread (Fig. 1 right: `def learner()`), actor threads beside it ----
 def publish_params(agent: nn.Module, actors: list[ActorThread], version: int) -> None:
-    """Fig. 1 right: param_Q.put(params) for every actor thread; a snapshot per actor device, as the optimizer keeps
-    changing the learner's own tensors."""
+    """Fig. 1 right: param_Q.put(params) for every actor thread, a snapshot per actor device."""
     snapshots = {}
     for actor in actors:
         if actor.device not in snapshots:
@@ -803,9 +722,7 @@ def publish_params(agent: nn.Module, actors: list[ActorThread], version: int) ->
 
 
 def train(args: Args, learner: Learner, actors: list, logger, run_dir, start_iteration: int, global_step: int) -> dict:
-    """Starts the actor threads and runs iterations start_iteration .. num_iterations (iteration i turns pi_i into
-    pi_{i+1}). Ctrl-C or a failed actor thread ends it where it is. Returns {"iteration", "global_step"} of the last
-    finished iteration, "interrupted" and, if an actor thread failed, its error as "actor_error"."""
+    """Iterations start_iteration .. num_iterations (i turns pi_i into pi_{i+1}) until Ctrl-C or a failed actor."""
     agent = learner.agent
     finished = start_iteration - 1
     try:
@@ -842,6 +759,7 @@ def train(args: Args, learner: Learner, actors: list, logger, run_dir, start_ite
             if learner.rank != 0:
                 continue
             data_version = rollouts[0]["policy_version"]  # the same in every actor thread
+            params_queue_get_time = float(np.mean([rollout["params_queue_get_time"] for rollout in rollouts]))
             row = {
                 "losses/policy_loss": losses["policy_loss"],
                 "losses/value_loss": losses["value_loss"],
@@ -857,9 +775,7 @@ def train(args: Args, learner: Learner, actors: list, logger, run_dir, start_ite
                 "cleanba/policy_lag": iteration - data_version,
                 # Sec. 4.2: rollout_Q.get() longer than param_Q.get(): the actors are the bottleneck
                 "cleanba/rollout_queue_get_time": rollout_queue_get_time,
-                "cleanba/params_queue_get_time": float(
-                    np.mean([rollout["params_queue_get_time"] for rollout in rollouts])
-                ),
+                "cleanba/params_queue_get_time": params_queue_get_time,
                 "time/rollout": float(np.mean([rollout["rollout_time"] for rollout in rollouts])),
                 "time/update": update_time,
             }
