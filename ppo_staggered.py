@@ -344,8 +344,7 @@ class FirstFrames(gym.Wrapper):
 
 
 class TerminationInInfo(gym.Wrapper):
-    """Reports a termination in info["terminated"] instead, so that Gymnasium's vector env (autoreset disabled) lets
-    the env run on after it: PartialResetVecEnv decides whether it resets or waits for its group's reset gate."""
+    """A termination moved to info["terminated"], so that the vector env runs on: PartialResetVecEnv decides resets."""
 
     def step(self, action):
         obs, reward, terminated, truncated, info = self.env.step(action)
@@ -741,8 +740,7 @@ def minibatch_gradients(agent: nn.Module, optimizer, args: Args, minibatch: dict
 
 
 def ppo_update(gradients, optimizer, batch: dict, args: Args) -> dict:
-    """Epochs of shuffled minibatches, an Adam step on each (`gradients`: minibatch_gradients or its CUDA graph).
-    Returns the mean of each minibatch statistic, on the device (DDP: of all ranks)."""
+    """Epochs of shuffled minibatches, an Adam step each; the mean of each statistic, on the device (of all ranks)."""
     totals, num_steps_taken = {}, 0  # sums of the minibatch statistics
     for epoch in range(args.update_epochs):
         permutation = torch.randperm(args.batch_size, device=batch["obs"].device)
