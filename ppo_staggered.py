@@ -8,9 +8,8 @@ K-step slice of the task, cycling through the horizon every H/K updates (Sec. 3.
 N_B = ceil(H/K) groups and advance group j by j*S steps (S = K) before training, so that every batch holds every stage
 of the task (Sec. 3.3, App. B.1). Each group resets together when its horizon ends (its "reset gate"); an env that
 terminates early waits, masked out of the loss, for its group's gate. --no-stagger is the naive baseline of Tables 1/3:
-one group, immediate partial resets (as ManiSkill's PPO); --partial-reset-mode overrides either default.
---reset-scheme random-start is legged_gym / Isaac Lab's init_at_random_ep_len ([21], Rudin et al. 2022, Sec. 5.3):
-each env's first episode is cut (truncated) after U[1, H] steps; no advance, immediate partial resets.
+one group, immediate partial resets (as ManiSkill's PPO). --reset-scheme random-start is legged_gym / Isaac Lab's
+init_at_random_ep_len ([21], Sec. 5.3): each env's first episode is cut after U[1, H] steps.
 
 This is ManiSkill's PPO baseline (examples/baselines/ppo/ppo.py) with three differences, each marked "STAGGER": the
 advance before training, the reset gates with their loss mask, and the masked PPO losses. Under torchrun ("DDP") every
@@ -26,14 +25,11 @@ Map from the paper to this file
   App. C, Fig. 6      batch_temporal_stats, toy_diagnostics.npz                    (figures: benchmarks/toy_sweeps.py)
   App. E.0.1          stagger/value_mse, stagger/policy_kl, toy/forgetting_mean    (toy_chain_env.ToyChainDiagnostics)
   Sec. 5.4 (large N)  all_reduce_sum, RunningMeanStd.merge_ranks, "DDP"            (torchrun: ranks x N envs)
-Episode ends: --bootstrap-at-done always (ManiSkill's default: V(final obs) at every end, successes included) or
-truncated (ToyChain's and Gymnasium's: 0 at a termination). Autoreset (autoreset_modes.txt): ToyChain either mode
-(--toy.autoreset-mode), ManiSkill/Gymnasium same-step (PartialResetVecEnv); ResetState masks next-step resets.
+Autoreset (autoreset_modes.txt): ToyChain either mode (--toy.autoreset-mode), ManiSkill and Gymnasium same-step
+(PartialResetVecEnv); ResetState masks next-step resets.
 
   python ppo_staggered.py                                      # ToyChain-v0 (Table 2 PPO), ~30 s on a CPU
-  python ppo_staggered.py --env-id StackCube-v1                # Table 3 on a CUDA GPU; a short trial without one
-  python ppo_staggered.py --env-id StackCube-v1 --no-stagger   # the naive baseline (immediate partial resets)
-  python ppo_staggered.py --reset-scheme random-start          # legged_gym's random first-episode lengths
+  python ppo_staggered.py --env-id StackCube-v1 --no-stagger   # Table 3's naive baseline on a CUDA GPU
   torchrun --nproc_per_node 2 ppo_staggered.py --env-id StackCube-v1   # 2 GPUs (NCCL; gloo with --no-cuda)
 """
 
@@ -74,7 +70,7 @@ class Args:
     torch_deterministic: bool = True
     """sets torch.backends.cudnn.deterministic"""
     cuda: bool = True
-    """use CUDA when it is available (and then ManiSkill's GPU simulation)"""
+    """use CUDA when it is available (then ManiSkill's GPU simulation; without it, "CPU" presets: a short trial)"""
     output_dir: str = "runs"
     """runs are written to {output_dir}/{env_id}__{exp_name}__{seed}__{unix_time}/"""
     track: bool = False
@@ -95,44 +91,38 @@ class Args:
     env_id: str = "ToyChain-v0"
     """ToyChain-v0, a ManiSkill3 task id (StackCube-v1, PushT-v1, ...) or a Gymnasium id with Box spaces"""
     num_envs: Optional[int] = None
-    """parallel training envs N >= 1 of each rank (default: ToyChain 512; Table 3: StackCube, PushT, HumanoidWalk 4096,
-    AnymalC 512, TwoRobotPickCube 2048, G1TransportBox 1024; other ManiSkill 4096, 8 without CUDA; Gymnasium 16)"""
+    """training envs N >= 1 per rank (ToyChain 512; Table 3 4096, AnymalC 512, TwoRobot 2048, G1 1024; CPU 8; Gym 16)"""
     num_eval_envs: Optional[int] = None
-    """parallel evaluation envs, >= 1 (default: ToyChain 128; ManiSkill 128, 8 without CUDA; Gymnasium 8)"""
+    """evaluation envs, >= 1 (ToyChain, ManiSkill 128, CPU 8; Gymnasium 8)"""
     horizon: Optional[int] = None
-    """task horizon H >= 1 (default: Table 3: StackCube, PushT, TwoRobotPickCube 100, AnymalC 200, HumanoidWalk 1000,
-    G1TransportBox 500; other tasks their registered time limit); ToyChain: --toy.horizon"""
+    """horizon H >= 1 (Table 3 100, AnymalC 200, Humanoid 1000, G1 500; else the time limit; ToyChain: --toy.horizon)"""
     toy: ToyChainConfig = field(default_factory=ToyChainConfig)
     """ToyChain-v0 settings (App. B.2)"""
 
     total_timesteps: Optional[int] = None
-    """training env steps of all ranks, >= 1 (default: ToyChain 384000 (Table 2: 150 updates); ManiSkill 2e8 (Table 3),
-    30000 without CUDA; Gymnasium 1e6)"""
+    """env steps of all ranks, >= 1 (ToyChain 384000: Table 2's 150 updates; ManiSkill 2e8, CPU 30000; Gymnasium 1e6)"""
     learning_rate: float = 3e-4
     """Adam learning rate, > 0 (Tables 2 and 3)"""
     num_steps: Optional[int] = None
-    """rollout length K >= 1, steps per env per update (default: ToyChain 5; Table 3: StackCube, PushT 8, AnymalC,
-    TwoRobotPickCube 16, HumanoidWalk 64, G1TransportBox 32; other ManiSkill 16; Gymnasium 16)"""
+    """rollout length K >= 1 (ToyChain 5; Table 3 StackCube, PushT 8, Humanoid 64, G1 32, others 16; Gymnasium 16)"""
     gamma: Optional[float] = None
-    """discount factor in [0, 1] (default: ToyChain 0.99; Table 3: StackCube, TwoRobotPickCube, G1TransportBox 0.8,
-    PushT, AnymalC 0.99, HumanoidWalk 0.97; other ManiSkill 0.8; Gymnasium 0.99)"""
+    """discount in [0, 1] (Table 3 0.8, PushT, AnymalC 0.99, Humanoid 0.97; other ManiSkill 0.8; ToyChain, Gym 0.99)"""
     gae_lambda: Optional[float] = None
-    """GAE lambda in [0, 1] (default: ToyChain 0.95; Table 3: AnymalC 0.95, the other tasks 0.9; other ManiSkill 0.9;
-    Gymnasium 0.95)"""
+    """GAE lambda in [0, 1] (ToyChain 0.95; ManiSkill 0.9, AnymalC 0.95 (Table 3); Gymnasium 0.95)"""
     num_minibatches: Optional[int] = None
-    """minibatches per epoch, >= 1 (default: ToyChain 4; ManiSkill 32 (Table 3), 4 without CUDA; Gymnasium 4)"""
+    """minibatches per epoch, >= 1 (ToyChain 4; ManiSkill 32 (Table 3), CPU 4; Gymnasium 4)"""
     update_epochs: int = 4
     """epochs over each batch, >= 1"""
     clip_coef: float = 0.2
     """PPO clipping coefficient, > 0"""
     ent_coef: Optional[float] = None
-    """entropy bonus, >= 0 (default: ToyChain 0.01; ManiSkill 0.005; Gymnasium 0)"""
+    """entropy bonus, >= 0 (ToyChain 0.01; ManiSkill 0.005; Gymnasium 0)"""
     vf_coef: float = 0.5
     """value-loss coefficient, >= 0"""
     max_grad_norm: float = 0.5
     """gradient-norm clip, > 0"""
     target_kl: Optional[float] = None
-    """stop the update once approx KL exceeds this, >= 0, 0 = off (default: ToyChain 0; ManiSkill 0.1; Gymnasium 0)"""
+    """stop the update once approx KL exceeds this, >= 0, 0 = off (ToyChain 0; ManiSkill 0.1; Gymnasium 0)"""
     bootstrap_at_done: Optional[Literal["always", "truncated"]] = None
     """bootstrap V(final obs) at every episode end ('always', default for ManiSkill) or only at truncations (others)"""
 
@@ -140,12 +130,9 @@ class Args:
     """staggered (Sec. 3.3), naive (synchronous: Tables 1/3's baseline) or random-start (first episodes U[1, H] long)"""
     stagger: bool = True
     """--no-stagger: the naive synchronous baseline (alias of --reset-scheme naive)"""
-    partial_reset_mode: Optional[Literal["gate", "immediate"]] = None
-    """a terminated env: 'gate' waits (masked) for its group's reset gate (default if staggered), 'immediate' resets"""
 
     eval_freq: Optional[int] = None
-    """evaluate every this many iterations, 0 = only at the end (default: ToyChain 10; ManiSkill 25, 50 without
-    CUDA; Gymnasium 25)"""
+    """evaluate every this many iterations, 0 = only at the end (ToyChain 10; ManiSkill 25, CPU 50; Gymnasium 25)"""
     cudagraphs: bool = False
     """replay the policy step and the PPO update as CUDA graphs (tensordict's CudaGraphModule, as ppo_fast.py)"""
 
@@ -228,9 +215,8 @@ def resolve_args(args: Args) -> Args:
         preset = {**MANISKILL_COMMON, **PRESETS.get(args.env_id, MANISKILL_OTHER)}
         if args.resolved_sim_backend == "physx_cpu":
             print(
-                f"note: no CUDA GPU, so {args.env_id} runs a short trial on CPU simulation (physx_cpu, one process "
-                f"per env): {MANISKILL_CPU_TRIAL}, a few minutes on 2 cores. The paper's preset (Table 3) needs "
-                f"a CUDA GPU: {preset['num_envs']} envs, {preset['total_timesteps']:.0e} steps. Flags override it."
+                f"note: no CUDA GPU, so {args.env_id} runs a short CPU simulation trial {MANISKILL_CPU_TRIAL}. Table 3 "
+                f"needs a CUDA GPU: {preset['num_envs']} envs, {preset['total_timesteps']:.0e} steps. Flags override."
             )
             preset = {**preset, **MANISKILL_CPU_TRIAL}
     args = replace(args, **{name: value for name, value in preset.items() if getattr(args, name) is None})
@@ -269,8 +255,6 @@ def resolve_args(args: Args) -> Args:
         raise ArgsError("--no-stagger means --reset-scheme naive: pass --no-stagger or --reset-scheme random-start")
     args.reset_scheme = "naive" if not args.stagger else args.reset_scheme
     args.stagger = args.reset_scheme == "staggered"  # (config.json then records both consistently)
-    if args.partial_reset_mode is None:
-        args.partial_reset_mode = "gate" if args.stagger else "immediate"
     args.horizon = args.toy.horizon if kind == "toy" else (args.horizon or gym.spec(args.env_id).max_episode_steps or 0)
     if args.horizon < 1:
         raise ArgsError(f"--horizon: {args.env_id} has no registered max_episode_steps; pass --horizon H")
@@ -319,8 +303,7 @@ def format_settings(args: Args) -> str:
 
 # ---- Environments ----------------------------------------------------------------------------------------------------
 def make_maniskill_env(args: Args, num_envs: int, evaluation: bool, video_dir: Optional[str]):
-    """A ManiSkill3 task: state observations, time limit H, multi-agent actions flattened, optional videos; it clips
-    actions to the action space itself (the Gymnasium envs through gym's ClipAction)."""
+    """A ManiSkill3 task: state observations, time limit H, multi-agent actions flattened (it clips actions itself)."""
     import mani_skill.envs  # noqa: F401  (registers the tasks in this process)
     from mani_skill.utils.wrappers.flatten import FlattenActionSpaceWrapper
     from mani_skill.utils.wrappers.gymnasium import CPUGymWrapper
@@ -330,9 +313,16 @@ def make_maniskill_env(args: Args, num_envs: int, evaluation: bool, video_dir: O
     # shapes as it builds its scene. CPU simulation: ManiSkill's default.
     gpu_simulation = args.resolved_sim_backend.startswith("physx_cuda")
     render_backend = args.resolved_sim_backend.replace("physx_", "") if gpu_simulation else "gpu"
-    env_kwargs = dict(obs_mode="state", sim_backend=args.resolved_sim_backend, max_episode_steps=args.horizon)
-    env_kwargs.update(reconfiguration_freq=1 if evaluation else None, render_mode="rgb_array" if video_dir else None)
-    env = gym.make(args.env_id, num_envs=num_envs, render_backend=render_backend, **env_kwargs)
+    env = gym.make(
+        args.env_id,
+        num_envs=num_envs,
+        obs_mode="state",
+        sim_backend=args.resolved_sim_backend,
+        render_backend=render_backend,
+        max_episode_steps=args.horizon,
+        reconfiguration_freq=1 if evaluation else None,  # evaluation: new object poses every episode
+        render_mode="rgb_array" if video_dir else None,
+    )
     if video_dir:  # the first VIDEO_ENVS sub-envs, tiled (RecordEpisode tiles all the frames the env renders)
         env = RecordEpisode(FirstFrames(env), video_dir, save_trajectory=False, max_steps_per_video=args.horizon)
         env.video_nrows = int(math.sqrt(min(num_envs, VIDEO_ENVS)))
@@ -354,8 +344,7 @@ class FirstFrames(gym.Wrapper):
 
 
 class TerminationInInfo(gym.Wrapper):
-    """Reports a termination in info["terminated"] instead, so that Gymnasium's vector env (autoreset disabled) lets
-    the env run on after it: PartialResetVecEnv decides whether it resets or waits for its group's reset gate."""
+    """A termination moved to info["terminated"], so that the vector env runs on: PartialResetVecEnv decides resets."""
 
     def step(self, action):
         obs, reward, terminated, truncated, info = self.env.step(action)
@@ -370,11 +359,9 @@ def make_single_env(args: Args, evaluation: bool, video_dir: Optional[str]):
 
 
 class PartialResetVecEnv(gym.vector.VectorEnv):
-    """A batched env without autoreset (ManiSkill on the GPU, or a Gymnasium vector env) as a same-step autoreset vector
-    env of torch tensors that resets every truncated env, and every terminated one if `reset_on_termination` (immediate
-    partial resets); otherwise a terminated env runs on to its time limit: its group's reset gate (Sec. 3.3), and in
-    evaluation no partial resets (Table 3). As in Gymnasium, info holds "final_obs" and "_final_obs" only when some
-    env reset in the step: the loop reads the key, a Python fact, instead of syncing on the mask."""
+    """A batched env without autoreset (ManiSkill on the GPU, a Gymnasium vector env) as a same-step autoreset vector
+    env of torch tensors: it resets truncated envs, and terminated ones if `reset_on_termination` (else they run on to
+    their group's gate, Sec. 3.3). info holds "final_obs" only when some env reset: the loop reads the key, no sync."""
 
     metadata = {"autoreset_mode": gym.vector.AutoresetMode.SAME_STEP}
 
@@ -428,7 +415,8 @@ def make_env(args: Args, num_envs: int, device: torch.device, evaluation: bool, 
         env = make_maniskill_env(args, num_envs, evaluation, video_dir)
     else:
         video_dirs = [
-            os.path.join(video_dir, f"env{i}") if video_dir and i < VIDEO_ENVS else None for i in range(num_envs)
+            os.path.join(video_dir, f"env{index}") if video_dir and index < VIDEO_ENVS else None
+            for index in range(num_envs)
         ]
         fns = [partial(make_single_env, args, evaluation, env_video_dir) for env_video_dir in video_dirs]
         disabled = gym.vector.AutoresetMode.DISABLED
@@ -436,7 +424,7 @@ def make_env(args: Args, num_envs: int, device: torch.device, evaluation: bool, 
             env = gym.vector.AsyncVectorEnv(fns, context="forkserver", autoreset_mode=disabled)
         else:
             env = gym.vector.SyncVectorEnv(fns, autoreset_mode=disabled)
-    return PartialResetVecEnv(env, num_envs, device, (not evaluation) and args.partial_reset_mode == "immediate")
+    return PartialResetVecEnv(env, num_envs, device, reset_on_termination=not (evaluation or args.stagger))
 
 
 # ---- Pure functions the algorithm relies on (tested in tests/test_ppo_staggered.py) ----------------------------------
@@ -451,9 +439,7 @@ def stagger_start_steps(num_groups: int, stagger_step: int) -> list[int]:
     return [(num_groups - 1 - j) * stagger_step for j in range(num_groups)]
 
 
-class StepMask(NamedTuple):
-    """ResetState.step's (N,) masks of one vector step's transitions."""
-
+class StepMask(NamedTuple):  # ResetState.step's (N,) masks of one vector step's transitions
     valid: torch.Tensor  # trained on: neither waiting for a reset gate nor a stale next-step reset
     episode_end: torch.Tensor  # a trained-on transition that ends its episode
 
@@ -466,11 +452,10 @@ class ResetState:
         self.waiting = torch.zeros(num_envs, dtype=torch.bool, device=device)  # gate mode: terminated, waits (masked)
         self.episode_step = torch.zeros(num_envs, dtype=torch.long, device=device)  # at the current observation
         self.next_step_mode = next_step_mode  # an env resets in the step after its episode ends (else in the same)
-        self.gate_mode = gate_mode  # --partial-reset-mode gate: a terminated env waits for its group's reset gate
+        self.gate_mode = gate_mode  # staggered: a terminated env waits for its group's reset gate
 
     def step(self, terminated, truncated, final_mask) -> StepMask:
-        """Advances the state over one vector step; final_mask: the envs reset inside it (by a same-step env, or by
-        the loop in either mode)."""
+        """Advances over one vector step; final_mask: the envs reset inside it (by a same-step env or by the loop)."""
         valid = ~self.stale & ~self.waiting
         done = terminated | truncated
         reset_now = (self.stale | final_mask) if self.next_step_mode else final_mask
@@ -483,15 +468,13 @@ class ResetState:
 
 
 def random_start_lengths(num_envs: int, horizon: int, seed: int) -> torch.Tensor:
-    """--reset-scheme random-start: the length of each env's first episode, uniform in [1, H], as legged_gym / rsl_rl /
-    Isaac Lab's init_at_random_ep_len (episode counters start at U{0, ..., H-1}). Drawn on the CPU from `seed`."""
+    """Each env's first-episode length, U[1, H] (init_at_random_ep_len: episode counters start at U{0, ..., H-1})."""
     return torch.randint(1, horizon + 1, (num_envs,), generator=torch.Generator().manual_seed(seed))
 
 
 def compute_gae(rewards, values, next_values, no_bootstrap, dones, gamma: float, gae_lambda: float):
-    """Generalized advantage estimation over a (K, N) rollout. next_values[t] is V of the true next state of step t
-    (V(final obs) where the env reset in it); no_bootstrap[t] marks the ends that bootstrap 0 (--bootstrap-at-done).
-    delta_t = r_t + gamma * (1 - no_bootstrap_t) * next_values_t - V(s_t)
+    """GAE over a (K, N) rollout; next_values[t]: V(true next state of step t), V(final obs) where the env reset.
+    delta_t = r_t + gamma * (1 - no_bootstrap_t) * next_values_t - V(s_t)     (no_bootstrap: --bootstrap-at-done)
     A_t     = delta_t + gamma * lambda * (1 - done_t) * A_{t+1}         (nothing flows across an episode end)
     Returns (advantages, returns = advantages + values)."""
     deltas = rewards + gamma * (~no_bootstrap) * next_values - values
@@ -542,14 +525,12 @@ class RunningMeanStd:
         self.merged = self.totals()  # DDP: the totals that all ranks share (the last merge's)
 
     def update(self, obs: torch.Tensor) -> None:
-        """Merges the batch's mean and variance into the running ones (during collection)."""
         if self.enabled:
             batch_mean, batch_var, batch_n = obs.mean(0), obs.var(0, unbiased=False), obs.shape[0]
             delta, total = batch_mean - self.mean, self.count + batch_n
             self.mean = self.mean + delta * batch_n / total
-            self.var = (
-                self.var * self.count + batch_var * batch_n + delta.square() * self.count * batch_n / total
-            ) / total
+            between_batches = delta.square() * self.count * batch_n / total
+            self.var = (self.var * self.count + batch_var * batch_n + between_batches) / total
             self.count = total
 
     def totals(self) -> torch.Tensor:
@@ -566,7 +547,6 @@ class RunningMeanStd:
             self.merged = self.totals()
 
     def normalize(self, obs: torch.Tensor) -> torch.Tensor:
-        """Observations as the agent sees them."""
         return ((obs - self.mean) / torch.sqrt(self.var + 1e-8)).clamp(-10.0, 10.0) if self.enabled else obs
 
 
@@ -613,8 +593,7 @@ class ChainAgent(nn.Module):
 
 
 class GaussianAgent(nn.Module):
-    """Table 3: separate actor and critic MLPs, 3 x 256 tanh, orthogonal init; Gaussian policy with a learned,
-    state-independent log std (initialised at -0.5 as in ManiSkill's ppo.py)."""
+    """Table 3: actor and critic MLPs, 3 x 256 tanh; Gaussian policy, learned log std from -0.5 (ManiSkill's ppo.py)."""
 
     def __init__(self, obs_dim: int, act_dim: int):
         super().__init__()
@@ -650,9 +629,8 @@ def make_agent(envs) -> nn.Module:
 
 
 class StopSignals:
-    """DDP: Ctrl-C or SIGTERM (torchrun forwards Ctrl-C to every rank, SIGTERMs them when one dies) raises
-    KeyboardInterrupt before training; in training it is noted, and all ranks stop together at the next iteration.
-    So does a rank whose launcher is gone (torchrun killed: its ranks, in sessions of their own, would train on)."""
+    """DDP: Ctrl-C or SIGTERM (torchrun forwards both) raises KeyboardInterrupt before training; in training it is
+    noted and all ranks stop together at the next iteration, as they do when the launcher is gone (torchrun killed)."""
 
     def __init__(self):
         self.requested = self.training = False
@@ -709,15 +687,13 @@ def load_checkpoint(path: str, agent, optimizer, obs_rms: RunningMeanStd, device
 # ---- The policy step, the PPO loss and the evaluation (module level: --cudagraphs replays the first two) -------------
 @torch.no_grad()
 def policy_step(agent: nn.Module, obs: torch.Tensor):
-    """Action, its log-probability and V(obs) for one rollout step."""
     action, logprob, _, value = agent.get_action_and_value(obs)
     return action, logprob, value
 
 
 def ppo_loss(agent: nn.Module, minibatch: dict, args: Args) -> tuple[torch.Tensor, dict]:
-    """The clipped PPO loss of one minibatch (ManiSkill's ppo.py: advantages normalized per minibatch, value loss
-    unclipped) and its named statistics. STAGGER: means over the trained-on steps only (minibatch["valid"]: not waiting
-    for a gate, not a next-step reset). DDP: this rank's shares of the means over all ranks (count), summed later."""
+    """The clipped PPO loss of a minibatch (ManiSkill's ppo.py: advantages normalized per minibatch, value unclipped)
+    and its statistics. STAGGER: means over the trained-on steps only. DDP: this rank's shares of all ranks' means."""
     valid = minibatch["valid"]
     _, newlogprob, entropy, newvalue = agent.get_action_and_value(minibatch["obs"], minibatch["actions"])
     logratio = newlogprob - minibatch["logprobs"]
@@ -764,8 +740,7 @@ def minibatch_gradients(agent: nn.Module, optimizer, args: Args, minibatch: dict
 
 
 def ppo_update(gradients, optimizer, batch: dict, args: Args) -> dict:
-    """Epochs of shuffled minibatches, an Adam step on each (`gradients`: minibatch_gradients or its CUDA graph).
-    Returns the mean of each minibatch statistic, on the device (DDP: of all ranks)."""
+    """Epochs of shuffled minibatches, an Adam step each; the mean of each statistic, on the device (of all ranks)."""
     totals, num_steps_taken = {}, 0  # sums of the minibatch statistics
     for epoch in range(args.update_epochs):
         permutation = torch.randperm(args.batch_size, device=batch["obs"].device)
@@ -775,10 +750,8 @@ def ppo_update(gradients, optimizer, batch: dict, args: Args) -> dict:
             optimizer.step()
             totals = {name: totals.get(name, 0.0) + value for name, value in stats.items()}
             num_steps_taken += 1
-        # Table 3's target-KL early stop, on the epoch's last minibatch: once per epoch, as CleanRL's ppo.py.
-        # Departure: ManiSkill's ppo.py also checks before every minibatch step, a host sync each (128 per
-        # update with Table 3's preset); here the epoch that crosses the threshold still completes.
-        # DDP: the KL of all ranks decides, so that every rank stops at the same epoch.
+        # Table 3's target-KL stop, once per epoch as CleanRL (departure: ManiSkill's ppo.py checks every minibatch, a
+        # host sync each). DDP: the KL of all ranks decides, so that every rank stops at the same epoch.
         if args.target_kl > 0 and bool(all_reduce_sum(stats["approx_kl"]) > args.target_kl):
             break
     means = all_reduce_sum(torch.stack(list(totals.values()))) / num_steps_taken  # DDP: one all-reduce for all
@@ -900,7 +873,7 @@ def main(args: Args) -> dict:
         # ---- STAGGER: advance group j by j * S steps before training (App. B.1) --------------------------------------
         # Random actions, none trained on; group j starts its first episode (a partial reset) at step (N_B - 1 - j) * S.
         next_step_mode = envs.metadata["autoreset_mode"] == gym.vector.AutoresetMode.NEXT_STEP
-        resets = ResetState(N, device, next_step_mode, gate_mode=args.partial_reset_mode == "gate")
+        resets = ResetState(N, device, next_step_mode, gate_mode=args.stagger)
         starts = stagger_start_steps(args.num_stagger_groups, args.stagger_step)  # of each group
         env_starts = torch.tensor(starts, device=device)[stagger_groups(N, args.num_stagger_groups, device)]
         advance_length = (args.num_stagger_groups - 1) * args.stagger_step  # group 0 starts last
@@ -920,17 +893,14 @@ def main(args: Args) -> dict:
         obs_rms.merge_ranks()
         obs = obs_rms.normalize(raw_obs)
         summary["advance_env_steps"] = advance_length * N * args.world_size
-        # RANDOM START ([21]): env i's first episode is cut (a time limit) after first_lengths[i] ~ U[1, H] training
-        # steps, at steps the host knows; at H the env's own time limit ends it.
+        # RANDOM START ([21]): each env's first episode is cut (truncated) after first_lengths ~ U[1, H] training steps
         random_start = args.reset_scheme == "random-start"
         training_step = 0
         first_lengths = random_start_lengths(N, H, seed + global_step)
         cut_steps = set(first_lengths.tolist()) - {H} if random_start else set()
         first_lengths = first_lengths.to(device)
         first_episode = torch.full((N,), random_start, device=device)
-        tracked = (
-            resets.episode_step == 0
-        ) & ~first_episode  # statistics count only whole episodes started in training
+        tracked = (resets.episode_step == 0) & ~first_episode  # episode statistics: whole episodes begun in training
         ep_return = torch.zeros(N, device=device)
         ep_len = torch.zeros(N, device=device)
         ep_success = torch.zeros(N, dtype=torch.bool, device=device)
@@ -968,8 +938,7 @@ def main(args: Args) -> dict:
                 rewards_buf[step], dones_buf[step] = reward, terminated | truncated
                 no_bootstrap_buf[step] = terminated & (args.bootstrap_at_done == "truncated")
                 final_mask_buf[step] = final_mask
-                # Same-step autoreset: where an env reset in this step, the bootstrap value is V(info["final_obs"]), the
-                # true last observation (sent when any env reset; by ToyChain always: no host sync either way).
+                # where an env reset in this step, the bootstrap value is V(true last observation): info["final_obs"]
                 if final_obs is not None:
                     with torch.no_grad():
                         final_values_buf[step] = agent.get_value(obs_rms.normalize(final_obs))

@@ -221,9 +221,9 @@ def test_toy_preset_is_table_2():
     )
     assert a.num_iterations == 150 and a.minibatch_size == 640 and a.target_kl == 0
     assert a.num_stagger_groups == 40 and a.stagger_step == 5  # ceil(H/K) = ceil(200/5), S = K
-    assert a.bootstrap_at_done == "truncated" and a.partial_reset_mode == "gate"
+    assert a.bootstrap_at_done == "truncated" and a.stagger
     naive = ppo.resolve_args(ppo.Args(env_id="ToyChain-v0", cuda=False, stagger=False))
-    assert naive.num_stagger_groups == 1 and naive.partial_reset_mode == "immediate"
+    assert naive.num_stagger_groups == 1 and not naive.stagger
 
 
 def test_stackcube_preset_is_table_3_and_without_cuda_a_short_cpu_trial_says_so(capsys):
@@ -248,7 +248,7 @@ def test_stackcube_preset_is_table_3_and_without_cuda_a_short_cpu_trial_says_so(
         )
     )
     assert (b.num_envs, b.num_steps, b.gamma, b.num_stagger_groups) == (16, 10, 0.5, 1)  # flags override presets
-    assert (b.bootstrap_at_done, b.partial_reset_mode) == ("truncated", "immediate")
+    assert b.bootstrap_at_done == "truncated" and b.reset_scheme == "naive"
 
 
 @pytest.mark.parametrize(
@@ -392,11 +392,11 @@ def scalars(run_dir):
     return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
 
 
-@pytest.mark.parametrize("mode", ["gate", "immediate"])
-def test_an_early_success_waits_masked_for_its_groups_gate_or_resets_at_once(tmp_path, mode):
-    """H = 10, 4 envs in 2 stagger groups 5 steps apart; every episode succeeds (terminates) at its step 3.
-    Gate: the env runs on, masked, and resets only with its group at step 10; 3 of every 10 steps are trained on,
-    and the 1000-per-step rewards after the success never reach the losses. Immediate: it resets at step 3."""
+@pytest.mark.parametrize("stagger", [True, False])
+def test_an_early_success_waits_masked_for_its_groups_gate_or_resets_at_once(tmp_path, stagger):
+    """H = 10, 4 envs (staggered: in 2 groups 5 steps apart); every episode succeeds (terminates) at its step 3.
+    Staggered: the env runs on, masked, and resets only with its group at step 10 (its gate); 3 of every 10 steps are
+    trained on, and the 1000-per-step rewards after the success never reach the losses. Naive: it resets at step 3."""
     summary = train_in_process(
         tmp_path,
         env_id="SuccessAt3-v0",
@@ -405,16 +405,17 @@ def test_an_early_success_waits_masked_for_its_groups_gate_or_resets_at_once(tmp
         num_steps=5,
         num_minibatches=2,
         total_timesteps=4 * 5 * 8,
-        partial_reset_mode=mode,
+        stagger=stagger,
     )
-    assert summary["global_step"] == 160 and summary["advance_env_steps"] == 5 * 4
-    # envs 0-3 train (the next one evaluates); the first 5 steps are the stagger advance
-    training_resets = [(t, ended) for index, steps, t, ended in RESETS if index < 4 and steps > 5]
+    advance = 5 if stagger else 0
+    assert summary["global_step"] == 160 and summary["advance_env_steps"] == advance * 4
+    # envs 0-3 train (the next one evaluates); the first `advance` steps are the stagger advance
+    training_resets = [(t, ended) for index, steps, t, ended in RESETS if index < 4 and steps > advance]
     after_success = {t for t, ended in training_resets if ended}
-    assert after_success == ({10} if mode == "gate" else {3})
+    assert after_success == ({10} if stagger else {3})
     s = scalars(summary["run_dir"])
     valid = [v for _, v in s["stagger/valid_fraction"]]
-    assert valid[-1] == pytest.approx(0.3 if mode == "gate" else 1.0)
+    assert valid[-1] == pytest.approx(0.3 if stagger else 1.0)
     assert summary["charts/episodic_length"] == 3 and summary["charts/episodic_return"] == 3
     assert summary["losses/value_loss"] < 20 and abs(summary["losses/policy_loss"]) < 1
 
@@ -521,11 +522,7 @@ def test_random_start_first_episode_lengths_are_uniform_over_1_to_h_per_env():
 
 def test_reset_scheme_flags():
     random_start = ppo.resolve_args(ppo.Args(cuda=False, reset_scheme="random-start"))
-    assert (random_start.num_stagger_groups, random_start.partial_reset_mode, random_start.stagger) == (
-        1,
-        "immediate",
-        False,
-    )
+    assert (random_start.num_stagger_groups, random_start.stagger) == (1, False)
     naive = ppo.resolve_args(ppo.Args(cuda=False, stagger=False))
     assert naive.reset_scheme == "naive" and naive.num_stagger_groups == 1
     assert ppo.resolve_args(ppo.Args(cuda=False)).reset_scheme == "staggered"
