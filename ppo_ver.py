@@ -92,8 +92,6 @@ class Args:
     """ToyChain-v0 or a ManiSkill3 task id (PickCube-v1, StackCube-v1, ...)"""
     num_envs: Optional[int] = None
     """N: envs per rank, each stepped in its own env worker process (default: ToyChain 16; ManiSkill 8)"""
-    horizon: Optional[int] = None
-    """max_episode_steps of a ManiSkill task (default: its registered one); ToyChain: --toy.horizon"""
     toy: ToyChainWorkerConfig = field(default_factory=ToyChainWorkerConfig)
     """ToyChain-v0 settings (the step-time and straggler options make its simulation time heterogeneous, VER Sec. 2)"""
     bootstrap_at_done: Optional[Literal["always", "truncated"]] = None
@@ -194,7 +192,6 @@ def check_domains(args: Args) -> None:
     rows = [  # (flag, value, within its domain, the domain)
         ("--seed", args.seed, args.seed >= 0, ">= 0"),
         ("--num-envs", args.num_envs, args.num_envs >= 1, ">= 1"),
-        ("--horizon", args.horizon, args.horizon is None or args.horizon >= 1, ">= 1"),
         ("--total-timesteps", args.total_timesteps, args.total_timesteps >= 1, ">= 1"),
         ("--learning-rate", args.learning_rate, args.learning_rate > 0, "> 0"),
         ("--num-steps", args.num_steps, args.num_steps >= 1, ">= 1"),
@@ -274,8 +271,7 @@ def format_settings(args: Args) -> str:
 
 # ---- Environments: one env as a worker (or the evaluation loop) steps it ---------------------------------------------
 class ManiSkillEnv:
-    """One ManiSkill3 env (CPU simulation) with ToyChainWorkerEnv's interface: step() resets an ended episode itself
-    and returns (obs, reward, terminated, truncated, final_obs: true last obs or None, success)."""
+    """One ManiSkill3 env (CPU simulation) with ToyChainWorkerEnv's interface (step() resets an ended episode)."""
 
     def __init__(self, env):
         self.env = env
@@ -308,7 +304,7 @@ def make_env(args: Args, evaluation: bool = False, rank: int = 0, env_index: int
     from mani_skill.utils.wrappers.gymnasium import CPUGymWrapper
 
     sim = dict(obs_mode="state", sim_backend="physx_cpu", reconfiguration_freq=int(evaluation))
-    env = gym.make(args.env_id, num_envs=1, max_episode_steps=args.horizon, **sim)
+    env = gym.make(args.env_id, num_envs=1, **sim)
     return ManiSkillEnv(CPUGymWrapper(env, ignore_terminations=evaluation))
 
 
@@ -349,8 +345,7 @@ class SharedSlots:
 
 
 def env_worker(env_index: int, args: Args, slots: SharedSlots, conn, rank: int) -> None:
-    """An env worker process (Sec. 2.1): steps its env as the main process asks, never waiting for others; exits when
-    its pipe closes or after an error."""
+    """An env worker process (Sec. 2.1): steps its env as the main process asks, never waiting for the others."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the main process's to handle: it shuts the workers down
     torch.set_num_threads(1)
     view = {name: slot[env_index].numpy() for name, slot in vars(slots).items()}
@@ -378,8 +373,7 @@ def env_worker(env_index: int, args: Args, slots: SharedSlots, conn, rank: int) 
 
 
 class EnvWorkers:
-    """This rank's env workers, one per env, each with a duplex pipe, started from a forkserver (no CUDA or thread state
-    inherited). If a worker dies, poll() raises WorkerError; if the main process dies, the pipes close."""
+    """This rank's env workers, one per env and pipe, from a forkserver (no CUDA or thread state inherited)."""
 
     def __init__(self, args: Args, slots: SharedSlots, rank: int):
         ctx = mp.get_context("forkserver")
@@ -444,8 +438,7 @@ def sequence_starts(lengths: np.ndarray) -> np.ndarray:
 
 
 def build_sequences(env_ids: np.ndarray, episode_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Groups a rollout's steps into sequences, one env's one episode each, in time order (Sec. 2.2). Returns (order,
-    lengths): the step indices sequence after sequence, and each sequence's length."""
+    """Sec. 2.2: a rollout's steps as sequences (one env's one episode each, in time order): (step indices, lengths)."""
     order = np.lexsort((episode_ids, env_ids))  # stable: time order is kept inside each (env, episode)
     env_sorted = env_ids[order]
     episode_sorted = episode_ids[order]
@@ -457,9 +450,8 @@ def build_sequences(env_ids: np.ndarray, episode_ids: np.ndarray) -> tuple[np.nd
 
 
 def pack_layout(lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """The PackedSequence layout of sequences stored one after another (Sec. 2.2, Fig. 3C). Returns (select,
-    batch_sizes, sorted_sequences): packed[j] = flat[select[j]]; batch_sizes[t] = the number of sequences longer than
-    t; sorted_sequences: the sequences by decreasing length (the batch order of the packed data)."""
+    """The PackedSequence layout of sequences stored one after another (Fig. 3C): packed[j] = flat[select[j]];
+    batch_sizes[t] = the number of sequences longer than t; sorted_sequences: by decreasing length (the batch order)."""
     lengths = np.asarray(lengths, dtype=np.int64)
     sorted_sequences = np.argsort(-lengths, kind="stable")
     rank = np.empty_like(sorted_sequences)
@@ -483,10 +475,8 @@ def compute_gae_packed(
     gamma: float,
     gae_lambda: float,
 ) -> torch.Tensor:
-    """GAE over variable-length sequences, inputs in packed order (pack_layout):
-    delta_t = r_t + gamma * V(s_{t+1}) - V(s_t);  A_t = delta_t + gamma * lambda * A_{t+1} inside a sequence, delta_t
-    at its last step. next_values: V(next obs) at the rollout's end, V(true last obs) or 0 at an episode end. Time runs
-    backwards; the sequences present at step t+1 are a prefix of those at t."""
+    """GAE over variable-length sequences in packed order (pack_layout): A_t = delta_t + gamma * lambda * A_{t+1} inside
+    a sequence, delta_t at its last step; next_values holds V(s_{t+1}), V(true last obs) or 0 at an episode end."""
     deltas = rewards + gamma * next_values - values
     advantages = torch.zeros_like(rewards)
     offsets = np.concatenate([[0], np.cumsum(batch_sizes)])
@@ -502,8 +492,7 @@ def compute_gae_packed(
 def make_minibatches(
     lengths: np.ndarray, num_minibatches: int, rng: np.random.Generator
 ) -> list[tuple[np.ndarray, np.ndarray]]:
-    """Sec. 2.2, Fig. 3B: shuffle the sequences, concatenate them and cut into equal chunks; a piece cut from a sequence
-    starts from its first step's stored recurrent state. Returns, per minibatch, (step indices, piece lengths)."""
+    """Sec. 2.2, Fig. 3B: shuffle the sequences, concatenate, cut into equal chunks: (step indices, piece lengths)."""
     lengths = np.asarray(lengths, dtype=np.int64)
     total = int(lengths.sum())
     size = total // num_minibatches
@@ -520,8 +509,7 @@ def make_minibatches(
 
 
 def importance_weights(env_ids: torch.Tensor, num_envs: int, num_steps: int, clip_max: float = 1.0) -> torch.Tensor:
-    """Truncated importance weights (Sec. 4, as IMPALA): env e gave n_e steps where uniform sampling gives T, so its
-    steps weigh min(clip_max, T / n_e); NoVER and sync: all 1."""
+    """Sec. 4 (as IMPALA): env e gave n_e steps where uniform sampling gives T; its steps weigh min(clip_max, T/n_e)."""
     counts = torch.bincount(env_ids, minlength=num_envs).to(torch.float32)
     return (num_steps / counts[env_ids]).clamp(max=clip_max)
 
@@ -529,10 +517,9 @@ def importance_weights(env_ids: torch.Tensor, num_envs: int, num_steps: int, cli
 def optimal_preemption_time(
     step_times: np.ndarray, rank_cap: int, env_cap: Optional[int], learn_time: float, resolution: float = 1e-3
 ) -> tuple[float, int, float]:
-    """Sec. 2.3: the rollout time t that maximizes S(t) / (t + LT). Env e of rank r takes step_times[r, e] per step,
-    so it collects floor(t / step_times[r, e]) steps, at most env_cap (T with NoVER; None with VER); a rank at most
-    rank_cap = T x N. Candidates: the times some env finishes a step (rounded up to `resolution`). Returns (t*, S(t*),
-    t_full), t_full: when every rank has its full batch (no preemption needed if t* == t_full)."""
+    """Sec. 2.3: the rollout time t maximizing S(t) / (t + LT); env e of rank r collects floor(t / step_times[r, e])
+    steps, at most env_cap (T with NoVER), a rank at most rank_cap = T x N. Returns (t*, S(t*), t_full): t_full, when
+    every rank has its full batch."""
     tau = np.asarray(step_times, dtype=np.float64)
     if env_cap is None:  # VER: a rank reaches its cap by (cap + N) / (its step rate) at the latest
         bound = ((rank_cap + tau.shape[1]) / (1.0 / tau).sum(axis=1)).max()
@@ -553,8 +540,7 @@ def optimal_preemption_time(
 
 
 class RunningMeanStd:
-    """Observation normalization, not in VER (as ppo_staggered.py): running mean and variance (Chan et al.'s parallel
-    update), clipped to +-10; the identity for a Discrete observation (ToyChain's block index, embedded)."""
+    """Observation normalization (not in VER), clipped to +-10; the identity for a Discrete observation (ToyChain)."""
 
     def __init__(self, shape, device, enabled: bool):
         self.mean = torch.zeros(shape, device=device)
@@ -612,9 +598,8 @@ def mlp(sizes: list[int], out_std: float) -> nn.Sequential:
 
 
 class Agent(nn.Module):
-    """Actor-critic; a Discrete observation (ToyChain) is embedded first. MLP: separate actor and critic. --recurrent:
-    an input layer and an LSTM shared by both heads (the paper's has 2 layers, Sec. 4; here 1). Continuous actions: a
-    Gaussian with a learned state-independent log std. log_ent_coef: the learned entropy coefficient (Sec. 4)."""
+    """Actor-critic: MLPs, or with --recurrent an LSTM shared by both heads (the paper's has 2 layers, Sec. 4; here 1).
+    Continuous actions: a Gaussian with a learned state-independent log std."""
 
     def __init__(
         self,
@@ -701,8 +686,8 @@ class Agent(nn.Module):
 
 # ---- Rollout storage and collection (Sec. 2.1, 2.2) ------------------------------------------------------------------
 class RolloutStorage:
-    """One rollout's steps in a linear buffer (VER has no (T, N) shape, Sec. 2.2), a row per step in acting order,
-    completed when the env's result arrives. Capacity (T + 2) x N: N carried in, T x N completed, N in flight."""
+    """A rollout's steps, a row each in acting order (VER has no (T, N) shape, Sec. 2.2); (T + 2) x N rows: N carried
+    in, T x N completed, N in flight."""
 
     def __init__(self, capacity: int, slots: SharedSlots, lstm_shape: Optional[tuple], device):
         self.device = device
@@ -731,8 +716,7 @@ class RolloutStorage:
 
 
 def build_batch(st: RolloutStorage, num_envs: int, num_steps: int, gamma: float, gae_lambda: float) -> dict:
-    """A rollout's completed steps as a batch: per-step tensors, sequence after sequence, with GAE advantages and
-    importance weights, and "lengths" (numpy), the sequence lengths."""
+    """A rollout's completed steps, sequence after sequence, with advantages, importance weights and "lengths"."""
     rows = np.flatnonzero(st.complete[: st.size])
     order, lengths = build_sequences(st.env_ids[rows], st.episode_ids[rows])
     rows = rows[order]
@@ -760,9 +744,8 @@ def build_batch(st: RolloutStorage, num_envs: int, num_steps: int, gamma: float,
 
 
 def fill_from_previous(batch: dict, previous: dict, size: int, rng: np.random.Generator) -> dict:
-    """Sec. 2.3: a preempted rank fills its batch up to `size` steps with experience from the previous rollout
-    (whole sequences in random order, the last one cut), on which PPO then runs extra epochs without correcting for
-    its staleness. The filled steps keep their old advantages, returns and behaviour log-probabilities."""
+    """Sec. 2.3: a preempted rank fills its batch up to `size` steps with the previous rollout's sequences (random
+    order, the last one cut), keeping their old advantages and log-probabilities: no correction for staleness."""
     missing = size - int(batch["lengths"].sum())
     if missing <= 0:
         return batch
@@ -808,11 +791,7 @@ class Collector:
       STEPPING   its worker simulates the policy's action (the step's row is "in flight"), or, at the start, resets
       ARRIVED    the result is in its shared-memory slot, not yet read
       COMPLETED  the result is in the step's row; the new observation waits for an action
-      HELD       NoVER and sync only: the env has its T steps and waits for the next rollout
-    VER: a rollout ends once T x N steps are complete, whichever envs gave them; the steps then in flight are carried
-    into the next rollout ("Inflight actions", Sec. 2.2). NoVER: an env is held once it has T steps. Sync (SyncOnRL):
-    NoVER acting on all envs at once. A step's V(s_{t+1}) is its next observation's value when the policy acts on it
-    (or at the rollout's end); at an episode end, V(true last observation) from the env's own recurrent state."""
+      HELD       NoVER and sync only: the env has its T steps and waits for the next rollout"""
 
     clock = staticmethod(time.perf_counter)  # seconds (tests use a simulated clock)
 
@@ -873,8 +852,8 @@ class Collector:
         return rollout
 
     def wait_for_requests(self, rollout: Rollout, poll_at_most: float = math.inf) -> None:
-        """Dynamic batching (Sec. 2.1, footnote 2): returns once min_batch envs have arrived or completed, or every
-        stepping env has, or the first of them has waited half a policy step (not in sync), or after poll_at_most."""
+        """Dynamic batching (Sec. 2.1, footnote 2): until min_batch envs are ready, or all unheld ones are, or the first
+        has waited half a policy step (not in sync), or poll_at_most."""
         start = self.clock()
         max_wait = math.inf if self.min_batch >= self.num_envs else 0.5 * self.policy_step_time
         while True:
@@ -895,8 +874,7 @@ class Collector:
                 self.arrival_time[env] = now
 
     def complete_arrived(self, rollout: Rollout) -> None:
-        """ARRIVED -> COMPLETED (or HELD), first come first: results into their rows while the rollout needs steps;
-        the others stay ARRIVED and are carried over."""
+        """ARRIVED -> COMPLETED (or HELD), first come first, while the rollout needs steps; the others are carried."""
         arrived = np.flatnonzero(self.env_state == ARRIVED)
         arrived = arrived[np.argsort(self.arrival_time[arrived], kind="stable")]
         final_rows = []
@@ -1036,25 +1014,23 @@ def allreduce_gradients(parameters) -> None:
 
 
 def ver_stop_rule(gathered: np.ndarray, rank_cap: int, env_cap: Optional[int]) -> tuple[Callable, float]:
-    """Sec. 2.3: every rank stops t* seconds into its rollout unless all fill their batch by then; gathered[r] = rank
-    r's step times and its learning time LT. Returns (the rule for collect, t*)."""
+    """Sec. 2.3: stop t* seconds into the rollout unless all ranks fill their batch by then; gathered[r]: rank r's step
+    times and LT. Returns (the rule for collect, t*)."""
     t_star, _, t_full = optimal_preemption_time(gathered[:, :-1], rank_cap, env_cap, float(gathered[:, -1].mean()))
     stop_after = t_star if t_star < t_full else math.inf
     return (lambda steps, elapsed: elapsed >= stop_after), t_star
 
 
 def ddppo_stop_rule(store: dist.Store, args: Args, iteration: int) -> Callable:
-    """DD-PPO's preemption (Wijmans et al. 2020, the --sync baseline): a rank stops collecting once a fraction
-    --sync-frac of the ranks have finished their rollout, if it has at least a quarter of its own."""
+    """DD-PPO's preemption (Wijmans et al. 2020): stop once --sync-frac of the ranks are done, after a quarter batch."""
     key = f"done_{iteration}"
     return lambda steps, elapsed: steps >= args.batch_size / 4 and store.add(key, 0) >= args.sync_frac * args.world_size
 
 
 # ---- PPO update (Sec. 2.2, 4) ----------------------------------------------------------------------------------------
 def ppo_loss(agent: Agent, minibatch: dict, args: Args) -> tuple[torch.Tensor, dict]:
-    """Sec. 4, every term weighted by the truncated importance weights w: mean(w * clipped surrogate) + vf_coef *
-    mean(w * value loss) - ent_coef * mean(w * entropy); with --learned-ent-coef, ent_coef is [alpha]_sg and
-    alpha * ([unweighted mean entropy]_sg - target) is added. Returns (loss, detached statistics)."""
+    """Sec. 4: the clipped surrogate, value loss and entropy bonus, each weighted by the importance weights; with
+    --learned-ent-coef, ent_coef is [alpha]_sg and alpha * ([unweighted mean entropy]_sg - target) is added."""
     newlogprob, entropy, newvalue = agent.evaluate(
         minibatch["obs"], minibatch["actions"], minibatch["state0"], minibatch["piece_lengths"]
     )
@@ -1088,8 +1064,7 @@ def ppo_loss(agent: Agent, minibatch: dict, args: Args) -> tuple[torch.Tensor, d
 def ppo_update(
     args: Args, agent: Agent, optimizer: torch.optim.Optimizer, batch: dict, rng: np.random.Generator
 ) -> dict:
-    """PPO epochs over VER minibatches (Sec. 2.2); gradients averaged over the ranks (DD-PPO); alpha kept in [1e-4, 1]
-    as habitat-lab does. Returns the mean of each statistic over the minibatches."""
+    """PPO epochs over VER minibatches (Sec. 2.2), gradients averaged over the ranks (DD-PPO), alpha in [1e-4, 1]."""
     device = batch["obs"].device
     policy_params = [param for name, param in agent.named_parameters() if name != "log_ent_coef"]
     totals = {}
@@ -1173,8 +1148,7 @@ def evaluate(agent: Agent, env, obs_rms: RunningMeanStd, num_episodes: int, seed
 
 # ---- Training loop ---------------------------------------------------------------------------------------------------
 def rank0_store(rank: int, world_size: int) -> dist.Store:
-    """A key-value store hosted by rank 0 that counts the ranks done (DD-PPO's preemption). Not torchrun's own store:
-    it dies with torchrun, and the ranks must outlive their launcher long enough to stop cleanly."""
+    """Rank 0's store, counting the ranks done (DD-PPO's preemption); torchrun's own dies with it, before the ranks."""
     server = None
     address = [socket.gethostname(), 0]
     if rank == 0:

@@ -904,7 +904,6 @@ OUT_OF_DOMAIN = [  # (flag, a value outside its domain): every numeric flag of t
     ("--seed", -1),
     ("--num-envs", 0),
     ("--num-envs", -4),
-    ("--horizon", 0),
     ("--total-timesteps", 0),
     ("--learning-rate", -1e-3),
     ("--num-steps", 0),
@@ -983,7 +982,7 @@ def test_the_settings_block_lists_every_resolved_field_in_order_within_120_colum
     pairs = " ".join(lines[1:]).split(" ")
     assert pairs[:3] == [f"exp_name={args.exp_name}", "seed=1", "torch_deterministic=True"]
     assert "num_envs=4" in pairs and "toy.horizon=200" in pairs and "toy.autoreset_mode=same_step" in pairs
-    assert pairs.index("horizon=None") < pairs.index("toy.horizon=200") < pairs.index("bootstrap_at_done=truncated")
+    assert pairs.index("num_envs=4") < pairs.index("toy.horizon=200") < pairs.index("bootstrap_at_done=truncated")
     assert len(pairs) == len(vars(args)) - 1 + len(vars(args.toy))
 
 
@@ -1174,7 +1173,7 @@ def test_maniskill_evaluation_builds_a_new_scene_for_every_episode_and_ignores_t
     newly built scene (reconfiguration at every reset of the evaluation env; a training env never rebuilds its scene),
     and runs the whole horizon: a success termination does not end it (a policy that always succeeds terminates at
     its first step)."""
-    args = ver.resolve_args(ver.Args(env_id="PushCube-v1", horizon=5, cuda=False))
+    args = ver.resolve_args(ver.Args(env_id="PushCube-v1", cuda=False))
     env, train_env = ver.make_env(args, evaluation=True), ver.make_env(args)
     rebuilt = {"eval": [], "train": []}
     for name, one_env in (("eval", env), ("train", train_env)):
@@ -1190,7 +1189,7 @@ def test_maniskill_evaluation_builds_a_new_scene_for_every_episode_and_ignores_t
     metrics = ver.evaluate(agent, env, obs_rms, num_episodes=3, seed=0, device="cpu")
     env.close()
     train_env.close()
-    assert metrics["eval/episode_len"] == 5 and metrics["eval/success_once"] == metrics["eval/success_at_end"] == 1.0
+    assert metrics["eval/episode_len"] == 50 and metrics["eval/success_once"] == metrics["eval/success_at_end"] == 1.0
     assert len(rebuilt["eval"]) >= 3 and rebuilt["train"] == []
 
 
@@ -1201,12 +1200,12 @@ def test_maniskill_cpu_task_with_two_workers(tmp_path):
     restores it (a run resumed at its last step saves it unchanged and evaluates as the first run did at its end), and
     --evaluate uses it (the same evaluation again)."""
     common = ["--env-id", "PickCube-v1", "--num-envs", "2", "--num-steps", "20", "--num-minibatches", "2"]
-    common += ["--horizon", "20", "--total-timesteps", "120", "--eval-freq", "0", "--num-eval-episodes", "1"]
+    common += ["--total-timesteps", "120", "--eval-freq", "0", "--num-eval-episodes", "1"]
     common += ["--save-model", "--no-cuda", "--recurrent", "--learned-ent-coef", "--ent-coef", "0.01"]
     run_script(common, tmp_path / "first", timeout=600)
     run_dir = only_run_dir(tmp_path / "first")
     summary = load_summary(run_dir)
-    assert summary["global_step"] == 120 and summary["eval/episode_len"] == 20
+    assert summary["global_step"] == 120 and summary["eval/episode_len"] == 50
     assert {"eval/success_once", "eval/success_at_end", "charts/episodic_return"} <= set(summary)
     config = json.load(open(os.path.join(run_dir, "config.json")))
     assert config["bootstrap_at_done"] == "always"
