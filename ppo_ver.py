@@ -63,7 +63,6 @@ from toy_chain_env import ToyChainWorkerConfig, ToyChainWorkerEnv, draw_target_a
 
 @dataclass
 class Args:
-    # ---- experiment -------------------------------------------------------------------------------------------
     exp_name: str = os.path.basename(__file__)[: -len(".py")]
     """name of this experiment (part of the run directory name)"""
     seed: int = 1
@@ -87,7 +86,6 @@ class Args:
     evaluate: bool = False
     """only evaluate the policy of --checkpoint, then exit"""
 
-    # ---- environment ------------------------------------------------------------------------------------------
     env_id: str = "ToyChain-v0"
     """ToyChain-v0 or a ManiSkill3 task id (PickCube-v1, StackCube-v1, ...)"""
     num_envs: Optional[int] = None
@@ -97,7 +95,6 @@ class Args:
     bootstrap_at_done: Optional[Literal["always", "truncated"]] = None
     """V(true last obs) at every episode end, or at truncations only (default: ToyChain truncated; ManiSkill always)"""
 
-    # ---- PPO ------------------------------------------------------------------------------------------------------
     total_timesteps: Optional[int] = None
     """env steps to train for, all ranks together (default: ToyChain 300k; ManiSkill 2M)"""
     learning_rate: Optional[float] = None
@@ -129,7 +126,6 @@ class Args:
     recurrent: bool = False
     """an LSTM policy trained on packed sequences (Sec. 2.2, Fig. 3C); default: an MLP"""
 
-    # ---- VER (Sec. 2), and DD-PPO under torchrun (Sec. 2.3) ----------------------------------------------------------
     variable_experience: bool = True
     """VER: T x N steps per rollout from any envs (Sec. 2.2); --no-variable-experience is NoVER: T from every env"""
     sync: bool = False
@@ -139,20 +135,18 @@ class Args:
     sync_frac: float = 0.6
     """DD-PPO's preemption (--sync under torchrun), in [0, 1]: stop once this fraction of the ranks have finished"""
 
-    # ---- evaluation -------------------------------------------------------------------------------------------------
     eval_freq: int = 10
     """evaluate every this many iterations (and at the end); 0 = only at the end"""
     num_eval_episodes: int = 16
     """evaluation episodes, >= 1 (deterministic policy, one env in the main process; ToyChain: no step delays)"""
 
-    # ---- filled in by resolve_args ------------------------------------------------------------------------------
+    # filled in by resolve_args
     batch_size: tyro.conf.Suppress[int] = 0
     world_size: tyro.conf.Suppress[int] = 1
     env_kind: tyro.conf.Suppress[str] = ""
 
 
-# Defaults per kind of env (any flag overrides them).
-PRESETS: dict[str, dict] = {
+PRESETS: dict[str, dict] = {  # defaults per kind of env (any flag overrides them)
     "toy": dict(
         num_envs=16,
         num_steps=32,
@@ -223,9 +217,8 @@ def resolve_args(args: Args, world_size: Optional[int] = None) -> Args:
     """Fills the presets and derived sizes into a copy of `args` and validates it. Raises ArgsError."""
     resolved = replace(args, toy=replace(args.toy))
     resolved.world_size = world_size if world_size is not None else int(os.environ.get("WORLD_SIZE", "1"))
-    kind = "toy" if resolved.env_id == "ToyChain-v0" else "maniskill"
-    resolved.env_kind = kind
-    for name, value in PRESETS[kind].items():
+    resolved.env_kind = "toy" if resolved.env_id == "ToyChain-v0" else "maniskill"
+    for name, value in PRESETS[resolved.env_kind].items():
         if getattr(resolved, name) is None:
             setattr(resolved, name, value)
     if resolved.sync:  # step all N envs, wait for all of them, act on all
@@ -234,7 +227,7 @@ def resolve_args(args: Args, world_size: Optional[int] = None) -> Args:
     if resolved.inference_min_batch is None:
         resolved.inference_min_batch = max(1, int(resolved.num_envs / 1.5))  # habitat-lab's default
     check_domains(resolved)
-    if kind == "toy":
+    if resolved.env_kind == "toy":
         resolved.toy.autoreset_mode = "same_step"  # the worker resets its chain and reports the true last observation
         try:
             resolved.toy.validate()  # "--toy.horizon must be >= 1, got 0", ...
@@ -270,13 +263,8 @@ def format_settings(args: Args) -> str:
 
 
 # ---- Environments: one env as a worker (or the evaluation loop) steps it ---------------------------------------------
-class ManiSkillEnv:
+class ManiSkillEnv(gym.Wrapper):
     """One ManiSkill3 env (CPU simulation) with ToyChainWorkerEnv's interface (step() resets an ended episode)."""
-
-    def __init__(self, env):
-        self.env = env
-        self.observation_space = env.observation_space
-        self.action_space = env.action_space
 
     def reset(self, seed: Optional[int] = None) -> np.ndarray:
         return np.asarray(self.env.reset(seed=seed)[0])
@@ -289,9 +277,6 @@ class ManiSkillEnv:
             obs, _ = self.env.reset()
         success = bool(info.get("success", False))
         return np.asarray(obs), float(reward), bool(terminated), bool(truncated), final_obs, success
-
-    def close(self) -> None:
-        self.env.close()
 
 
 def make_env(args: Args, evaluation: bool = False, rank: int = 0, env_index: int = 0):
@@ -324,12 +309,10 @@ class SharedSlots:
 
     @staticmethod
     def allocate(num_envs: int, env) -> "SharedSlots":
-        """A Box (ManiSkill) as float32, a Discrete space (ToyChain) as int64."""
-
         def shared(shape, dtype):
             return torch.zeros((num_envs, *shape), dtype=dtype).share_memory_()
 
-        def slot_for(space: gym.Space) -> torch.Tensor:  # (a Discrete space's shape is ())
+        def slot_for(space: gym.Space) -> torch.Tensor:  # a Box (ManiSkill) as float32, a Discrete (ToyChain) as int64
             return shared(space.shape, torch.int64 if isinstance(space, gym.spaces.Discrete) else torch.float32)
 
         return SharedSlots(
@@ -418,7 +401,6 @@ class EnvWorkers:
         raise WorkerError(f"env worker {env} (pid {process.pid}) died with exit code {process.exitcode} (killed?)")
 
     def close(self, timeout: float = 3.0) -> None:
-        """Closes the pipes, waits up to `timeout` s for the workers to exit, then kills what is left."""
         for conn in self.conns:
             conn.close()
         deadline = time.monotonic() + timeout
@@ -590,7 +572,6 @@ def layer_init(layer: nn.Linear, std: float = math.sqrt(2), bias_const: float = 
 
 
 def mlp(sizes: list[int], out_std: float) -> nn.Sequential:
-    """Tanh MLP with orthogonal init; the last layer has gain `out_std` and no activation."""
     layers: list[nn.Module] = []
     for n_in, n_out in zip(sizes[:-2], sizes[1:-1]):
         layers += [layer_init(nn.Linear(n_in, n_out)), nn.Tanh()]
@@ -598,8 +579,7 @@ def mlp(sizes: list[int], out_std: float) -> nn.Sequential:
 
 
 class Agent(nn.Module):
-    """Actor-critic: MLPs, or with --recurrent an LSTM shared by both heads (the paper's has 2 layers, Sec. 4; here 1).
-    Continuous actions: a Gaussian with a learned state-independent log std."""
+    """Actor-critic: MLPs, or with --recurrent one LSTM for both heads (the paper's has 2 layers, Sec. 4; here 1)."""
 
     def __init__(
         self,
@@ -764,14 +744,11 @@ def fill_from_previous(batch: dict, previous: dict, size: int, rng: np.random.Ge
     return filled
 
 
-# The states of an env in the Collector (see its docstring), one entry per env in Collector.env_state.
-STEPPING, ARRIVED, COMPLETED, HELD = 0, 1, 2, 3
+STEPPING, ARRIVED, COMPLETED, HELD = 0, 1, 2, 3  # an env's state in Collector.env_state (see its docstring)
 
 
 @dataclass
-class Rollout:
-    """What one rollout of Collector.collect() gave on this rank."""
-
+class Rollout:  # what one rollout of Collector.collect() gave on this rank
     start_time: float  # Collector.clock() at its start
     steps_per_env: np.ndarray  # (N,) steps each env completed
     arrival_interval_sum: np.ndarray  # (N,) seconds between consecutive arrivals of each env
@@ -887,10 +864,8 @@ class Collector:
             if row >= 0 and self.record_result(rollout, env, row):
                 final_rows.append(row)
                 final_envs.append(env)
-            if self.quota is not None and rollout.steps_per_env[env] >= self.quota:
-                self.env_state[env] = HELD
-            else:
-                self.env_state[env] = COMPLETED
+            has_its_quota = self.quota is not None and rollout.steps_per_env[env] >= self.quota  # NoVER: T steps
+            self.env_state[env] = HELD if has_its_quota else COMPLETED
         if final_rows:  # V(true last observation), from the state the env's own last step left (not zeros)
             self.bootstrap(np.array(final_rows), np.array(final_envs), self.slots.final_obs)
 
@@ -949,11 +924,8 @@ class Collector:
         storage.values[rows_t] = value
         if state is not None:  # the state the policy acted from, before this step
             storage.hidden[rows_t] = torch.stack(state).permute(2, 0, 1, 3)
-            dev_idx = idx.to(self.device)
-            hidden, cell = self.recurrent_state
-            next_hidden, next_cell = next_state
-            hidden[:, dev_idx] = next_hidden
-            cell[:, dev_idx] = next_cell
+            for stored, new in zip(self.recurrent_state, next_state):  # h, then c
+                stored[:, idx.to(self.device)] = new
         storage.env_ids[rows] = envs
         storage.episode_ids[rows] = self.episode_id[envs]
         waiting = self.awaiting_row[envs] >= 0  # V of this observation bootstraps the env's previous step
@@ -988,18 +960,15 @@ class Collector:
             return None
         idx = torch.as_tensor(envs, device=self.device)
         hidden, cell = self.recurrent_state
-        hidden = hidden[:, idx]
-        cell = cell[:, idx]
-        if reset is not None:
-            keep = torch.as_tensor(~reset, device=self.device, dtype=hidden.dtype).view(1, -1, 1)
-            hidden = hidden * keep
-            cell = cell * keep
-        return hidden, cell
+        if reset is None:
+            return hidden[:, idx], cell[:, idx]
+        keep = torch.as_tensor(~reset, device=self.device, dtype=hidden.dtype).view(1, -1, 1)
+        return hidden[:, idx] * keep, cell[:, idx] * keep
 
 
 # ---- DD-PPO (Sec. 2.3): every rank collects and learns; gradients are all-reduced; stragglers are preempted ----------
 def all_reduce_named(values: dict, device) -> dict:
-    """Named numbers summed over the ranks (NCCL on GPUs, gloo on CPU) as one vector, named back at once."""
+    """Named numbers summed over the ranks as one vector, named back at once."""
     vector = torch.tensor([float(value) for value in values.values()], dtype=torch.float64, device=device)
     if dist.is_initialized():
         dist.all_reduce(vector)
@@ -1014,8 +983,7 @@ def allreduce_gradients(parameters) -> None:
 
 
 def ver_stop_rule(gathered: np.ndarray, rank_cap: int, env_cap: Optional[int]) -> tuple[Callable, float]:
-    """Sec. 2.3: stop t* seconds into the rollout unless all ranks fill their batch by then; gathered[r]: rank r's step
-    times and LT. Returns (the rule for collect, t*)."""
+    """Sec. 2.3: stop t* s into the rollout unless every rank is full by then (gathered[r]: rank r's step times, LT)."""
     t_star, _, t_full = optimal_preemption_time(gathered[:, :-1], rank_cap, env_cap, float(gathered[:, -1].mean()))
     stop_after = t_star if t_star < t_full else math.inf
     return (lambda steps, elapsed: elapsed >= stop_after), t_star
@@ -1028,12 +996,10 @@ def ddppo_stop_rule(store: dist.Store, args: Args, iteration: int) -> Callable:
 
 
 # ---- PPO update (Sec. 2.2, 4) ----------------------------------------------------------------------------------------
-def ppo_loss(agent: Agent, minibatch: dict, args: Args) -> tuple[torch.Tensor, dict]:
+def ppo_loss(agent: Agent, minibatch: dict, state0, piece_lengths, args: Args) -> tuple[torch.Tensor, dict]:
     """Sec. 4: the clipped surrogate, value loss and entropy bonus, each weighted by the importance weights; with
     --learned-ent-coef, ent_coef is [alpha]_sg and alpha * ([unweighted mean entropy]_sg - target) is added."""
-    newlogprob, entropy, newvalue = agent.evaluate(
-        minibatch["obs"], minibatch["actions"], minibatch["state0"], minibatch["piece_lengths"]
-    )
+    newlogprob, entropy, newvalue = agent.evaluate(minibatch["obs"], minibatch["actions"], state0, piece_lengths)
     logratio = newlogprob - minibatch["logprobs"]
     ratio = logratio.exp()
     advantages = minibatch["advantages"]
@@ -1051,12 +1017,12 @@ def ppo_loss(agent: Agent, minibatch: dict, args: Args) -> tuple[torch.Tensor, d
     else:
         loss = pg_loss + args.vf_coef * v_loss - args.ent_coef * entropy_bonus
     stats = {
-        "policy_loss": pg_loss,
-        "value_loss": v_loss,
-        "entropy": entropy.mean(),
-        "old_approx_kl": (-logratio).mean(),
-        "approx_kl": ((ratio - 1) - logratio).mean(),
-        "clipfrac": ((ratio - 1.0).abs() > args.clip_coef).float().mean(),
+        "losses/policy_loss": pg_loss,
+        "losses/value_loss": v_loss,
+        "losses/entropy": entropy.mean(),
+        "losses/old_approx_kl": (-logratio).mean(),
+        "losses/approx_kl": ((ratio - 1) - logratio).mean(),
+        "losses/clipfrac": ((ratio - 1.0).abs() > args.clip_coef).float().mean(),
     }
     return loss, {name: value.detach() for name, value in stats.items()}
 
@@ -1073,19 +1039,13 @@ def ppo_update(
         for mb_idx, piece_lengths in make_minibatches(batch["lengths"], args.num_minibatches, rng):
             idx = torch.as_tensor(mb_idx, device=device)
             minibatch = {
-                "obs": batch["obs"][idx],
-                "actions": batch["actions"][idx],
-                "logprobs": batch["logprobs"][idx],
-                "advantages": batch["advantages"][idx],
-                "returns": batch["returns"][idx],
-                "weights": batch["weights"][idx],
-                "piece_lengths": piece_lengths,
-                "state0": None,
+                key: batch[key][idx] for key in ("obs", "actions", "logprobs", "advantages", "returns", "weights")
             }
+            state0 = None
             if agent.recurrent:  # each piece starts from the stored state of its first step
                 first = torch.as_tensor(mb_idx[sequence_starts(piece_lengths)], device=device)
-                minibatch["state0"] = batch["hidden"][first].permute(1, 2, 0, 3)  # (h, c): (layers, pieces, hidden)
-            loss, stats = ppo_loss(agent, minibatch, args)
+                state0 = batch["hidden"][first].permute(1, 2, 0, 3)  # (h, c): (layers, pieces, hidden)
+            loss, stats = ppo_loss(agent, minibatch, state0, piece_lengths, args)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             if dist.is_initialized():
@@ -1098,11 +1058,11 @@ def ppo_update(
             totals = {name: totals.get(name, 0.0) + value for name, value in stats.items()}
             updates += 1
         if args.target_kl is not None:  # the mean over ranks: the same decision on every rank
-            if all_reduce_named(stats, device)["approx_kl"] / args.world_size > args.target_kl:
+            if all_reduce_named(stats, device)["losses/approx_kl"] / args.world_size > args.target_kl:
                 break
     means = dict(zip(totals, (torch.stack(list(totals.values())) / max(updates, 1)).tolist()))  # one device sync
-    means["ent_coef"] = float(agent.log_ent_coef.detach().exp()) if args.learned_ent_coef else args.ent_coef
-    means["explained_variance"] = float(1 - (batch["returns"] - batch["values"]).var() / batch["returns"].var())
+    means["losses/ent_coef"] = float(agent.log_ent_coef.detach().exp()) if args.learned_ent_coef else args.ent_coef
+    means["losses/explained_variance"] = float(1 - (batch["returns"] - batch["values"]).var() / batch["returns"].var())
     return means
 
 
@@ -1180,8 +1140,7 @@ def main(args: Args) -> dict:
     torch.manual_seed(args.seed)  # DD-PPO: the same initial weights on every rank (or the same checkpoint)
     torch.backends.cudnn.deterministic = args.torch_deterministic
 
-    # The run directory (rank 0 logs, evaluates and saves).
-    writer = None
+    writer = None  # rank 0 logs, evaluates and saves
     run_dir = None
     last = {}  # the last value of each metric, for summary.json
     if rank == 0:
@@ -1216,8 +1175,7 @@ def main(args: Args) -> dict:
     workers = None  # (the finally below needs them)
     eval_env = None
     try:  # from here on (env construction included), Ctrl-C or an error still writes summary.json
-        # The evaluation env (rank 0's) tells the spaces: the shared slots, the network; then the checkpoint.
-        eval_env = make_env(args, evaluation=True)
+        eval_env = make_env(args, evaluation=True)  # its spaces shape the shared slots and the network
         slots = SharedSlots.allocate(args.num_envs, eval_env)
         agent = Agent(
             eval_env.observation_space, eval_env.action_space, args.recurrent, args.ent_coef, args.learned_ent_coef
@@ -1305,7 +1263,6 @@ def main(args: Args) -> dict:
             global_step += int(counts["env_steps"])
             env_busy_time += counts["env_busy_time"]
             summary["iteration"] = iteration
-            summary["global_step"] = global_step
             if counts["launchers_gone"] > 0:  # torchrun was killed: every rank stops here, as at Ctrl-C
                 print(f"rank {rank}: the launcher (pid {launcher}) is gone: stopping", file=sys.stderr)
                 raise KeyboardInterrupt
@@ -1314,14 +1271,6 @@ def main(args: Args) -> dict:
             metrics = {
                 "charts/SPS": (global_step - start_step) / (time.time() - train_start),
                 "charts/learning_rate": args.learning_rate,  # constant: CleanRL anneals it, VER a cosine (Sec. 4)
-                "losses/policy_loss": losses["policy_loss"],
-                "losses/value_loss": losses["value_loss"],
-                "losses/entropy": losses["entropy"],
-                "losses/old_approx_kl": losses["old_approx_kl"],
-                "losses/approx_kl": losses["approx_kl"],
-                "losses/clipfrac": losses["clipfrac"],
-                "losses/ent_coef": losses["ent_coef"],
-                "losses/explained_variance": losses["explained_variance"],
                 "ver/steps_per_env_min": rollout.steps_per_env.min(),
                 "ver/steps_per_env_max": rollout.steps_per_env.max(),
                 "ver/importance_weight_min": batch["weights"].min(),
@@ -1342,6 +1291,7 @@ def main(args: Args) -> dict:
             if args.env_kind == "toy" and fresh > 0:
                 correct = batch["actions"][:fresh] == targets[batch["obs"][:fresh]]
                 metrics["toy/accuracy"] = correct.float().mean()
+            log(losses, global_step)  # losses/* (ppo_update)
             log(metrics, global_step)
             if args.eval_freq and iteration % args.eval_freq == 0 and global_step < args.total_timesteps:
                 eval_start = time.perf_counter()

@@ -323,15 +323,15 @@ def test_ppo_update_gradient_equals_the_weighted_losses_of_sec_4(learned_ent_coe
     out = ver.ppo_update(args, agent, optimizer, batch, np.random.default_rng(0))
     for (name, p), p_ref in zip(agent.named_parameters(), reference.parameters()):
         torch.testing.assert_close(p.grad, p_ref.grad, msg=name)
-    assert 0 < out["clipfrac"] < 1  # some ratios were clipped, so the clipped branch was exercised
+    assert 0 < out["losses/clipfrac"] < 1  # some ratios were clipped, so the clipped branch was exercised
     logratio = (logprob - batch["logprobs"]).detach()
     expected = {  # the update's statistics, each under its own name
-        "policy_loss": -(w * surrogate).mean(),
-        "value_loss": (w * v_loss).mean(),
-        "entropy": entropy.mean(),
-        "old_approx_kl": (-logratio).mean(),
-        "approx_kl": ((ratio - 1) - logratio).mean(),
-        "clipfrac": ((ratio - 1).abs() > 0.2).float().mean(),
+        "losses/policy_loss": -(w * surrogate).mean(),
+        "losses/value_loss": (w * v_loss).mean(),
+        "losses/entropy": entropy.mean(),
+        "losses/old_approx_kl": (-logratio).mean(),
+        "losses/approx_kl": ((ratio - 1) - logratio).mean(),
+        "losses/clipfrac": ((ratio - 1).abs() > 0.2).float().mean(),
     }
     for name, value in expected.items():
         assert out[name] == pytest.approx(float(value.detach()), rel=1e-5, abs=1e-7), name
