@@ -157,8 +157,7 @@ PRESETS: dict[str, dict] = {  # defaults per kind of env (any flag overrides the
         ent_coef=0.01,
         bootstrap_at_done="truncated",
     ),
-    # ManiSkill's PPO baseline (gamma 0.8, lambda 0.9, target KL 0.1, bootstrap at every end) for a few CPU envs: T 16
-    "maniskill": dict(
+    "maniskill": dict(  # ManiSkill's PPO baseline, for a few CPU envs
         num_envs=8,
         num_steps=16,
         total_timesteps=2_000_000,
@@ -409,8 +408,6 @@ class EnvWorkers:
             if process.is_alive():
                 process.kill()
                 process.join(timeout=1.0)
-        self.processes = []
-        self.conns = []
 
 
 # ---- Pure functions the algorithm relies on (importable, tested in tests/test_ppo_ver.py) ----------------------------
@@ -463,7 +460,7 @@ def compute_gae_packed(
     advantages = torch.zeros_like(rewards)
     offsets = np.concatenate([[0], np.cumsum(batch_sizes)])
     following = torch.zeros(0, dtype=rewards.dtype, device=rewards.device)  # A_{t+1} of the sequences still running
-    for step in reversed(range(len(batch_sizes))):
+    for step in reversed(range(len(batch_sizes))):  # the sequences running at step t+1 are a prefix of those at t
         running = int(batch_sizes[step])  # the sequences still running at this step
         carried = nn.functional.pad(following, (0, running - following.numel()))  # A_{t+1}; 0 after a sequence's end
         following = deltas[offsets[step] : offsets[step] + running] + gamma * gae_lambda * carried
@@ -499,9 +496,8 @@ def importance_weights(env_ids: torch.Tensor, num_envs: int, num_steps: int, cli
 def optimal_preemption_time(
     step_times: np.ndarray, rank_cap: int, env_cap: Optional[int], learn_time: float, resolution: float = 1e-3
 ) -> tuple[float, int, float]:
-    """Sec. 2.3: the rollout time t maximizing S(t) / (t + LT); env e of rank r collects floor(t / step_times[r, e])
-    steps, at most env_cap (T with NoVER), a rank at most rank_cap = T x N. Returns (t*, S(t*), t_full): t_full, when
-    every rank has its full batch."""
+    """Sec. 2.3: the rollout time t* maximizing S(t) / (t + LT): env e of rank r gives floor(t / step_times[r, e])
+    steps, at most env_cap (T with NoVER), a rank at most rank_cap = T x N. Returns (t*, S(t*), t_full: all full)."""
     tau = np.asarray(step_times, dtype=np.float64)
     if env_cap is None:  # VER: a rank reaches its cap by (cap + N) / (its step rate) at the latest
         bound = ((rank_cap + tau.shape[1]) / (1.0 / tau).sum(axis=1)).max()
@@ -522,7 +518,7 @@ def optimal_preemption_time(
 
 
 class RunningMeanStd:
-    """Observation normalization (not in VER), clipped to +-10; the identity for a Discrete observation (ToyChain)."""
+    """Observation normalization, not in VER (Chan et al.'s parallel update), clipped to +-10; identity for Discrete."""
 
     def __init__(self, shape, device, enabled: bool):
         self.mean = torch.zeros(shape, device=device)
@@ -748,7 +744,9 @@ STEPPING, ARRIVED, COMPLETED, HELD = 0, 1, 2, 3  # an env's state in Collector.e
 
 
 @dataclass
-class Rollout:  # what one rollout of Collector.collect() gave on this rank
+class Rollout:
+    """What one rollout of Collector.collect() gave on this rank."""
+
     start_time: float  # Collector.clock() at its start
     steps_per_env: np.ndarray  # (N,) steps each env completed
     arrival_interval_sum: np.ndarray  # (N,) seconds between consecutive arrivals of each env
