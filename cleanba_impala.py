@@ -127,8 +127,8 @@ class Args:
     """rho-bar_pg (> 0), clip of the importance ratios of the policy-gradient advantages (Table 3)"""
     num_minibatches: Optional[int] = None
     """minibatches of whole env sequences, one pass (>= 1; default: Atari 4, Table 3; classic 8; ToyChain 4)"""
-    ent_coef: float = 0.01
-    """entropy coefficient (>= 0; Table 3)"""
+    ent_coef: Optional[float] = None
+    """entropy coefficient, >= 0 (default: Atari 0.01, Table 3; classic 0, a departure; ToyChain 0.01)"""
     vf_coef: float = 0.5
     """baseline coefficient (>= 0): the loss has vf_coef x 0.5 x sum (v_s - V)^2 (Table 3, as Cleanba and torchbeast)"""
     max_grad_norm: Optional[float] = None
@@ -151,12 +151,13 @@ class Args:
 
 TOY_ENV_ID = "ToyChain-v0"
 CLASSIC_ENVS = {"CartPole-v1": (4, 2), "Acrobot-v1": (6, 3)}  # EnvPool classic control: observation size, actions
-# App. B Table 3 (Atari); classic control departs from its optimizer (why: benchmarks/results/cleanba_classic.md)
-TABLE_3 = dict(num_minibatches=4, max_grad_norm=40.0, rmsprop_eps=0.01)
-CLASSIC_OPTIMIZER = dict(num_minibatches=8, max_grad_norm=1000.0, rmsprop_eps=0.1)
+# App. B Table 3 (Atari); classic control departs from its optimizer and entropy bonus (why:
+# benchmarks/results/cleanba_classic.md)
+TABLE_3 = dict(num_minibatches=4, max_grad_norm=40.0, rmsprop_eps=0.01, ent_coef=0.01)
+CLASSIC_DEPARTURES = dict(num_minibatches=8, max_grad_norm=1000.0, rmsprop_eps=0.1, ent_coef=0.0)
 PRESETS = {
     "atari": dict(TABLE_3, local_num_envs=128, num_steps=20, total_timesteps=50_000_000),
-    "classic": dict(local_num_envs=16, num_steps=20, total_timesteps=500_000, **CLASSIC_OPTIMIZER),
+    "classic": dict(local_num_envs=16, num_steps=20, total_timesteps=500_000, **CLASSIC_DEPARTURES),
     "toy": dict(TABLE_3, local_num_envs=32, num_steps=10, total_timesteps=64_000),
 }
 

@@ -124,10 +124,12 @@ class Args:
     """epochs over each batch (>= 1; Table 2)"""
     norm_adv: bool = True
     """normalize advantages per minibatch (App. A Alg. 1), over the whole minibatch of all learners"""
+    adv_std_floor: Optional[float] = None
+    """divide the centred advantages by max(std, this), >= 0 (default: classic 1, a departure; Atari and ToyChain 0)"""
     clip_coef: Optional[float] = None
     """PPO clipping coefficient, > 0 (default: Atari 0.1, Table 2; classic 0.2, as CleanRL's ppo.py; ToyChain 0.1)"""
-    ent_coef: float = 0.01
-    """entropy coefficient (>= 0; Table 2)"""
+    ent_coef: Optional[float] = None
+    """entropy coefficient, >= 0 (default: Atari 0.01, Table 2; classic 0, a departure; ToyChain 0.01)"""
     vf_coef: float = 0.5
     """value-loss coefficient (>= 0; Table 2)"""
     clip_vloss: Optional[bool] = None
@@ -150,11 +152,14 @@ class Args:
 
 TOY_ENV_ID = "ToyChain-v0"
 CLASSIC_ENVS = {"CartPole-v1": (4, 2), "Acrobot-v1": (6, 3)}  # EnvPool classic control: observation size, actions
-# App. B Table 2 (Atari), CleanRL's ppo.py (classic control; its other values are Table 2's) and small toy settings
+# App. B Table 2 (Atari, ToyChain); classic control takes CleanRL's ppo.py clipping and departs from both in its entropy
+# bonus and advantage scale (why: benchmarks/results/cleanba_classic.md)
+TABLE_2_LOSS = dict(clip_coef=0.1, clip_vloss=False, ent_coef=0.01, adv_std_floor=0.0)
+CLASSIC_LOSS = dict(clip_coef=0.2, clip_vloss=True, ent_coef=0.0, adv_std_floor=1.0)
 PRESETS = {
-    "atari": dict(local_num_envs=128, num_steps=128, total_timesteps=50_000_000, clip_coef=0.1, clip_vloss=False),
-    "classic": dict(local_num_envs=4, num_steps=128, total_timesteps=500_000, clip_coef=0.2, clip_vloss=True),
-    "toy": dict(local_num_envs=32, num_steps=10, total_timesteps=64_000, clip_coef=0.1, clip_vloss=False),
+    "atari": dict(TABLE_2_LOSS, local_num_envs=128, num_steps=128, total_timesteps=50_000_000),
+    "classic": dict(CLASSIC_LOSS, local_num_envs=4, num_steps=128, total_timesteps=500_000),
+    "toy": dict(TABLE_2_LOSS, local_num_envs=32, num_steps=10, total_timesteps=64_000),
 }
 
 
@@ -212,6 +217,7 @@ def resolve_args(args: Args, world_size: int = 1) -> Args:
         ("--update-epochs", args.update_epochs, args.update_epochs >= 1, ">= 1"),
         ("--clip-coef", args.clip_coef, args.clip_coef > 0.0, "> 0"),
         ("--ent-coef", args.ent_coef, args.ent_coef >= 0.0, ">= 0"),
+        ("--adv-std-floor", args.adv_std_floor, args.adv_std_floor >= 0.0, ">= 0"),
         ("--vf-coef", args.vf_coef, args.vf_coef >= 0.0, ">= 0"),
         ("--max-grad-norm", args.max_grad_norm, args.max_grad_norm > 0.0, "> 0"),
         ("--target-kl", args.target_kl, args.target_kl is None or args.target_kl > 0.0, "> 0"),
@@ -351,11 +357,13 @@ def ppo_loss_terms(newlogprob, entropy, newvalue, minibatch: dict, clip_coef: fl
     }
 
 
-def normalize_advantages(advantages, valid, count, total, total_sq):
-    """(A - mean) / (std + 1e-8), from the count, sum and sum of squares of the valid advantages of all learners."""
+def normalize_advantages(advantages, valid, count, total, total_sq, std_floor: float = 0.0):
+    """(A - mean) / max(std + 1e-8, std_floor), from the count, sum and sum of squares of the valid advantages of all
+    learners. A floor keeps advantages smaller than it from being scaled up to unit size."""
     mean = total / count
     std = math.sqrt(max((total_sq - count * mean * mean) / max(count - 1.0, 1.0), 0.0))
-    return torch.where(valid, (advantages - mean) / (std + 1e-8), torch.zeros_like(advantages))
+    scale = max(std + 1e-8, std_floor)
+    return torch.where(valid, (advantages - mean) / scale, torch.zeros_like(advantages))
 
 
 def ppo_loss(agent: nn.Module, minibatch: dict, args: Args, count: float):
@@ -627,7 +635,7 @@ class Learner:
         moments = torch.stack([valid.sum(), (advantages * valid).sum(), (advantages.square() * valid).sum()]).double()
         count, total, total_sq = all_reduce_sum(moments, args.world_size).tolist()  # one sync
         if args.norm_adv:
-            advantages = normalize_advantages(advantages, valid, count, total, total_sq)
+            advantages = normalize_advantages(advantages, valid, count, total, total_sq, args.adv_std_floor)
         loss, terms = ppo_loss(self.agent, {**minibatch, "advantages": advantages}, args, count)
         self.optimizer.zero_grad()
         loss.backward()
