@@ -68,6 +68,8 @@ class Options:
     """env steps of every run (the presets' value)"""
     actor_threads: int = 1
     """actor threads of the learning runs (1 runs twice as fast as 2 on 2 CPU cores; the algorithm is the same)"""
+    scripts: tuple[str, ...] = ("impala", "ppo")
+    """which scripts to run (impala, ppo); CleanRL's ppo.py runs with either"""
     jobs: int = 2
     """runs at once, each with one torch thread"""
     reproducibility: bool = False
@@ -210,12 +212,12 @@ def run_all(options: Options, saved: Path) -> dict:
     cleanrl = Path(options.cleanrl)
     for task in TASKS:  # seed by seed (a stopped benchmark has every arm on its first seeds), then reproducibility
         for seed in seeds:
-            for algo, architecture in itertools.product(("impala", "ppo"), ARCHITECTURES):
+            for algo, architecture in itertools.product(options.scripts, ARCHITECTURES):
                 ours(algo, task, architecture, options.actor_threads, seed)
             if options.cleanrl_runs and cleanrl.exists():
                 cleanrl_run = partial(run_cleanrl, cleanrl, task, seed, options.total_timesteps)
                 pending.append((run_key("cleanrl", task, "-", 0, seed), cleanrl_run))
-        for algo, architecture in itertools.product(("impala", "ppo"), ARCHITECTURES):
+        for algo, architecture in itertools.product(options.scripts, ARCHITECTURES):
             if options.reproducibility:
                 ours(algo, task, architecture, 1, seeds[0])
                 ours(algo, task, architecture, 2, seeds[0])

@@ -173,6 +173,22 @@ def test_normalize_advantages_uses_the_valid_entries_only():
     assert out[3] == 0.0
 
 
+def test_an_advantage_std_floor_keeps_small_advantages_small():
+    """Hand-worked: valid advantages 1, 2, 3 have mean 2 and std 1 (n - 1); 0.1, 0.2, 0.3 have mean 0.2, std 0.1."""
+    valid = torch.tensor([True, True, True])
+    large = torch.tensor([1.0, 2.0, 3.0])
+    small = torch.tensor([0.1, 0.2, 0.3])
+    for floor in (0.0, 1.0):  # a std of 1 is not changed by a floor of 1
+        out = cp.normalize_advantages(large, valid, 3.0, 6.0, 14.0, floor)
+        np.testing.assert_allclose(out.numpy(), [-1.0, 0.0, 1.0], rtol=1e-6)
+    scaled_up = cp.normalize_advantages(small, valid, 3.0, 0.6, 0.14, 0.0)
+    np.testing.assert_allclose(scaled_up.numpy(), [-1.0, 0.0, 1.0], rtol=1e-5)
+    centred_only = cp.normalize_advantages(small, valid, 3.0, 0.6, 0.14, 1.0)
+    np.testing.assert_allclose(centred_only.numpy(), [-0.1, 0.0, 0.1], rtol=1e-5)
+    half = cp.normalize_advantages(small, valid, 3.0, 0.6, 0.14, 0.5)
+    np.testing.assert_allclose(half.numpy(), [-0.2, 0.0, 0.2], rtol=1e-5)
+
+
 def test_gumbel_max_samples_the_softmax():
     logits = torch.log(torch.tensor([0.1, 0.2, 0.7])).expand(200_000, 3)
     actions = cp.sample_actions(logits, torch.rand(200_000, 3, generator=torch.Generator().manual_seed(0)))
@@ -260,10 +276,13 @@ def test_classic_control_presets_are_cleanrl_ppo_and_every_flag_overrides_them()
         4,
         4,
     )
-    assert (cartpole.clip_coef, cartpole.ent_coef, cartpole.gamma, cartpole.gae_lambda) == (0.2, 0.01, 0.99, 0.95)
+    assert (cartpole.clip_coef, cartpole.gamma, cartpole.gae_lambda) == (0.2, 0.99, 0.95)
     assert cartpole.clip_vloss  # CleanRL's ppo.py clips the value loss; Table 2 does not
+    assert (cartpole.ent_coef, cartpole.adv_std_floor) == (0.0, 1.0)  # the classic-control departures
     table_2 = cp.resolve_args(cp.Args(env_id="Breakout-v5"))
-    assert (table_2.clip_coef, table_2.clip_vloss) == (0.1, False)
+    assert (table_2.clip_coef, table_2.clip_vloss, table_2.ent_coef, table_2.adv_std_floor) == (0.1, False, 0.01, 0.0)
+    flags = cp.resolve_args(cp.Args(env_id="CartPole-v1", ent_coef=0.01, adv_std_floor=0.0))
+    assert (flags.ent_coef, flags.adv_std_floor) == (0.01, 0.0)
     custom = cp.resolve_args(cp.Args(env_id="Acrobot-v1", local_num_envs=16, num_steps=32, clip_coef=0.1))
     assert (custom.local_num_envs, custom.num_steps, custom.clip_coef, custom.batch_size) == (16, 32, 0.1, 512)
     logits, value = cp.Agent(custom)(torch.zeros(5, 6))
@@ -315,6 +334,7 @@ OUT_OF_DOMAIN = [
     ("update_epochs", 0, ">= 1"),
     ("clip_coef", -0.2, "> 0"),
     ("ent_coef", -0.01, ">= 0"),
+    ("adv_std_floor", -1.0, ">= 0"),
     ("vf_coef", -0.5, ">= 0"),
     ("max_grad_norm", 0.0, "> 0"),
     ("target_kl", -0.01, "> 0"),
