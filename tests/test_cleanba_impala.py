@@ -328,8 +328,8 @@ def test_classic_control_presets_and_every_flag_overrides_them():
         6e-4,
     )
     departures = (cartpole.rmsprop_eps, cartpole.max_grad_norm, cartpole.num_minibatches, cartpole.ent_coef)
-    assert departures == (0.1, 1000.0, 8, 0.0)  # not Table 3's
-    flags = dict(rmsprop_eps=0.01, max_grad_norm=40.0, num_minibatches=4, ent_coef=0.01)
+    assert departures == (0.1, 40.0, 8, 0.0)  # Table 3's clip, not its epsilon, minibatches or entropy bonus
+    flags = dict(rmsprop_eps=0.01, max_grad_norm=1000.0, num_minibatches=4, ent_coef=0.01)
     assert dataclasses.asdict(ci.resolve_args(ci.Args(env_id="CartPole-v1", **flags))).items() >= flags.items()
     custom = ci.resolve_args(ci.Args(env_id="Acrobot-v1", local_num_envs=8, num_steps=10, total_timesteps=1000))
     assert (custom.local_num_envs, custom.num_steps, custom.num_iterations, custom.minibatch_size) == (8, 10, 12, 10)
