@@ -2,30 +2,33 @@
 (subprocesses), with CleanRL's published ppo.py numbers beside ours.
 
 Two claims are checked:
-  learning         median final return over seeds and env steps until the return first reaches 475 (CartPole-v1) or
-                   -100 (Acrobot-v1), per script, task and architecture (synchronous, concurrent); the final return of
-                   a run is the mean charts/episodic_return over its last 5% of iterations.
-  reproducibility  Cleanba Sec. 3 and Table 1: the same seed gives the same learning curve with 1 or 2 actor threads
-                   and with the learner slowed down (--debug-learner-delay): whether the per-iteration return and
-                   losses of those runs are bit-identical, else where and by how much they first differ.
+  learning         each script, task and architecture on 10 seeds (1-5, on which the presets were chosen, and 11-15,
+                   on which they were not): how many runs hold the task's threshold (475 CartPole-v1, -100 Acrobot-v1)
+                   at the end, by their final eval/return (what the script prints after training) and by their mean
+                   training return over the last 10% of iterations; the median and the worst final return; the env
+                   steps until the return first reaches the threshold. CleanRL's ppo.py runs beside them on the same
+                   seeds (counted by its last tenth: it has no evaluation).
+  reproducibility  (--reproducibility) Cleanba Sec. 3 and Table 1: the first seed with 1 and 2 actor threads and with
+                   the learner slowed down (--debug-learner-delay): whether the per-iteration return and losses are
+                   bit-identical, else where and by how much they first differ.
 Each run uses the script's classic-control preset (cleanba_ppo.py: CleanRL's ppo.py settings, 4 envs x 128 steps;
-cleanba_impala.py: 16 envs x 20 steps), 500k steps. CleanRL's ppo.py numbers: docs/rl-algorithms/ppo.md in
-vwxyzjn/cleanrl since its commit 35896b1f (2023; unchanged at fe8d8a03, 2026): average episodic return of 3 seeds,
-500k steps, CartPole-v1 490.04 +- 6.12, Acrobot-v1 -86.36 +- 1.32.
+cleanba_impala.py: 16 envs x 20 steps), 500k steps, one actor thread (on 2 CPU cores twice as fast as 2; the same
+algorithm), two runs at a time. CleanRL's ppo.py numbers: docs/rl-algorithms/ppo.md in vwxyzjn/cleanrl since its
+commit 35896b1f (2023; unchanged at fe8d8a03, 2026): average episodic return of 3 seeds, 500k steps, CartPole-v1
+490.04 +- 6.12, Acrobot-v1 -86.36 +- 1.32.
 
-CleanRL's ppo.py itself runs beside ours (--cleanrl-seeds seeds, default 1, same 500k steps) when its file is at
---cleanrl (default .cleanrl/ppo.py, a folder git ignores: never commit it; `git show fe8d8a03:cleanrl/ppo.py` in a
-clone of vwxyzjn/cleanrl). It runs unmodified through a launcher that gives it Gymnasium 0.29's vector-env behaviour
-(same-step autoreset, per-env final_info), which the installed Gymnasium 1.x changed.
+CleanRL's ppo.py runs when its file is at --cleanrl (default .cleanrl/ppo.py, a folder git ignores: never commit it;
+`git show fe8d8a03:cleanrl/ppo.py` in a clone of vwxyzjn/cleanrl). It runs unmodified through a launcher that gives it
+Gymnasium 0.29's vector-env behaviour (same-step autoreset, per-env final_info), which the installed Gymnasium 1.x
+changed.
 
-Writes benchmarks/results/cleanba_classic.md, cleanba_classic.json.gz (every run's per-update rows, gzipped: 38 MB as
-plain json) and cleanba_classic.png (return against env steps and against wall-clock time). The json is rewritten
-after every run; --resume keeps the runs it already holds. --quick runs every code path once with 1 seed and 20k steps and writes *_quick.* files (a
-check of the benchmark itself, not a result).
+Writes benchmarks/results/cleanba_classic.md, cleanba_classic.json.gz (every run's per-update rows, gzipped) and
+cleanba_classic.png (return against env steps and against wall-clock time). The json is rewritten after every run;
+--resume keeps the runs it already holds. --quick runs every code path once with 1 seed and 20k steps and writes
+*_quick.* files (a check of the benchmark itself, not a result).
 
-  python benchmarks/cleanba_classic.py             # 2 scripts x 2 tasks x 2 architectures x 3 seeds, seed 1 also
-                                                   # with 1 actor thread and with a slow learner, CleanRL's ppo.py
-                                                   # on both tasks, 3 seeds: about 95 minutes on 2 CPU cores
+  python benchmarks/cleanba_classic.py             # 2 scripts x 2 tasks x 2 architectures x 10 seeds and CleanRL's
+                                                   # ppo.py on both tasks: about 100 runs of 2-4 minutes, 2 at a time
   python benchmarks/cleanba_classic.py --quick     # a few minutes
 """
 
