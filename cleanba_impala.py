@@ -22,8 +22,8 @@ Map from the paper to this file
 Autoreset: EnvPool's next-step mode (ToyChain-v0 too): the step after an episode end only resets the env; that row is
 masked out of the loss, the trace is cut at every end, and its observation (the true last one) is bootstrapped at a
 truncation (at every end with --bootstrap-at-done always).
-Departures (classic control, from Table 3): 8 minibatches, RMSprop epsilon 0.1 (benchmarks/results/cleanba_classic.md)
-and no entropy bonus (benchmarks/results/cleanba_classic_collapse.md).
+Departures (classic control, from Table 3): 8 minibatches and RMSprop epsilon 0.1 (benchmarks/results/
+cleanba_classic_first_presets.md), no entropy bonus (benchmarks/results/cleanba_classic_collapse.md).
 
 Examples
   python cleanba_impala.py --env-id ToyChain-v0                              # seconds on a CPU
