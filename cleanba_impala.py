@@ -6,11 +6,10 @@ IMPALA and V-trace: Espeholt et al., "IMPALA: Scalable Distributed Deep-RL with 
 
 Actor threads step EnvPool with the policy mu they hold; the learner corrects for the gap to its own policy pi with
 V-trace (importance ratios pi/mu). Each actor thread meets the learner through a rollout queue and a params queue of
-size 1 (Fig. 1, right). By default the actor skips its params get at iteration 2 (Cleanba's architecture): from update
-2 on the learner trains on data of the second-latest policy pi_{i-1} while the actors collect the next rollout, whatever
-the speed of either side (Table 1; Sec. 5.3: no cost in data efficiency for IMPALA). --no-concurrency is the
-synchronous architecture. The batch is local_num_envs x num_steps per learner process (Sec. 4.1, App. A); torchrun runs
-several learners whose summed gradients make the step of one learner on the global minibatch.
+size 1 (Fig. 1, right). By default the actor skips its params get at iteration 2 (Cleanba's architecture): from update 2
+on, the learner trains on data of pi_{i-1} whatever the speed of either side (Table 1; Sec. 5.3: no cost in data
+efficiency for IMPALA); --no-concurrency is synchronous. The batch is local_num_envs x num_steps per learner process
+(Sec. 4.1, App. A); torchrun runs learners whose summed gradients make one learner's step on the global minibatch.
 
 Map from the paper to this file
   Fig. 1 right, Table 1    ActorThread.actor_loop, train, blocking, should_get_params
@@ -20,10 +19,11 @@ Map from the paper to this file
   App. B, Table 3          vtrace, impala_loss, Learner                  (RMSprop eps 0.01, lr 6e-4 annealed, clip 40)
   Sec. 5 (Espeholt 2018)   Agent                                         (IMPALA ResNet 16/32/32, 256 hidden)
   Sec. 3 (Fig. 2)          --debug-learner-delay                         (a slow learner: same numbers, slower)
-Row t of a rollout is one transition (o_t, a_t, log mu(a_t|o_t), r_t, terminated_t, truncated_t), the reward and flags
-being those the env returned for a_t (rlax's convention). Autoreset: EnvPool's next-step mode (ToyChain-v0 too): the
-step after an episode end only resets the env; that row is masked out of the loss, the trace is cut at every end, and
-its observation (the true last one) is bootstrapped at a truncation (at every end with --bootstrap-at-done always).
+Autoreset: EnvPool's next-step mode (ToyChain-v0 too): the step after an episode end only resets the env; that row is
+masked out of the loss, the trace is cut at every end, and its observation (the true last one) is bootstrapped at a
+truncation (at every end with --bootstrap-at-done always).
+Departures (classic control, from Table 3): 8 minibatches and RMSprop epsilon 0.1 (benchmarks/results/
+cleanba_classic_first_presets.md), no entropy bonus (benchmarks/results/cleanba_classic_collapse.md).
 
 Examples
   python cleanba_impala.py --env-id ToyChain-v0                              # seconds on a CPU
@@ -127,12 +127,12 @@ class Args:
     """rho-bar_pg (> 0), clip of the importance ratios of the policy-gradient advantages (Table 3)"""
     num_minibatches: Optional[int] = None
     """minibatches of whole env sequences, one pass (>= 1; default: Atari 4, Table 3; classic 8; ToyChain 4)"""
-    ent_coef: float = 0.01
-    """entropy coefficient (>= 0; Table 3)"""
+    ent_coef: Optional[float] = None
+    """entropy coefficient, >= 0 (default: Atari 0.01, Table 3; classic 0, a departure; ToyChain 0.01)"""
     vf_coef: float = 0.5
     """baseline coefficient (>= 0): the loss has vf_coef x 0.5 x sum (v_s - V)^2 (Table 3, as Cleanba and torchbeast)"""
-    max_grad_norm: Optional[float] = None
-    """global gradient-norm clip (> 0; default: Atari 40, Table 3; classic 1,000; ToyChain 40)"""
+    max_grad_norm: float = 40.0
+    """global gradient-norm clip (> 0; Table 3)"""
     rmsprop_eps: Optional[float] = None
     """RMSprop epsilon outside the square root (> 0; default: Atari 0.01, Table 3; classic 0.1; ToyChain 0.01)"""
     rmsprop_alpha: float = 0.99
@@ -151,12 +151,12 @@ class Args:
 
 TOY_ENV_ID = "ToyChain-v0"
 CLASSIC_ENVS = {"CartPole-v1": (4, 2), "Acrobot-v1": (6, 3)}  # EnvPool classic control: observation size, actions
-# App. B Table 3 (Atari); classic control departs from its optimizer (why: benchmarks/results/cleanba_classic.md)
-TABLE_3 = dict(num_minibatches=4, max_grad_norm=40.0, rmsprop_eps=0.01)
-CLASSIC_OPTIMIZER = dict(num_minibatches=8, max_grad_norm=1000.0, rmsprop_eps=0.1)
+# App. B Table 3 (Atari, ToyChain); classic control: the departures of the docstring
+TABLE_3 = dict(num_minibatches=4, rmsprop_eps=0.01, ent_coef=0.01)
+CLASSIC_DEPARTURES = dict(num_minibatches=8, rmsprop_eps=0.1, ent_coef=0.0)
 PRESETS = {
     "atari": dict(TABLE_3, local_num_envs=128, num_steps=20, total_timesteps=50_000_000),
-    "classic": dict(local_num_envs=16, num_steps=20, total_timesteps=500_000, **CLASSIC_OPTIMIZER),
+    "classic": dict(local_num_envs=16, num_steps=20, total_timesteps=500_000, **CLASSIC_DEPARTURES),
     "toy": dict(TABLE_3, local_num_envs=32, num_steps=10, total_timesteps=64_000),
 }
 
@@ -196,10 +196,11 @@ def resolve_args(args: Args, world_size: int = 1) -> Args:
     for name, value in PRESETS[family].items():
         if getattr(args, name) is None:
             setattr(args, name, value)
+    fewest = 1 if args.evaluate else 0  # the episodes --evaluate needs
     checks = [
         ("--seed", args.seed, args.seed >= 0, ">= 0"),
         ("--checkpoint-freq", args.checkpoint_freq, args.checkpoint_freq >= 1, ">= 1"),
-        ("--num-eval-episodes", args.num_eval_episodes, args.num_eval_episodes >= 0, ">= 0"),
+        ("--num-eval-episodes", args.num_eval_episodes, args.num_eval_episodes >= fewest, f">= {fewest}"),
         ("--max-episode-steps", args.max_episode_steps, args.max_episode_steps >= 1, ">= 1"),
         ("--local-num-envs", args.local_num_envs, args.local_num_envs >= 1, ">= 1"),
         ("--num-actor-threads", args.num_actor_threads, args.num_actor_threads >= 1, ">= 1"),
@@ -221,8 +222,6 @@ def resolve_args(args: Args, world_size: int = 1) -> Args:
     for flag, value, within, domain in checks:
         if not within:
             raise ArgsError(f"{flag} {value}: must be {domain}")
-    if args.evaluate and args.num_eval_episodes < 1:
-        raise ArgsError(f"--num-eval-episodes {args.num_eval_episodes}: must be >= 1 with --evaluate")
     cuda_devices = torch.cuda.device_count() if args.cuda else 0
     for device_id in args.actor_device_ids or []:
         if not 0 <= device_id < cuda_devices:
@@ -311,8 +310,7 @@ def vtrace(
     values, next_values, rewards, no_bootstrap, dones, log_rhos, gamma, lambda_=1.0, rho_bar=1.0, pg_rho_bar=1.0
 ):
     """V-trace targets and policy-gradient advantages over (T, N), without gradient (Espeholt et al. 2018, Sec. 4.1).
-
-    Row t is one transition x_t --a_t--> x'_t:
+    Row t is one transition x_t --a_t--> x'_t, its reward and flags those the env returned for a_t (rlax's convention):
       values[t] = V(x_t);  next_values[t] = V(x'_t) (values[t + 1], V(o_T) for the last row)
       rewards[t] = r_t;  no_bootstrap[t] = cut_t: x'_t is not bootstrapped;  dones[t] = done_t: a_t ended the episode
       log_rhos[t] = log pi(a_t|x_t) - log mu(a_t|x_t), learner over behaviour (actor) policy
@@ -371,17 +369,16 @@ def impala_loss(agent: nn.Module, batch: dict, args: Args):
     value_loss = (0.5 * (vs - values[:num_steps]).square() * valid).sum()
     entropy = (entropy * valid).sum()
     loss = policy_loss + args.vf_coef * value_loss - args.ent_coef * entropy
-    with torch.no_grad():
-        rhos = log_rhos.exp()
-        sums = {
-            "policy_loss": policy_loss,
-            "value_loss": value_loss,
-            "entropy": entropy,
-            "approx_kl": (((rhos - 1) - log_rhos) * valid).sum(),
-            "rho_mean": (rhos * valid).sum(),
-            "rho_clipfrac": ((rhos > args.clip_rho_threshold).float() * valid).sum(),
-            "count": valid.sum(),
-        }
+    rhos = log_rhos.exp()  # log_rhos carries no gradient
+    sums = {
+        "policy_loss": policy_loss,
+        "value_loss": value_loss,
+        "entropy": entropy,
+        "approx_kl": (((rhos - 1) - log_rhos) * valid).sum(),
+        "rho_mean": (rhos * valid).sum(),
+        "rho_clipfrac": ((rhos > args.clip_rho_threshold).float() * valid).sum(),
+        "count": valid.sum(),
+    }
     return loss, {name: value.detach().double() for name, value in sums.items()}
 
 
@@ -608,7 +605,6 @@ class Learner:
     def update(self, batch: dict, iteration: int) -> dict:
         """num_minibatches RMSprop steps, each on whole env sequences (one pass, no shuffling, as Cleanba)."""
         args = self.args
-        # Table 3: the learning rate decays linearly to 0; iteration i (1-based) uses lr0 (1 - (i - 1) / num_iterations)
         lr = args.learning_rate * (1.0 - (iteration - 1.0) / args.num_iterations if args.anneal_lr else 1.0)
         self.optimizer.param_groups[0]["lr"] = lr
         envs_per_minibatch = args.local_num_envs // args.num_minibatches

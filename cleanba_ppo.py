@@ -21,6 +21,8 @@ Map from the paper to this file
 Autoreset: EnvPool's next-step mode (ToyChain-v0 runs in the same mode): the step after an episode end only resets
 the env (action ignored, reward 0); that row is masked out of the loss. Its observation is the episode's true last
 one, whose value is bootstrapped at a truncation (at every end with --bootstrap-at-done always).
+Departures (classic control, from Table 2 and CleanRL's ppo.py): no entropy bonus; advantages divided by max(std, 1),
+so a solved task's vanished advantage is not scaled back to unit size (benchmarks/results/cleanba_classic_collapse.md).
 
 Examples
   python cleanba_ppo.py --env-id ToyChain-v0                                 # seconds on a CPU
@@ -124,10 +126,12 @@ class Args:
     """epochs over each batch (>= 1; Table 2)"""
     norm_adv: bool = True
     """normalize advantages per minibatch (App. A Alg. 1), over the whole minibatch of all learners"""
+    adv_std_floor: Optional[float] = None
+    """divide the centred advantages by max(std, this), >= 0 (default: classic 1, a departure; Atari and ToyChain 0)"""
     clip_coef: Optional[float] = None
     """PPO clipping coefficient, > 0 (default: Atari 0.1, Table 2; classic 0.2, as CleanRL's ppo.py; ToyChain 0.1)"""
-    ent_coef: float = 0.01
-    """entropy coefficient (>= 0; Table 2)"""
+    ent_coef: Optional[float] = None
+    """entropy coefficient, >= 0 (default: Atari 0.01, Table 2; classic 0, a departure; ToyChain 0.01)"""
     vf_coef: float = 0.5
     """value-loss coefficient (>= 0; Table 2)"""
     clip_vloss: Optional[bool] = None
@@ -150,11 +154,13 @@ class Args:
 
 TOY_ENV_ID = "ToyChain-v0"
 CLASSIC_ENVS = {"CartPole-v1": (4, 2), "Acrobot-v1": (6, 3)}  # EnvPool classic control: observation size, actions
-# App. B Table 2 (Atari), CleanRL's ppo.py (classic control; its other values are Table 2's) and small toy settings
+# App. B Table 2 (Atari, ToyChain); classic control: CleanRL's ppo.py clipping and the departures of the docstring
+TABLE_2_LOSS = dict(clip_coef=0.1, clip_vloss=False, ent_coef=0.01, adv_std_floor=0.0)
+CLASSIC_LOSS = dict(clip_coef=0.2, clip_vloss=True, ent_coef=0.0, adv_std_floor=1.0)
 PRESETS = {
-    "atari": dict(local_num_envs=128, num_steps=128, total_timesteps=50_000_000, clip_coef=0.1, clip_vloss=False),
-    "classic": dict(local_num_envs=4, num_steps=128, total_timesteps=500_000, clip_coef=0.2, clip_vloss=True),
-    "toy": dict(local_num_envs=32, num_steps=10, total_timesteps=64_000, clip_coef=0.1, clip_vloss=False),
+    "atari": dict(TABLE_2_LOSS, local_num_envs=128, num_steps=128, total_timesteps=50_000_000),
+    "classic": dict(CLASSIC_LOSS, local_num_envs=4, num_steps=128, total_timesteps=500_000),
+    "toy": dict(TABLE_2_LOSS, local_num_envs=32, num_steps=10, total_timesteps=64_000),
 }
 
 
@@ -194,7 +200,6 @@ def resolve_args(args: Args, world_size: int = 1) -> Args:
         if getattr(args, name) is None:
             setattr(args, name, value)
     fewest = 1 if args.evaluate else 0  # the episodes --evaluate needs
-    # the domain of every numeric flag: (flag, value, within the domain, the domain)
     checks = [
         ("--seed", args.seed, args.seed >= 0, ">= 0"),
         ("--checkpoint-freq", args.checkpoint_freq, args.checkpoint_freq >= 1, ">= 1"),
@@ -212,6 +217,7 @@ def resolve_args(args: Args, world_size: int = 1) -> Args:
         ("--update-epochs", args.update_epochs, args.update_epochs >= 1, ">= 1"),
         ("--clip-coef", args.clip_coef, args.clip_coef > 0.0, "> 0"),
         ("--ent-coef", args.ent_coef, args.ent_coef >= 0.0, ">= 0"),
+        ("--adv-std-floor", args.adv_std_floor, args.adv_std_floor >= 0.0, ">= 0"),
         ("--vf-coef", args.vf_coef, args.vf_coef >= 0.0, ">= 0"),
         ("--max-grad-norm", args.max_grad_norm, args.max_grad_norm > 0.0, "> 0"),
         ("--target-kl", args.target_kl, args.target_kl is None or args.target_kl > 0.0, "> 0"),
@@ -273,8 +279,7 @@ def make_env(args: Args, num_envs: int, seeds: list[int]):
     pool = dict(env_type="gymnasium", num_envs=num_envs, batch_size=num_envs, seed=seeds)
     if args.env_id in CLASSIC_ENVS:  # the task's own time limit (a truncation); a fallen pole is a termination
         return envpool.make(args.env_id, **pool)
-    # Sec. 5 (Machado et al. 2018): sticky actions 0.25, full action space, no life-loss signal, 84x84 grey, 4 stacked
-    # frames, frame skip 4; rewards clipped for learning (info["reward"] keeps the raw game score).
+    # Sec. 5 (Machado et al. 2018); rewards clipped for learning, info["reward"] keeps the raw game score
     protocol = dict(repeat_action_probability=0.25, full_action_space=True, episodic_life=False, noop_max=1)
     frames = dict(reward_clip=True, stack_num=4, frame_skip=4, img_height=84, img_width=84, gray_scale=True)
     return envpool.make(args.env_id, **pool, max_episode_steps=args.max_episode_steps, **protocol, **frames)
@@ -282,8 +287,7 @@ def make_env(args: Args, num_envs: int, seeds: list[int]):
 
 # ---- Pure functions (importable, tested in tests/test_cleanba_ppo.py) ----
 def should_get_params(actor_iteration: int, concurrency: bool) -> bool:
-    """Fig. 1 (right), line 7: the actor gets new params before every rollout, except at iteration 2 with
-    concurrency, so that it rolls out D_2 with pi_1 while the learner trains pi_1 on D_1."""
+    """Fig. 1 (right), line 7: params before every rollout, except at iteration 2 with concurrency (D_2 from pi_1)."""
     return not (concurrency and actor_iteration == 2)
 
 
@@ -331,8 +335,7 @@ def learner_targets(batch: dict, args: Args):
 
 
 def ppo_loss_terms(newlogprob, entropy, newvalue, minibatch: dict, clip_coef: float, clip_vloss: bool = False) -> dict:
-    """Per-sample PPO terms (App. A): clipped surrogate, 0.5 x squared value error (clipped if clip_vloss), entropy,
-    approx_kl = (ratio - 1) - log ratio, clipfrac; the ratio is against the actor's logprobs, as in Cleanba."""
+    """Per-sample PPO terms (App. A); the ratio is against the actor's logprobs (behaviour policy), as in Cleanba."""
     advantages, returns = minibatch["advantages"], minibatch["returns"]
     logratio = newlogprob - minibatch["logprobs"]
     ratio = logratio.exp()
@@ -351,16 +354,16 @@ def ppo_loss_terms(newlogprob, entropy, newvalue, minibatch: dict, clip_coef: fl
     }
 
 
-def normalize_advantages(advantages, valid, count, total, total_sq):
-    """(A - mean) / (std + 1e-8), from the count, sum and sum of squares of the valid advantages of all learners."""
+def normalize_advantages(advantages, valid, count, total, total_sq, std_floor: float = 0.0):
+    """(A - mean) / max(std + 1e-8, std_floor), from the count, sum and sum of squares of all learners' valid A."""
     mean = total / count
     std = math.sqrt(max((total_sq - count * mean * mean) / max(count - 1.0, 1.0), 0.0))
-    return torch.where(valid, (advantages - mean) / (std + 1e-8), torch.zeros_like(advantages))
+    scale = max(std + 1e-8, std_floor)
+    return torch.where(valid, (advantages - mean) / scale, torch.zeros_like(advantages))
 
 
 def ppo_loss(agent: nn.Module, minibatch: dict, args: Args, count: float):
-    """The clipped PPO loss (App. A, Alg. 1): the mean of policy_loss - ent_coef x entropy + vf_coef x value_loss over
-    the valid samples of the global minibatch (count: all learners'; a next-step reset row weighs 0), and the terms."""
+    """The PPO loss (App. A, Alg. 1), a mean over the valid samples of the global minibatch (count: all learners')."""
     logits, newvalue = agent(minibatch["obs"])
     newlogprob, entropy = logprob_entropy(logits, minibatch["actions"])
     terms = ppo_loss_terms(newlogprob, entropy, newvalue, minibatch, args.clip_coef, args.clip_vloss)
@@ -399,8 +402,7 @@ def conv_sequence(in_channels: int, out_channels: int) -> nn.Sequential:
 
 
 class Agent(nn.Module):
-    """Policy and value heads (orthogonal gain 0.01 and 1) on a shared torso: the IMPALA ResNet on Atari's uint8 frames
-    (Sec. 5), 2 x 64 ReLU on ToyChain's one-hot block index; classic control: two 2 x 64 tanh networks."""
+    """Policy and value heads on the IMPALA ResNet (Atari, Sec. 5) or 2 x 64 ReLU (ToyChain); classic: two tanh nets."""
 
     def __init__(self, args: Args):
         super().__init__()
@@ -479,7 +481,6 @@ class Episodes:
         return ended
 
 
-# the (T, envs) tensors of a rollout; row t is one transition (o_t, a_t, ..., r_t)
 ROLLOUT_KEYS = ("obs", "actions", "logprobs", "values", "rewards", "terminations", "truncations", "valid")
 
 
@@ -584,7 +585,6 @@ class Learner:
     def update(self, batch: dict, iteration: int) -> dict:
         """GAE, then update_epochs x num_minibatches Adam steps on (T, local_num_envs) tensors (App. A, Alg. 1)."""
         args = self.args
-        # Table 2: the learning rate decays linearly to 0; iteration i (1-based) uses lr0 (1 - (i - 1) / num_iterations)
         lr = args.learning_rate * (1.0 - (iteration - 1.0) / args.num_iterations if args.anneal_lr else 1.0)
         self.optimizer.param_groups[0]["lr"] = lr
         advantages, returns = learner_targets(batch, args)
@@ -620,14 +620,13 @@ class Learner:
         return out
 
     def minibatch_step(self, minibatch: dict) -> dict:
-        """One Adam step on the SUM of the learners' gradients of ppo_loss (a mean over the global minibatch): the step
-        of one learner holding the whole minibatch (App. A). Returns the global sums of the logged terms and count."""
+        """One Adam step on the SUM of all learners' gradients: one learner's step on the global minibatch (App. A)."""
         args = self.args
         valid, advantages = minibatch["valid"], minibatch["advantages"]
         moments = torch.stack([valid.sum(), (advantages * valid).sum(), (advantages.square() * valid).sum()]).double()
         count, total, total_sq = all_reduce_sum(moments, args.world_size).tolist()  # one sync
         if args.norm_adv:
-            advantages = normalize_advantages(advantages, valid, count, total, total_sq)
+            advantages = normalize_advantages(advantages, valid, count, total, total_sq, args.adv_std_floor)
         loss, terms = ppo_loss(self.agent, {**minibatch, "advantages": advantages}, args, count)
         self.optimizer.zero_grad()
         loss.backward()
@@ -642,8 +641,7 @@ class Learner:
 
 # ---- Logging, checkpoints, evaluation ----
 class Logger:
-    """TensorBoard scalars (mirrored to wandb with --track) and updates.jsonl (one line per update, exact floats);
-    keeps the last value of each scalar for summary.json. Only learner rank 0 logs."""
+    """TensorBoard (wandb with --track), updates.jsonl, and the last value of each scalar for summary.json."""
 
     def __init__(self, run_dir: Path, args: Args, run_name: str):
         if args.track:
@@ -687,8 +685,7 @@ def save_checkpoint(path: Path, agent, optimizer, iteration: int, global_step: i
 
 @torch.no_grad()
 def evaluate(args: Args, agent: nn.Module, device: torch.device) -> dict:
-    """num_eval_episodes episodes, one per env of a separate pool (seeds apart from training), stepped and counted as
-    the actors do (Episodes): eval/return is the raw game score."""
+    """num_eval_episodes episodes, one per env of a separate pool, counted as the actors count theirs (raw score)."""
     count = args.num_eval_episodes
     envs = make_env(args, count, env_seeds(args.seed, 10_000, 0, count, 0))
     generator = torch.Generator(device=device).manual_seed(args.seed + 12345)
@@ -723,8 +720,7 @@ def publish_params(agent: nn.Module, actors: list[ActorThread], version: int) ->
 
 
 def train(args: Args, learner: Learner, actors: list, logger, run_dir, start_iteration: int, global_step: int) -> dict:
-    """Starts the actor threads and runs iterations start_iteration .. num_iterations (iteration i turns pi_i into
-    pi_{i+1}) until the end, Ctrl-C or a failed actor thread (its error returned as "actor_error")."""
+    """Iterations start_iteration .. num_iterations (i turns pi_i into pi_{i+1}) until Ctrl-C or a failed actor."""
     agent, device, rank = learner.agent, learner.device, learner.rank
     finished = start_iteration - 1
     try:

@@ -20,12 +20,12 @@ from test_cleanba_ppo import (
     check_a_failing_actor_ends_the_run_with_its_error,
     check_ctrl_c_writes_the_summary_and_a_checkpoint,
     check_envpool_cartpole_truncates_at_500_and_terminates_a_fallen_pole,
-    check_learns_cartpole,
     check_one_and_two_learners_make_the_same_step,
     check_the_actor_acts_with_the_params_it_receives,
     check_the_actor_marks_the_next_step_reset_rows,
     check_the_actor_syncs_the_host_once_per_env_step,
     check_the_reset_rows_do_not_reach_the_update,
+    final_returns_on_cartpole,
     only_run_dir,
     read_run,
     save_step,
@@ -327,8 +327,9 @@ def test_classic_control_presets_and_every_flag_overrides_them():
         500_000,
         6e-4,
     )
-    assert (cartpole.rmsprop_eps, cartpole.max_grad_norm, cartpole.num_minibatches) == (0.1, 1000.0, 8)  # not Table 3's
-    flags = dict(rmsprop_eps=0.01, max_grad_norm=40.0, num_minibatches=4)
+    departures = (cartpole.rmsprop_eps, cartpole.max_grad_norm, cartpole.num_minibatches, cartpole.ent_coef)
+    assert departures == (0.1, 40.0, 8, 0.0)  # Table 3's clip, not its epsilon, minibatches or entropy bonus
+    flags = dict(rmsprop_eps=0.01, max_grad_norm=1000.0, num_minibatches=4, ent_coef=0.01)
     assert dataclasses.asdict(ci.resolve_args(ci.Args(env_id="CartPole-v1", **flags))).items() >= flags.items()
     custom = ci.resolve_args(ci.Args(env_id="Acrobot-v1", local_num_envs=8, num_steps=10, total_timesteps=1000))
     assert (custom.local_num_envs, custom.num_steps, custom.num_iterations, custom.minibatch_size) == (8, 10, 12, 10)
@@ -602,15 +603,14 @@ def test_envpool_atari_protocol():
         pool.close()
 
 
-def test_learns_cartpole_through_envpool(tmp_path):
-    """The script learns CartPole-v1 through EnvPool and holds it, each seed as a user runs it (the classic
-    preset: 16 envs x 20 steps, 8 minibatches, clip 1,000, RMSprop epsilon 0.1, 500k steps; 80 s per seed on 2 idle
-    cores). Asserted: the median over seeds 1-3 of the final return (eval/return after training) is above 400.
-    Measured for seeds 1-5 (c5a1b18): eval/return 484.6, 500.0, 442.1, 500.0, 500.0; synchronous 415.5, 497.4, 477.8,
-    500.0, 478.3. With Table 3's clip 40 and 4 minibatches (cfc4ab0) the curves swung between 200 and 450: 420.4,
-    436.7, 319.0, 300.6, 450.8; with Table 3's epsilon 0.01 too, 297.0, 318.4, 227.5, 253.6, 255.1 (README.md)."""
-    finals, _ = check_learns_cartpole(tmp_path, SCRIPT, [])
-    assert np.median(finals) > 400, finals
+def test_learns_cartpole_and_holds_it_to_the_end(tmp_path):
+    """The final return of every seed, not a median: a policy learned and then lost shows. Asserted: each of seeds 1-5
+    ends with eval/return >= 450 (475 is the task's threshold; one fall in 10 evaluation episodes gives about 450).
+    Measured with the classic preset (16 envs x 20 steps, 8 minibatches, RMSprop epsilon 0.1, no entropy bonus, Table
+    3's clip 40): MEASURED_IMPALA. With the bonus or a clip of 1,000 the policy was lost late on seeds 1, 11 or 13
+    (cleanba_classic_collapse.md)."""
+    finals = final_returns_on_cartpole(tmp_path, SCRIPT)
+    assert min(finals.values()) >= 450, finals
 
 
 def test_torchrun_two_learners_with_gloo(tmp_path):

@@ -15,6 +15,7 @@ import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -173,6 +174,22 @@ def test_normalize_advantages_uses_the_valid_entries_only():
     assert out[3] == 0.0
 
 
+def test_an_advantage_std_floor_keeps_small_advantages_small():
+    """Hand-worked: valid advantages 1, 2, 3 have mean 2 and std 1 (n - 1); 0.1, 0.2, 0.3 have mean 0.2, std 0.1."""
+    valid = torch.tensor([True, True, True])
+    large = torch.tensor([1.0, 2.0, 3.0])
+    small = torch.tensor([0.1, 0.2, 0.3])
+    for floor in (0.0, 1.0):  # a std of 1 is not changed by a floor of 1
+        out = cp.normalize_advantages(large, valid, 3.0, 6.0, 14.0, floor)
+        np.testing.assert_allclose(out.numpy(), [-1.0, 0.0, 1.0], rtol=1e-6)
+    scaled_up = cp.normalize_advantages(small, valid, 3.0, 0.6, 0.14, 0.0)
+    np.testing.assert_allclose(scaled_up.numpy(), [-1.0, 0.0, 1.0], rtol=1e-5)
+    centred_only = cp.normalize_advantages(small, valid, 3.0, 0.6, 0.14, 1.0)
+    np.testing.assert_allclose(centred_only.numpy(), [-0.1, 0.0, 0.1], rtol=1e-5)
+    half = cp.normalize_advantages(small, valid, 3.0, 0.6, 0.14, 0.5)
+    np.testing.assert_allclose(half.numpy(), [-0.2, 0.0, 0.2], rtol=1e-5)
+
+
 def test_gumbel_max_samples_the_softmax():
     logits = torch.log(torch.tensor([0.1, 0.2, 0.7])).expand(200_000, 3)
     actions = cp.sample_actions(logits, torch.rand(200_000, 3, generator=torch.Generator().manual_seed(0)))
@@ -260,10 +277,13 @@ def test_classic_control_presets_are_cleanrl_ppo_and_every_flag_overrides_them()
         4,
         4,
     )
-    assert (cartpole.clip_coef, cartpole.ent_coef, cartpole.gamma, cartpole.gae_lambda) == (0.2, 0.01, 0.99, 0.95)
+    assert (cartpole.clip_coef, cartpole.gamma, cartpole.gae_lambda) == (0.2, 0.99, 0.95)
     assert cartpole.clip_vloss  # CleanRL's ppo.py clips the value loss; Table 2 does not
+    assert (cartpole.ent_coef, cartpole.adv_std_floor) == (0.0, 1.0)  # the classic-control departures
     table_2 = cp.resolve_args(cp.Args(env_id="Breakout-v5"))
-    assert (table_2.clip_coef, table_2.clip_vloss) == (0.1, False)
+    assert (table_2.clip_coef, table_2.clip_vloss, table_2.ent_coef, table_2.adv_std_floor) == (0.1, False, 0.01, 0.0)
+    flags = cp.resolve_args(cp.Args(env_id="CartPole-v1", ent_coef=0.01, adv_std_floor=0.0))
+    assert (flags.ent_coef, flags.adv_std_floor) == (0.01, 0.0)
     custom = cp.resolve_args(cp.Args(env_id="Acrobot-v1", local_num_envs=16, num_steps=32, clip_coef=0.1))
     assert (custom.local_num_envs, custom.num_steps, custom.clip_coef, custom.batch_size) == (16, 32, 0.1, 512)
     logits, value = cp.Agent(custom)(torch.zeros(5, 6))
@@ -315,6 +335,7 @@ OUT_OF_DOMAIN = [
     ("update_epochs", 0, ">= 1"),
     ("clip_coef", -0.2, "> 0"),
     ("ent_coef", -0.01, ">= 0"),
+    ("adv_std_floor", -1.0, ">= 0"),
     ("vf_coef", -0.5, ">= 0"),
     ("max_grad_norm", 0.0, "> 0"),
     ("target_kl", -0.01, "> 0"),
@@ -767,30 +788,31 @@ def test_logged_returns_are_raw_game_scores(tmp_path):
     assert summary["charts/episodic_return"] >= 15 and summary["eval/return"] >= 15
 
 
-def check_learns_cartpole(tmp_path, script, extra):
-    """Shared with test_cleanba_impala.py: seeds 1-3 of the script on EnvPool's CartPole-v1, each run as a user runs it.
-    Returns, per seed, the final return (eval/return after training: the mean score of 10 episodes of the trained
-    policy) and the return learned (the best 10-iteration mean of charts/episodic_return)."""
-    finals, peaks = [], []
-    for seed in (1, 2, 3):
-        args = ["--env-id", "CartPole-v1", "--seed", str(seed), "--no-cuda", *extra]
-        run_script(args, tmp_path / str(seed), timeout=900, script=script)
-        summary, rows, _ = read_run(tmp_path / str(seed))
-        returns = [row["charts/episodic_return"] for row in rows if "charts/episodic_return" in row]
-        finals.append(summary["eval/return"])
-        peaks.append(float(np.convolve(returns, np.ones(10) / 10, mode="valid").max()))
-    return finals, peaks
+def final_returns_on_cartpole(tmp_path, script) -> dict:
+    """Shared with test_cleanba_impala.py: seeds 1-5 of the script on EnvPool's CartPole-v1 as a user runs it (its
+    classic preset, 500k steps, its default architecture) with one actor thread, two runs at a time. Returns each
+    seed's final return: eval/return after training, the mean score of 10 episodes of the trained policy."""
+    seeds = [1, 2, 3, 4, 5]
+
+    def final_return(seed: int) -> float:
+        args = ["--env-id", "CartPole-v1", "--seed", str(seed), "--no-cuda", "--num-actor-threads", "1"]
+        run_script(args, tmp_path / str(seed), timeout=1500, script=script)
+        summary, _, _ = read_run(tmp_path / str(seed))
+        return summary["eval/return"]
+
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        returns = list(pool.map(final_return, seeds))
+    return {seed: value for seed, value in zip(seeds, returns)}
 
 
-def test_learns_cartpole_through_envpool(tmp_path):
-    """The script learns CartPole-v1 through EnvPool and holds it, each seed as a user runs it: the classic
-    preset (CleanRL's ppo.py settings with its value clipping, 500k steps) with its 512-step batch as 16 envs x 32
-    steps, about 100 s per seed on 2 loaded cores. Asserted: the median over seeds 1-3 of the final return (eval/return
-    after training) is above 400. Measured for seeds 1-5: eval/return 435.4, 500.0, 500.0, 500.0, 500.0 (mean
-    return of the last 5% of iterations 471.7, 500, 500, 500, 500). Without value clipping (--clip-vloss False) the
-    same runs reached 500 and fell back: eval/return 500.0, 129.7, 225.0, 429.2, 223.3."""
-    finals, _ = check_learns_cartpole(tmp_path, SCRIPT, ["--local-num-envs", "16", "--num-steps", "32"])
-    assert np.median(finals) > 400, finals
+def test_learns_cartpole_and_holds_it_to_the_end(tmp_path):
+    """The final return of every seed, not a median: a policy learned and then lost shows. Asserted: each of seeds 1-5
+    ends with eval/return >= 450 (475 is the task's threshold; one fall in 10 evaluation episodes gives about 450).
+    Measured with the classic preset (CleanRL's ppo.py settings; entropy 0 and the advantage std floor of 1, the
+    classic-control departures): MEASURED_PPO. With CleanRL's entropy 0.01 and no floor, the concurrent architecture
+    lost seeds 11 and 13 late (cleanba_classic_collapse.md)."""
+    finals = final_returns_on_cartpole(tmp_path, SCRIPT)
+    assert min(finals.values()) >= 450, finals
 
 
 def test_torchrun_two_learners_with_gloo(tmp_path):
