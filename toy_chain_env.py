@@ -133,7 +133,7 @@ class ToyChainConfig:
 
 
 def draw_target_actions(config: ToyChainConfig) -> torch.Tensor:
-    """The fixed target action a*_b of every block, drawn from `config.task_seed` (CPU generator: same on any device)."""
+    """The fixed target action a*_b of every block, drawn from `config.task_seed` (a CPU generator: any device)."""
     generator = torch.Generator().manual_seed(config.task_seed)
     return torch.randint(0, config.num_actions, (config.num_blocks,), generator=generator)
 
@@ -453,7 +453,7 @@ class ToyChainWorkerConfig(ToyChainConfig):
     worker: --toy.slow-rank-factor (a straggling machine, Sec. 2.3) and --toy.slow-env-factor (a straggling env)."""
 
     slow_rank_factor: float = 1.0
-    """with 2 or more ranks (torchrun), every chain of rank 0 steps this many times slower (with --toy.step-time-mean)"""
+    """with >= 2 ranks (torchrun), every chain of rank 0 steps this many times slower (with --toy.step-time-mean)"""
     slow_env_factor: float = 1.0
     """env 0 of every rank steps this many times slower than the others (with --toy.step-time-mean)"""
 
