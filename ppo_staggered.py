@@ -176,6 +176,21 @@ MANISKILL_COMMON = dict(
 MANISKILL_OTHER = dict(num_steps=16, gamma=0.8, gae_lambda=0.9, num_envs=4096)
 # Without CUDA: a short trial on CPU simulation (one process per env), about 3 minutes (StackCube) on 2 cores.
 MANISKILL_CPU_TRIAL = dict(num_envs=8, num_minibatches=4, num_eval_envs=8, total_timesteps=30_000, eval_freq=50)
+# MuJoCo locomotion (Gymnasium): massively parallel PPO with K = 8 << H = 1000, observation normalization.
+MUJOCO_TASKS = ("HalfCheetah-v5", "Hopper-v5", "Walker2d-v5", "Ant-v5", "Humanoid-v5")
+MUJOCO_PRESET = {
+    "num_envs": 256,
+    "num_steps": 8,
+    "horizon": 1000,
+    "gamma": 0.99,
+    "gae_lambda": 0.95,
+    "num_minibatches": 8,
+    "ent_coef": 0.0,
+    "target_kl": 0.0,
+    "total_timesteps": 3_000_000,
+    "eval_freq": 50,
+    "num_eval_envs": 8,
+}
 # Other Gymnasium envs with Box observations and actions (e.g. Pendulum-v1).
 GYM_DEFAULTS = {
     "num_envs": 16,
@@ -208,7 +223,7 @@ def resolve_args(args: Args) -> Args:
         preset = PRESETS[TOY_ENV_ID]
     elif kind == "gym":
         args.resolved_sim_backend = "cpu"
-        preset = GYM_DEFAULTS
+        preset = MUJOCO_PRESET if args.env_id in MUJOCO_TASKS else GYM_DEFAULTS
     else:
         gpu = f"physx_cuda:{os.environ.get('LOCAL_RANK', '0')}"  # DDP: torchrun's rank on this machine, its GPU
         args.resolved_sim_backend = gpu if args.cuda and torch.cuda.is_available() else "physx_cpu"
@@ -759,19 +774,26 @@ def ppo_update(gradients, optimizer, batch: dict, args: Args) -> dict:
 
 
 @torch.no_grad()
-def evaluate(agent: nn.Module, eval_envs, obs_rms: RunningMeanStd, horizon: int, seed: int) -> dict:
-    """One H-step episode of every eval env with the deterministic policy and no partial resets (Table 3 and
-    ManiSkill's protocol: a success does not end an evaluation episode); eval/... means over the eval envs."""
+def evaluate(agent: nn.Module, eval_envs, obs_rms: RunningMeanStd, horizon: int, seed: int, absorbing: bool) -> dict:
+    """One episode of every eval env with the deterministic policy and no partial resets: H steps, fewer where a
+    termination ends it (absorbing: --bootstrap-at-done truncated, e.g. a fallen Hopper). Table 3 and ManiSkill's
+    protocol: a success does not end an evaluation episode. eval/return: an episode's sum of rewards, mean over envs."""
     obs, _ = eval_envs.reset(seed=seed)
-    ret, success_once = 0.0, False  # (the next-step ToyChain's first reset step comes only after H steps)
-    for _ in range(horizon):
-        obs, reward, _, _, info = eval_envs.step(agent.deterministic_action(obs_rms.normalize(obs)))
-        ret, success_once = ret + reward, success_once | info["success"]
+    running = torch.ones(eval_envs.num_envs, dtype=torch.bool, device=obs.device)  # not yet terminated
+    ret = torch.zeros(eval_envs.num_envs, device=obs.device)
+    length = torch.zeros(eval_envs.num_envs, device=obs.device)
+    success_once = torch.zeros_like(running)
+    for _ in range(horizon):  # (the next-step ToyChain's first reset step comes only after H steps)
+        obs, reward, terminated, _, info = eval_envs.step(agent.deterministic_action(obs_rms.normalize(obs)))
+        ret = ret + reward * running
+        length = length + running
+        success_once = success_once | (info["success"] & running)
+        running = running & ~(terminated & absorbing)
     return {
         "eval/return": ret.mean(),
         "eval/success_once": success_once.float().mean(),
         "eval/success_at_end": info["success"].float().mean(),
-        "eval/episode_len": horizon,
+        "eval/episode_len": length.mean(),
     }
 
 
@@ -833,11 +855,13 @@ def main(args: Args) -> dict:
                 dist.broadcast(tensor, src=0)
         start_time = time.time()
 
+        absorbing = args.bootstrap_at_done == "truncated"  # a termination ends an evaluation episode
+
         def log_evaluation(checkpoint_name: Optional[str]) -> None:
             if rank > 0:  # DDP: rank 0 alone evaluates and saves
                 return
             eval_start = clock(device)
-            for name, value in evaluate(agent, eval_envs, obs_rms, H, args.seed + global_step).items():
+            for name, value in evaluate(agent, eval_envs, obs_rms, H, args.seed + global_step, absorbing).items():
                 log(name, value, global_step)
             log("time/eval", clock(device) - eval_start, global_step)
             evaluation = " ".join(f"{name}={value:.3f}" for name, value in last.items() if name.startswith("eval/"))
