@@ -80,7 +80,7 @@ class Args:
     wandb_entity: Optional[str] = None
     """wandb entity (team)"""
     capture_video: bool = False
-    """record videos of the evaluation episodes of the first 8 eval envs into the run directory (ManiSkill tasks)"""
+    """record videos of the first 8 evaluation envs into the run directory (ManiSkill tasks)"""
     save_model: bool = False
     """write checkpoints (ckpt_{global_step}.pt at every evaluation, final_ckpt.pt at the end)"""
     checkpoint: Optional[str] = None
@@ -89,40 +89,40 @@ class Args:
     """only evaluate the policy of --checkpoint, then exit"""
 
     env_id: str = "ToyChain-v0"
-    """ToyChain-v0, a ManiSkill3 task id (StackCube-v1, PushT-v1, ...) or a Gymnasium id with Box spaces"""
+    """ToyChain-v0, a ManiSkill3 task (StackCube-v1, ...), MuJoCo (HalfCheetah-v5, ...) or another Gymnasium Box task"""
     num_envs: Optional[int] = None
-    """training envs N >= 1 per rank (ToyChain 512; Table 3 4096, AnymalC 512, TwoRobot 2048, G1 1024; CPU 8; Gym 16)"""
+    """envs per rank >= 1 (ToyChain 512; Table 3 4096, AnymalC 512, TwoRobot 2048, G1 1024; CPU 8; MuJoCo 256; Gym 16)"""
     num_eval_envs: Optional[int] = None
-    """evaluation envs, >= 1 (ToyChain, ManiSkill 128, CPU 8; Gymnasium 8)"""
+    """evaluation envs, >= 1 (ToyChain, ManiSkill 128; CPU, MuJoCo, Gym 8)"""
     horizon: Optional[int] = None
-    """horizon H >= 1 (Table 3 100, AnymalC 200, Humanoid 1000, G1 500; else the time limit; ToyChain: --toy.horizon)"""
+    """horizon H >= 1 (Table 3 100, AnymalC 200, Humanoid 1000, G1 500; else the time limit; ToyChain --toy.horizon)"""
     toy: ToyChainConfig = field(default_factory=ToyChainConfig)
     """ToyChain-v0 settings (App. B.2)"""
 
     total_timesteps: Optional[int] = None
-    """env steps of all ranks, >= 1 (ToyChain 384000: Table 2's 150 updates; ManiSkill 2e8, CPU 30000; Gymnasium 1e6)"""
+    """env steps of all ranks, >= 1 (ToyChain 384000: 150 updates; ManiSkill 2e8, CPU 3e4; MuJoCo 3e6; Gym 1e6)"""
     learning_rate: float = 3e-4
     """Adam learning rate, > 0 (Tables 2 and 3)"""
     num_steps: Optional[int] = None
-    """rollout length K >= 1 (ToyChain 5; Table 3 StackCube, PushT 8, Humanoid 64, G1 32, others 16; Gymnasium 16)"""
+    """rollout length K >= 1 (ToyChain 5; StackCube, PushT 8, Humanoid 64, G1 32, others 16; MuJoCo 8; Gym 16)"""
     gamma: Optional[float] = None
-    """discount in [0, 1] (Table 3 0.8, PushT, AnymalC 0.99, Humanoid 0.97; other ManiSkill 0.8; ToyChain, Gym 0.99)"""
+    """discount in [0, 1] (Table 3 0.8, PushT, AnymalC 0.99, Humanoid 0.97; ToyChain, MuJoCo, Gym 0.99)"""
     gae_lambda: Optional[float] = None
-    """GAE lambda in [0, 1] (ToyChain 0.95; ManiSkill 0.9, AnymalC 0.95 (Table 3); Gymnasium 0.95)"""
+    """GAE lambda in [0, 1] (Table 3 0.9, AnymalC 0.95; ToyChain, MuJoCo, Gym 0.95)"""
     num_minibatches: Optional[int] = None
-    """minibatches per epoch, >= 1 (ToyChain 4; ManiSkill 32 (Table 3), CPU 4; Gymnasium 4)"""
+    """minibatches per epoch, >= 1 (Table 3 32; ToyChain, CPU, Gym 4; MuJoCo 8)"""
     update_epochs: int = 4
     """epochs over each batch, >= 1"""
     clip_coef: float = 0.2
     """PPO clipping coefficient, > 0"""
     ent_coef: Optional[float] = None
-    """entropy bonus, >= 0 (ToyChain 0.01; ManiSkill 0.005; Gymnasium 0)"""
+    """entropy bonus, >= 0 (ToyChain 0.01; ManiSkill 0.005; MuJoCo, Gym 0)"""
     vf_coef: float = 0.5
     """value-loss coefficient, >= 0"""
     max_grad_norm: float = 0.5
     """gradient-norm clip, > 0"""
     target_kl: Optional[float] = None
-    """stop the update once approx KL exceeds this, >= 0, 0 = off (ToyChain 0; ManiSkill 0.1; Gymnasium 0)"""
+    """stop the update once approx KL exceeds this, >= 0, 0 = off (ManiSkill 0.1; others 0)"""
     bootstrap_at_done: Optional[Literal["always", "truncated"]] = None
     """bootstrap V(final obs) at every episode end ('always', default for ManiSkill) or only at truncations (others)"""
 
@@ -132,7 +132,7 @@ class Args:
     """--no-stagger: the naive synchronous baseline (alias of --reset-scheme naive)"""
 
     eval_freq: Optional[int] = None
-    """evaluate every this many iterations, 0 = only at the end (ToyChain 10; ManiSkill 25, CPU 50; Gymnasium 25)"""
+    """evaluate every this many iterations, 0 = only at the end (ToyChain 10; ManiSkill 25, CPU, MuJoCo 50; Gym 25)"""
     cudagraphs: bool = False
     """replay the policy step and the PPO update as CUDA graphs (tensordict's CudaGraphModule, as ppo_fast.py)"""
 
@@ -276,11 +276,10 @@ def resolve_args(args: Args) -> Args:
     H, K = args.horizon, args.num_steps
     if K > H:
         raise ArgsError(f"--num-steps K={K} is longer than the task horizon H={H} (staggering needs K <= H)")
-    # App. B.1: N_B = ceil(H / K), at most N. Sec. 3.3: "A standard choice is S = K"; S = ceil(H / N_B) spans H
+    # App. B.1: N_B = ceil(H / K), at most N. Sec. 3.3: "A standard choice is S = K"; with N_B = N < H / K groups,
+    # S = floor(H / N_B) >= K spreads them over the horizon, the last starting before H.
     args.num_stagger_groups = min(math.ceil(H / K), args.num_envs) if args.stagger else 1
-    args.stagger_step = max(K, math.ceil(H / args.num_stagger_groups)) if args.num_stagger_groups > 1 else K
-    if (args.num_stagger_groups - 1) * args.stagger_step >= H:
-        raise ArgsError(f"--num-envs {args.num_envs}: with that many stagger groups the last starts at or after H={H}")
+    args.stagger_step = max(K, H // args.num_stagger_groups) if args.num_stagger_groups > 1 else K
     args.batch_size = args.num_envs * K
     if args.batch_size % args.num_minibatches != 0:
         raise ArgsError(f"batch N*K = {args.batch_size} does not split into --num-minibatches {args.num_minibatches}")
@@ -915,7 +914,6 @@ def main(args: Args) -> dict:
             resets.step(terminated, truncated, final_mask)
             obs_rms.update(raw_obs)
         obs_rms.merge_ranks()
-        obs = obs_rms.normalize(raw_obs)
         summary["advance_env_steps"] = advance_length * N * args.world_size
         # RANDOM START ([21]): each env's first episode is cut (truncated) after first_lengths ~ U[1, H] training steps
         random_start = args.reset_scheme == "random-start"
@@ -944,6 +942,7 @@ def main(args: Args) -> dict:
             rollout_start = clock(device)
             ended = {"return": 0.0, "length": 0.0, "successes": 0.0, "episodes": 0.0}  # sums over the episodes ended
             for step in range(K):
+                obs = obs_rms.normalize(raw_obs)
                 obs_buf[step] = obs
                 episode_step_buf[step] = resets.episode_step
                 actions_buf[step], logprobs_buf[step], values_buf[step] = act(obs)
@@ -985,14 +984,13 @@ def main(args: Args) -> dict:
                 ep_success = ep_success & ~mask.episode_end
                 tracked = tracked | (resets.episode_step == 0)
                 obs_rms.update(raw_obs)
-                obs = obs_rms.normalize(raw_obs)
             global_step += N * K * args.world_size  # DDP: the env steps of all ranks
             obs_rms.merge_ranks()  # DDP: every rank normalizes alike from here on
-            obs = obs_rms.normalize(raw_obs)
 
             # ---- 3. targets: GAE, bootstrapping V(true next state) under either autoreset mode -----------------------
             with torch.no_grad():
-                next_values = torch.cat([values_buf[1:], agent.get_value(obs).unsqueeze(0)])
+                last_value = agent.get_value(obs_rms.normalize(raw_obs))
+                next_values = torch.cat([values_buf[1:], last_value.unsqueeze(0)])
                 next_values = torch.where(final_mask_buf, final_values_buf, next_values)
                 advantages, returns = compute_gae(
                     rewards_buf, values_buf, next_values, no_bootstrap_buf, dones_buf, args.gamma, args.gae_lambda
@@ -1052,14 +1050,6 @@ def main(args: Args) -> dict:
                 probs = torch.softmax(agent.actor(agent.blocks).detach(), dim=-1)  # of every block's actions
                 log("toy/forgetting_mean", toy_diagnostics.record(obs_buf, probs), global_step)
 
-        if args.world_size > 1:  # DDP: every rank holds rank 0's weights and observation statistics: checked here
-            weights = nn.utils.parameters_to_vector(agent.parameters()).detach()
-            state = torch.cat([weights, obs_rms.totals().flatten().float()])
-            state_of_rank_0 = state.clone()
-            dist.broadcast(state_of_rank_0, src=0)
-            difference = (state - state_of_rank_0).abs().max()
-            dist.all_reduce(difference, op=dist.ReduceOp.MAX)
-            summary["ddp/max_weight_difference"] = float(difference)
         log_evaluation("final_ckpt.pt")
         if is_toy and toy_diagnostics.accuracy:
             summary["toy/forgetting_mean_overall"] = toy_diagnostics.save(run_dir / "toy_diagnostics.npz")
