@@ -1,4 +1,4 @@
-"""PPO with staggered environment resets, for massively parallel simulation (ManiSkill3) and the toy chain.
+"""PPO with staggered environment resets, for massively parallel simulation (ManiSkill3, MuJoCo) and the toy chain.
 
 Paper: "Staggered Environment Resets Improve Massively Parallel On-Policy Reinforcement Learning",
 Sid Bharthulwar, Stone Tao, Hao Su (2025), arXiv:2511.21011.
@@ -22,6 +22,7 @@ Map from the paper to this file
   Sec. 2, 5.3 [21]    random_start_lengths, "RANDOM START"                         (--reset-scheme random-start)
   App. B.2, Table 2   PRESETS["ToyChain-v0"], ChainAgent                           (toy chain: toy_chain_env.py)
   App. B.3, Table 3   PRESETS[ManiSkill task ids], MANISKILL_COMMON, GaussianAgent
+  (not in the paper)  MUJOCO_PRESET                                                (MuJoCo locomotion, CPU envs)
   App. C, Fig. 6      batch_temporal_stats, toy_diagnostics.npz                    (figures: benchmarks/toy_sweeps.py)
   App. E.0.1          stagger/value_mse, stagger/policy_kl, toy/forgetting_mean    (toy_chain_env.ToyChainDiagnostics)
   Sec. 5.4 (large N)  all_reduce_sum, RunningMeanStd.merge_ranks, "DDP"            (torchrun: ranks x N envs)
@@ -31,6 +32,7 @@ Autoreset (autoreset_modes.txt): ToyChain either mode (--toy.autoreset-mode), Ma
   python ppo_staggered.py                                      # ToyChain-v0 (Table 2 PPO), ~30 s on a CPU
   python ppo_staggered.py --env-id StackCube-v1 --no-stagger   # Table 3's naive baseline on a CUDA GPU
   torchrun --nproc_per_node 2 ppo_staggered.py --env-id StackCube-v1   # 2 GPUs (NCCL; gloo with --no-cuda)
+  python ppo_staggered.py --env-id HalfCheetah-v5 --reset-scheme random-start   # 256 MuJoCo envs on a CPU
 """
 
 from __future__ import annotations
@@ -91,7 +93,7 @@ class Args:
     env_id: str = "ToyChain-v0"
     """ToyChain-v0, a ManiSkill3 task (StackCube-v1, ...), MuJoCo (HalfCheetah-v5, ...) or another Gymnasium Box task"""
     num_envs: Optional[int] = None
-    """envs per rank >= 1 (ToyChain 512; Table 3 4096, AnymalC 512, TwoRobot 2048, G1 1024; CPU 8; MuJoCo 256; Gym 16)"""
+    """envs per rank >= 1 (ToyChain 512; Table 3 4096, AnymalC 512, TwoRobot 2048, G1 1024; CPU 8; MuJoCo, Gym 256)"""
     num_eval_envs: Optional[int] = None
     """evaluation envs, >= 1 (ToyChain, ManiSkill 128; CPU, MuJoCo, Gym 8)"""
     horizon: Optional[int] = None
@@ -100,17 +102,17 @@ class Args:
     """ToyChain-v0 settings (App. B.2)"""
 
     total_timesteps: Optional[int] = None
-    """env steps of all ranks, >= 1 (ToyChain 384000: 150 updates; ManiSkill 2e8, CPU 3e4; MuJoCo 3e6; Gym 1e6)"""
+    """env steps of all ranks, >= 1 (ToyChain 384000: 150 updates; ManiSkill 2e8, CPU 3e4; MuJoCo, Gym 3e6)"""
     learning_rate: float = 3e-4
     """Adam learning rate, > 0 (Tables 2 and 3)"""
     num_steps: Optional[int] = None
-    """rollout length K >= 1 (ToyChain 5; StackCube, PushT 8, Humanoid 64, G1 32, others 16; MuJoCo 8; Gym 16)"""
+    """rollout length K >= 1 (ToyChain 5; StackCube, PushT 8, Humanoid 64, G1 32, others 16; MuJoCo, Gym 8)"""
     gamma: Optional[float] = None
     """discount in [0, 1] (Table 3 0.8, PushT, AnymalC 0.99, Humanoid 0.97; ToyChain, MuJoCo, Gym 0.99)"""
     gae_lambda: Optional[float] = None
     """GAE lambda in [0, 1] (Table 3 0.9, AnymalC 0.95; ToyChain, MuJoCo, Gym 0.95)"""
     num_minibatches: Optional[int] = None
-    """minibatches per epoch, >= 1 (Table 3 32; ToyChain, CPU, Gym 4; MuJoCo 8)"""
+    """minibatches per epoch, >= 1 (Table 3 32; ToyChain, CPU 4; MuJoCo, Gym 8)"""
     update_epochs: int = 4
     """epochs over each batch, >= 1"""
     clip_coef: float = 0.2
@@ -132,7 +134,7 @@ class Args:
     """--no-stagger: the naive synchronous baseline (alias of --reset-scheme naive)"""
 
     eval_freq: Optional[int] = None
-    """evaluate every this many iterations, 0 = only at the end (ToyChain 10; ManiSkill 25, CPU, MuJoCo 50; Gym 25)"""
+    """evaluate every this many iterations, 0 = only at the end (ToyChain 10; ManiSkill 25, CPU 50; MuJoCo, Gym 50)"""
     cudagraphs: bool = False
     """replay the policy step and the PPO update as CUDA graphs (tensordict's CudaGraphModule, as ppo_fast.py)"""
 
@@ -176,12 +178,11 @@ MANISKILL_COMMON = dict(
 MANISKILL_OTHER = dict(num_steps=16, gamma=0.8, gae_lambda=0.9, num_envs=4096)
 # Without CUDA: a short trial on CPU simulation (one process per env), about 3 minutes (StackCube) on 2 cores.
 MANISKILL_CPU_TRIAL = dict(num_envs=8, num_minibatches=4, num_eval_envs=8, total_timesteps=30_000, eval_freq=50)
-# MuJoCo locomotion (Gymnasium): massively parallel PPO with K = 8 << H = 1000, observation normalization.
-MUJOCO_TASKS = ("HalfCheetah-v5", "Hopper-v5", "Walker2d-v5", "Ant-v5", "Humanoid-v5")
+# Gymnasium tasks with Box spaces, set for MuJoCo locomotion (HalfCheetah-v5, Hopper-v5, Walker2d-v5, Ant-v5,
+# Humanoid-v5; H = their time limit, 1000): massively parallel PPO with K << H, observations normalized.
 MUJOCO_PRESET = {
     "num_envs": 256,
     "num_steps": 8,
-    "horizon": 1000,
     "gamma": 0.99,
     "gae_lambda": 0.95,
     "num_minibatches": 8,
@@ -189,19 +190,6 @@ MUJOCO_PRESET = {
     "target_kl": 0.0,
     "total_timesteps": 3_000_000,
     "eval_freq": 50,
-    "num_eval_envs": 8,
-}
-# Other Gymnasium envs with Box observations and actions (e.g. Pendulum-v1).
-GYM_DEFAULTS = {
-    "num_envs": 16,
-    "num_steps": 16,
-    "gamma": 0.99,
-    "gae_lambda": 0.95,
-    "num_minibatches": 4,
-    "ent_coef": 0.0,
-    "target_kl": 0.0,
-    "total_timesteps": 1_000_000,
-    "eval_freq": 25,
     "num_eval_envs": 8,
 }
 
@@ -223,7 +211,7 @@ def resolve_args(args: Args) -> Args:
         preset = PRESETS[TOY_ENV_ID]
     elif kind == "gym":
         args.resolved_sim_backend = "cpu"
-        preset = MUJOCO_PRESET if args.env_id in MUJOCO_TASKS else GYM_DEFAULTS
+        preset = MUJOCO_PRESET
     else:
         gpu = f"physx_cuda:{os.environ.get('LOCAL_RANK', '0')}"  # DDP: torchrun's rank on this machine, its GPU
         args.resolved_sim_backend = gpu if args.cuda and torch.cuda.is_available() else "physx_cpu"
@@ -293,11 +281,6 @@ def resolve_args(args: Args) -> Args:
         raise ArgsError("--evaluate needs --checkpoint PATH")
     if args.cudagraphs and (args.world_size > 1 or not (args.cuda and torch.cuda.is_available())):
         raise ArgsError("--cudagraphs: one process on a CUDA GPU only (no torchrun all-reduces or CPU work in graphs)")
-    if args.env_id == "AnymalC-Reach-v1" and args.world_size > 1:  # DDP: every rank would prompt and download it
-        from mani_skill.utils.assets.data import is_data_source_downloaded
-
-        if not is_data_source_downloaded("anymal_c"):
-            raise ArgsError("--env-id AnymalC-Reach-v1: python -m mani_skill.utils.download_asset anymal_c first")
     icd_files = glob.glob("/usr/share/vulkan/icd.d/*.json") + glob.glob("/etc/vulkan/icd.d/*.json")
     if kind == "maniskill" and sys.platform.startswith("linux") and not (icd_files or os.getenv("VK_ICD_FILENAMES")):
         raise ArgsError("ManiSkill3 needs a Vulkan driver, even for state-only simulation: bash .ci/install_system.sh")
@@ -323,8 +306,7 @@ def make_maniskill_env(args: Args, num_envs: int, evaluation: bool, video_dir: O
     from mani_skill.utils.wrappers.gymnasium import CPUGymWrapper
     from mani_skill.utils.wrappers.record import RecordEpisode
 
-    # physx_cuda:i renders on GPU i (ManiSkill's default: GPU 0 for every rank). Not "none": PushT-v1 reads render
-    # shapes as it builds its scene. CPU simulation: ManiSkill's default.
+    # physx_cuda:i renders on GPU i, not ManiSkill's GPU 0 (not "none": PushT-v1 reads render shapes as it builds)
     gpu_simulation = args.resolved_sim_backend.startswith("physx_cuda")
     render_backend = args.resolved_sim_backend.replace("physx_", "") if gpu_simulation else "gpu"
     env = gym.make(
@@ -448,8 +430,7 @@ def stagger_groups(num_envs: int, num_groups: int, device=None) -> torch.Tensor:
 
 
 def stagger_start_steps(num_groups: int, stagger_step: int) -> list[int]:
-    """Advance step at which group j starts its first episode, so that after the (N_B - 1) * S advance steps group j
-    is at episode step j * S (App. B.1: "each group j starting ... after an initial offset of j*K simulation steps")."""
+    """Advance step at which group j starts, so that it is at step j * S when training starts (App. B.1)."""
     return [(num_groups - 1 - j) * stagger_step for j in range(num_groups)]
 
 
@@ -666,13 +647,13 @@ def clock(device: torch.device) -> float:
 
 
 # ---- Checkpoints -----------------------------------------------------------------------------------------------------
-def save_checkpoint(path: Path, agent, optimizer, obs_rms: RunningMeanStd, global_step: int, iteration: int) -> None:
-    """Enough to resume or evaluate (iteration: rollouts collected); a temporary file renamed, never half-written."""
+def save_checkpoint(path: Path, agent, optimizer, obs_rms: RunningMeanStd, global_step: int, args: Args) -> None:
+    """Enough to resume or evaluate; a temporary file renamed, never half-written."""
     state = {
         "model": agent.state_dict(),
         "optimizer": optimizer.state_dict(),
         "global_step": global_step,
-        "iteration": iteration,
+        "iteration": global_step // (args.batch_size * args.world_size),  # rollouts collected
         "obs_rms": {"mean": obs_rms.mean, "var": obs_rms.var, "count": obs_rms.count},
     }
     tmp = path.with_name(path.name + ".tmp")
@@ -774,9 +755,8 @@ def ppo_update(gradients, optimizer, batch: dict, args: Args) -> dict:
 
 @torch.no_grad()
 def evaluate(agent: nn.Module, eval_envs, obs_rms: RunningMeanStd, horizon: int, seed: int, absorbing: bool) -> dict:
-    """One episode of every eval env with the deterministic policy and no partial resets: H steps, fewer where a
-    termination ends it (absorbing: --bootstrap-at-done truncated, e.g. a fallen Hopper). Table 3 and ManiSkill's
-    protocol: a success does not end an evaluation episode. eval/return: an episode's sum of rewards, mean over envs."""
+    """One episode of every eval env, deterministic policy, no partial resets: H steps, or to an absorbing termination
+    (a fallen Hopper). ManiSkill's protocol: a success does not end it. eval/return: its sum of rewards, env mean."""
     obs, _ = eval_envs.reset(seed=seed)
     running = torch.ones(eval_envs.num_envs, dtype=torch.bool, device=obs.device)  # not yet terminated
     ret = torch.zeros(eval_envs.num_envs, device=obs.device)
@@ -865,9 +845,8 @@ def main(args: Args) -> dict:
             log("time/eval", clock(device) - eval_start, global_step)
             evaluation = " ".join(f"{name}={value:.3f}" for name, value in last.items() if name.startswith("eval/"))
             print(f"global_step={global_step} {evaluation}")
-            completed = global_step // (args.batch_size * args.world_size)  # iterations (rollouts collected)
             if args.save_model and checkpoint_name:
-                save_checkpoint(run_dir / checkpoint_name, agent, optimizer, obs_rms, global_step, completed)
+                save_checkpoint(run_dir / checkpoint_name, agent, optimizer, obs_rms, global_step, args)
 
         if args.evaluate:
             log_evaluation(None)
@@ -1057,8 +1036,7 @@ def main(args: Args) -> dict:
         summary["interrupted"] = True
         if rank == 0 and args.save_model and global_step > start_step:  # (nothing new to save before training)
             print("interrupted: writing summary.json and final_ckpt.pt")
-            completed = global_step // (args.batch_size * args.world_size)
-            save_checkpoint(run_dir / "final_ckpt.pt", agent, optimizer, obs_rms, global_step, completed)
+            save_checkpoint(run_dir / "final_ckpt.pt", agent, optimizer, obs_rms, global_step, args)
         raise
     finally:
         wall = time.time() - start_time
