@@ -703,6 +703,59 @@ def only_run_dir(tmp_path, pattern="*"):
     return dirs[0]
 
 
+MUJOCO_SMALL = ["--num-envs", "8", "--num-minibatches", "2", "--num-eval-envs", "1", "--eval-freq", "2", "--no-cuda"]
+
+
+@pytest.mark.parametrize(
+    "scheme, advance, step_min, windows",
+    [("staggered", 7 * 12 * 8, 0, 11), ("naive", 0, 16, 1), ("random-start", 0, 2, 3)],
+)
+def test_mujoco_smoke_of_each_reset_scheme(tmp_path, scheme, advance, step_min, windows):
+    """HalfCheetah-v5 (no terminations) with H = 100: 8 envs, 3 rollouts of K = 8; the last batch's episode steps.
+    Staggered: 8 groups S = 12 steps apart (advance 7 * 12 steps), so the batch spans 11 of the 13 K-step windows of
+    the horizon; naive: every env at steps 16-23, one window; random-start (seed 1): env 5's first episode is cut at
+    step 14, so it is at steps 2-9. Every evaluation runs one whole H-step episode."""
+    args = ["--env-id", "HalfCheetah-v5", "--horizon", "100", "--total-timesteps", "192", "--reset-scheme", scheme]
+    run_script([*args, *MUJOCO_SMALL], tmp_path)
+    run_dir = only_run_dir(tmp_path)
+    summary = json.load(open(os.path.join(run_dir, "summary.json")))
+    assert summary["global_step"] == 192 and summary["advance_env_steps"] == advance
+    assert summary["stagger/episode_step_min"] == step_min
+    assert summary["stagger/stage_coverage"] == pytest.approx(windows / 13)
+    assert summary["eval/episode_len"] == 100 and math.isfinite(summary["eval/return"])
+    assert [step for step, _ in scalars(run_dir)["eval/return"]] == [0, 128, 192]
+
+
+def test_mujoco_evaluation_is_one_episode_to_its_fall_and_returns_the_sum_of_its_rewards(tmp_path):
+    """Hopper-v5: eval/return and eval/episode_len are those of one episode of the final checkpoint's deterministic
+    policy stepped here with Gymnasium itself, to the fall (a termination ends it) or the 1000-step limit."""
+    args = ["--env-id", "Hopper-v5", "--total-timesteps", "128", "--save-model", *MUJOCO_SMALL]
+    run_script(args, tmp_path)
+    run_dir = only_run_dir(tmp_path)
+    summary = json.load(open(os.path.join(run_dir, "summary.json")))
+    checkpoint = torch.load(os.path.join(run_dir, "final_ckpt.pt"), weights_only=True)
+    agent = ppo.GaussianAgent(11, 3)
+    agent.load_state_dict(checkpoint["model"])
+    rms = ppo.RunningMeanStd((11,), "cpu")
+    rms.mean = checkpoint["obs_rms"]["mean"]
+    rms.var = checkpoint["obs_rms"]["var"]
+    env = gym.make("Hopper-v5")
+    obs, _ = env.reset(seed=1 + summary["global_step"])  # evaluate's seed: --seed + global step
+    episode_return = 0.0
+    episode_len = 0
+    done = False
+    while not done:
+        with torch.no_grad():
+            action = agent.deterministic_action(rms.normalize(torch.as_tensor(obs, dtype=torch.float32)[None]))
+        obs, reward, terminated, truncated, _ = env.step(np.clip(action[0].numpy(), -1.0, 1.0))
+        episode_return += reward
+        episode_len += 1
+        done = terminated or truncated
+    assert episode_len < 1000  # the untrained Hopper falls
+    assert summary["eval/episode_len"] == episode_len
+    assert summary["eval/return"] == pytest.approx(episode_return, rel=1e-4)
+
+
 @pytest.mark.parametrize("stagger, mode", [(True, "next_step"), (False, "same_step")])
 @pytest.mark.parametrize("device", DEVICES)
 def test_toy_chain_smoke(tmp_path, stagger, mode, device):
