@@ -832,9 +832,8 @@ def main(args: Args) -> dict:
         if args.world_size > 1:  # DDP: every rank starts from rank 0's weights
             for tensor in agent.state_dict().values():
                 dist.broadcast(tensor, src=0)
-        start_time = time.time()
-
         absorbing = args.bootstrap_at_done == "truncated"  # a termination ends an evaluation episode
+        start_time = time.time()
 
         def log_evaluation(checkpoint_name: Optional[str]) -> None:
             if rank > 0:  # DDP: rank 0 alone evaluates and saves
