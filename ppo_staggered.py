@@ -281,6 +281,11 @@ def resolve_args(args: Args) -> Args:
         raise ArgsError("--evaluate needs --checkpoint PATH")
     if args.cudagraphs and (args.world_size > 1 or not (args.cuda and torch.cuda.is_available())):
         raise ArgsError("--cudagraphs: one process on a CUDA GPU only (no torchrun all-reduces or CPU work in graphs)")
+    if args.env_id == "AnymalC-Reach-v1" and args.world_size > 1:  # DDP: every rank would prompt and download it
+        from mani_skill.utils.assets.data import is_data_source_downloaded
+
+        if not is_data_source_downloaded("anymal_c"):
+            raise ArgsError("--env-id AnymalC-Reach-v1: python -m mani_skill.utils.download_asset anymal_c first")
     icd_files = glob.glob("/usr/share/vulkan/icd.d/*.json") + glob.glob("/etc/vulkan/icd.d/*.json")
     if kind == "maniskill" and sys.platform.startswith("linux") and not (icd_files or os.getenv("VK_ICD_FILENAMES")):
         raise ArgsError("ManiSkill3 needs a Vulkan driver, even for state-only simulation: bash .ci/install_system.sh")

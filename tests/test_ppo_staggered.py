@@ -1382,6 +1382,17 @@ def test_cpu_simulation_records_the_first_8_eval_envs(monkeypatch):
     assert video_dirs == [f"videos/env{i}" for i in range(8)] + [None] * 4
 
 
+def test_anymal_under_torchrun_is_refused_early_while_its_robot_is_not_downloaded(monkeypatch):
+    """Every rank would ask (input()) and download the robot at the same moment: refused, naming the command."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    data = importlib.import_module("mani_skill.utils.assets.data")
+    monkeypatch.setattr(data, "is_data_source_downloaded", lambda uid: uid != "anymal_c")
+    with pytest.raises(ppo.ArgsError, match="python -m mani_skill.utils.download_asset anymal_c"):
+        ppo.resolve_args(ppo.Args(env_id="AnymalC-Reach-v1", cuda=False))
+    monkeypatch.setenv("WORLD_SIZE", "1")  # one process: ManiSkill's own prompt
+    assert ppo.resolve_args(ppo.Args(env_id="AnymalC-Reach-v1", cuda=False)).world_size == 1
+
+
 def counted_update_of_rank(rank, world_size, port, out_dir):
     """update_of_rank, counting the all-reduces of the update."""
     calls = []
