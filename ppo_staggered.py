@@ -50,7 +50,7 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 from functools import partial
 from pathlib import Path
-from typing import Literal, NamedTuple, Optional
+from typing import Literal, Optional
 
 import gymnasium as gym
 import numpy as np
@@ -439,32 +439,28 @@ def stagger_start_steps(num_groups: int, stagger_step: int) -> list[int]:
     return [(num_groups - 1 - j) * stagger_step for j in range(num_groups)]
 
 
-class StepMask(NamedTuple):  # ResetState.step's (N,) masks of one vector step's transitions
-    valid: torch.Tensor  # trained on: neither waiting for a reset gate nor a stale next-step reset
-    episode_end: torch.Tensor  # a trained-on transition that ends its episode
-
-
 class ResetState:
     """The reset bookkeeping of N envs (Sec. 3.3; autoreset_modes.txt): which transitions are trained on, who waits."""
 
-    def __init__(self, num_envs: int, device, next_step_mode: bool, gate_mode: bool):
+    def __init__(self, num_envs: int, device, next_step_mode: bool):
         self.stale = torch.zeros(num_envs, dtype=torch.bool, device=device)  # next-step mode: the next step only resets
-        self.waiting = torch.zeros(num_envs, dtype=torch.bool, device=device)  # gate mode: terminated, waits (masked)
+        self.waiting = torch.zeros(num_envs, dtype=torch.bool, device=device)  # terminated, not reset: waits (masked)
         self.episode_step = torch.zeros(num_envs, dtype=torch.long, device=device)  # at the current observation
         self.next_step_mode = next_step_mode  # an env resets in the step after its episode ends (else in the same)
-        self.gate_mode = gate_mode  # staggered: a terminated env waits for its group's reset gate
 
-    def step(self, terminated, truncated, final_mask) -> StepMask:
-        """Advances over one vector step; final_mask: the envs reset inside it (by a same-step env or by the loop)."""
+    def step(self, terminated, truncated, final_mask) -> tuple[torch.Tensor, torch.Tensor]:
+        """Advances over one vector step; final_mask: the envs reset inside it (by a same-step env or by the loop).
+        Returns (valid, episode_end): the transitions trained on (neither waiting for a reset gate nor a stale
+        next-step reset), and those of them that end their episode."""
         valid = ~self.stale & ~self.waiting
         done = terminated | truncated
         reset_now = (self.stale | final_mask) if self.next_step_mode else final_mask
         if self.next_step_mode:  # an end that the step did not reset is reset by the next step: a stale step
             self.stale = done & ~final_mask
-        if self.gate_mode:  # STAGGER: the reset gate. A terminated env waits until its group's gate resets it
-            self.waiting = (self.waiting | (valid & terminated)) & ~reset_now
+        # STAGGER: the reset gate. A terminated env waits until its group's gate resets it (naive, random start: at once)
+        self.waiting = (self.waiting | (valid & terminated)) & ~reset_now
         self.episode_step = torch.where(reset_now, 0, self.episode_step + 1)
-        return StepMask(valid=valid, episode_end=valid & done)
+        return valid, valid & done
 
 
 def random_start_lengths(num_envs: int, horizon: int, seed: int) -> torch.Tensor:
@@ -715,12 +711,12 @@ def ppo_loss(agent: nn.Module, minibatch: dict, args: Args) -> tuple[torch.Tenso
     loss = pg_loss - args.ent_coef * entropy_loss + args.vf_coef * v_loss
     with torch.no_grad():
         stats = {
-            "policy_loss": pg_loss.detach(),
-            "value_loss": v_loss.detach(),
-            "entropy": entropy_loss.detach(),
-            "old_approx_kl": masked_mean(-logratio, valid, count),
-            "approx_kl": masked_mean((ratio - 1) - logratio, valid, count),
-            "clipfrac": masked_mean(((ratio - 1.0).abs() > args.clip_coef).float(), valid, count),
+            "losses/policy_loss": pg_loss.detach(),
+            "losses/value_loss": v_loss.detach(),
+            "losses/entropy": entropy_loss.detach(),
+            "losses/old_approx_kl": masked_mean(-logratio, valid, count),
+            "losses/approx_kl": masked_mean((ratio - 1) - logratio, valid, count),
+            "losses/clipfrac": masked_mean(((ratio - 1.0).abs() > args.clip_coef).float(), valid, count),
         }
     return loss, stats
 
@@ -752,7 +748,7 @@ def ppo_update(gradients, optimizer, batch: dict, args: Args) -> dict:
             num_steps_taken += 1
         # Table 3's target-KL stop, once per epoch as CleanRL (departure: ManiSkill's ppo.py checks every minibatch, a
         # host sync each). DDP: the KL of all ranks decides, so that every rank stops at the same epoch.
-        if args.target_kl > 0 and bool(all_reduce_sum(stats["approx_kl"]) > args.target_kl):
+        if args.target_kl > 0 and bool(all_reduce_sum(stats["losses/approx_kl"]) > args.target_kl):
             break
     means = all_reduce_sum(torch.stack(list(totals.values()))) / num_steps_taken  # DDP: one all-reduce for all
     return dict(zip(totals, means))
@@ -879,7 +875,7 @@ def main(args: Args) -> dict:
         # ---- STAGGER: advance group j by j * S steps before training (App. B.1) --------------------------------------
         # Random actions, none trained on; group j starts its first episode (a partial reset) at step (N_B - 1 - j) * S.
         next_step_mode = envs.metadata["autoreset_mode"] == gym.vector.AutoresetMode.NEXT_STEP
-        resets = ResetState(N, device, next_step_mode, gate_mode=args.stagger)
+        resets = ResetState(N, device, next_step_mode)
         starts = stagger_start_steps(args.num_stagger_groups, args.stagger_step)  # of each group
         env_starts = torch.tensor(starts, device=device)[stagger_groups(N, args.num_stagger_groups, device)]
         advance_length = (args.num_stagger_groups - 1) * args.stagger_step  # group 0 starts last
@@ -887,8 +883,9 @@ def main(args: Args) -> dict:
         envs.action_space.seed(seed + global_step)  # the advance's random actions, reproducible
         obs_rms.update(raw_obs)
         for advance_step in range(advance_length):
-            random_actions = torch.as_tensor(envs.action_space.sample(), device=device)
-            raw_obs, _, terminated, truncated, info = envs.step(random_actions)
+            raw_obs, _, terminated, truncated, info = envs.step(
+                torch.as_tensor(envs.action_space.sample(), device=device)
+            )
             final_mask = info.get("_final_obs", torch.zeros_like(terminated, dtype=torch.bool))
             if advance_step + 1 in starts:  # (the schedule is known on the host: no device sync)
                 starting = env_starts == advance_step + 1
@@ -907,7 +904,6 @@ def main(args: Args) -> dict:
         first_episode = torch.full((N,), random_start, device=device)
         tracked = (resets.episode_step == 0) & ~first_episode  # episode statistics: whole episodes begun in training
         ep_return = torch.zeros(N, device=device)
-        ep_len = torch.zeros(N, device=device)
         ep_success = torch.zeros(N, dtype=torch.bool, device=device)
         toy_diagnostics = ToyChainDiagnostics(envs) if is_toy else None
         if stop:
@@ -949,22 +945,20 @@ def main(args: Args) -> dict:
                     with torch.no_grad():
                         final_values_buf[step] = agent.get_value(obs_rms.normalize(final_obs))
                 # STAGGER: reset gates (Sec. 3.3). An env that terminated waits, masked, until its group's gate.
-                mask = resets.step(terminated, truncated, final_mask)
-                valid_buf[step] = mask.valid
+                valid, episode_end = resets.step(terminated, truncated, final_mask)
+                valid_buf[step] = valid
                 if is_toy:
                     correct_buf[step] = info["correct"]
                 # episode statistics, over the trained-on steps of the episodes that started in training
-                ep_return = ep_return + reward * mask.valid
-                ep_len = ep_len + mask.valid
-                ep_success = ep_success | (info["success"] & mask.valid)
-                recorded = mask.episode_end & tracked
+                ep_return = ep_return + reward * valid
+                ep_success = ep_success | (info["success"] & valid)
+                recorded = episode_end & tracked
                 ended["return"] += (ep_return * recorded).sum()
-                ended["length"] += (ep_len * recorded).sum()
+                ended["length"] += ((episode_step_buf[step] + 1) * recorded).sum()  # (waits and stale steps come after)
                 ended["successes"] += (ep_success * recorded).sum()
                 ended["episodes"] += (1.0 * recorded).sum()
-                ep_return = ep_return * ~mask.episode_end
-                ep_len = ep_len * ~mask.episode_end
-                ep_success = ep_success & ~mask.episode_end
+                ep_return = ep_return * ~episode_end
+                ep_success = ep_success & ~episode_end
                 tracked = tracked | (resets.episode_step == 0)
                 obs_rms.update(raw_obs)
             global_step += N * K * args.world_size  # DDP: the env steps of all ranks
@@ -979,7 +973,6 @@ def main(args: Args) -> dict:
                     rewards_buf, values_buf, next_values, no_bootstrap_buf, dones_buf, args.gamma, args.gae_lambda
                 )
             update_start = clock(device)
-            rollout_time = update_start - rollout_start
 
             # ---- 4. update: epochs of shuffled minibatches -----------------------------------------------------------
             rollout = {
@@ -999,34 +992,28 @@ def main(args: Args) -> dict:
                 # App. E.0.1: value error and policy oscillation 0.5 E[(log pi_new - log pi_old)^2] over the batch.
                 _, newlogprob, _, _ = agent.get_action_and_value(batch["obs"], batch["actions"])
                 b_valid, b_returns = batch["valid"], batch["returns"]
-                policy_kl = 0.5 * masked_mean((newlogprob - batch["logprobs"]).square(), b_valid)
                 value_mse = masked_mean((values_buf.flatten() - b_returns).square(), b_valid)
                 returns_var = masked_mean((b_returns - masked_mean(b_returns, b_valid)).square(), b_valid)
-                explained_var = 1 - value_mse / returns_var.clamp(min=1e-8)
+                scalars = {
+                    **losses,  # losses/policy_loss, ... (ppo_loss)
+                    "losses/explained_variance": 1 - value_mse / returns_var.clamp(min=1e-8),
+                    "stagger/value_mse": value_mse,
+                    "stagger/policy_kl": 0.5 * masked_mean((newlogprob - batch["logprobs"]).square(), b_valid),
+                    "stagger/valid_fraction": valid_buf.float().mean(),
+                }
 
-            # ---- 5. log ----------------------------------------------------------------------------------------------
-            losses["explained_variance"] = explained_var
-            # one device sync for all of them: stacked, copied to the host and named back at once
-            losses = dict(zip(losses, torch.stack(list(losses.values())).tolist()))
-            log("losses/policy_loss", losses["policy_loss"], global_step)
-            log("losses/value_loss", losses["value_loss"], global_step)
-            log("losses/entropy", losses["entropy"], global_step)
-            log("losses/old_approx_kl", losses["old_approx_kl"], global_step)
-            log("losses/approx_kl", losses["approx_kl"], global_step)
-            log("losses/clipfrac", losses["clipfrac"], global_step)
-            log("losses/explained_variance", losses["explained_variance"], global_step)
+            # ---- 5. log: the scalars above in one device sync (stacked, copied to the host and named back at once) ---
+            for name, value in zip(scalars, torch.stack(list(scalars.values())).tolist()):
+                log(name, value, global_step)
             log("charts/learning_rate", optimizer.param_groups[0]["lr"], global_step)
             log("charts/SPS", (global_step - start_step) / (time.time() - start_time), global_step)
             if ended["episodes"] > 0:
                 log("charts/episodic_return", ended["return"] / ended["episodes"], global_step)
                 log("charts/episodic_length", ended["length"] / ended["episodes"], global_step)
                 log("charts/success_rate", ended["successes"] / ended["episodes"], global_step)
-            log("stagger/value_mse", value_mse, global_step)
-            log("stagger/policy_kl", policy_kl, global_step)
-            log("stagger/valid_fraction", valid_buf.float().mean(), global_step)
             for name, value in batch_temporal_stats(episode_step_buf, valid_buf, H, K).items():
                 log(name, value, global_step)  # stagger/episode_step_min, stagger/episode_step_max, ...
-            log("time/rollout", rollout_time, global_step)
+            log("time/rollout", update_start - rollout_start, global_step)
             log("time/update", clock(device) - update_start, global_step)
             if is_toy:  # App. C / E: batch accuracy, block occupancy, per-block accuracy and forgetting
                 log("toy/accuracy", masked_mean(correct_buf.float(), valid_buf), global_step)

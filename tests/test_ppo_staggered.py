@@ -79,26 +79,25 @@ def test_gae_matches_rlax_on_random_rollouts_with_episode_ends(seed):
 
 
 # ---- Reset bookkeeping: stale steps, waiting for the gate, immediate resets ------------------------------------------
-def run_bookkeeping(terms, truncs, finals, next_step_mode, gate_mode):
+def run_bookkeeping(terms, truncs, finals, next_step_mode):
     """One env's (valid, episode_end, episode step at the observation) of each step, by ResetState."""
     flag = lambda x: torch.tensor([bool(x)])  # noqa: E731
-    resets = ppo.ResetState(1, "cpu", next_step_mode, gate_mode)
+    resets = ppo.ResetState(1, "cpu", next_step_mode)
     rows = []
     for terminated, truncated, final in zip(terms, truncs, finals):
         episode_step = resets.episode_step.item()
-        mask = resets.step(flag(terminated), flag(truncated), flag(final))
-        rows.append((mask.valid.item(), mask.episode_end.item(), episode_step))
+        valid, episode_end = resets.step(flag(terminated), flag(truncated), flag(final))
+        rows.append((valid.item(), episode_end.item(), episode_step))
     return rows
 
 
-def test_bookkeeping_gate_mode_masks_a_terminated_env_until_its_truncation_resets_it():
+def test_bookkeeping_masks_a_terminated_env_until_its_gate_truncates_and_resets_it():
     # same-step, gate: terminates at t=1 (not reset), waits t=2..4; its horizon ends (truncation + reset) at t=4.
     rows = run_bookkeeping(
         terms=[0, 1, 0, 1, 0, 0],
         truncs=[0, 0, 0, 0, 1, 0],
         finals=[0, 0, 0, 0, 1, 0],
         next_step_mode=False,
-        gate_mode=True,
     )
     assert [r[0] for r in rows] == [True, True, False, False, False, True]  # valid
     assert [r[1] for r in rows] == [False, True, False, False, False, False]  # the episode ended at the termination
@@ -106,25 +105,21 @@ def test_bookkeeping_gate_mode_masks_a_terminated_env_until_its_truncation_reset
 
 
 def test_bookkeeping_immediate_mode_resets_at_termination():
-    rows = run_bookkeeping(
-        terms=[0, 1, 0, 0], truncs=[0, 0, 0, 0], finals=[0, 1, 0, 0], next_step_mode=False, gate_mode=False
-    )
+    rows = run_bookkeeping(terms=[0, 1, 0, 0], truncs=[0, 0, 0, 0], finals=[0, 1, 0, 0], next_step_mode=False)
     assert [r[0] for r in rows] == [True] * 4
     assert [r[1] for r in rows] == [False, True, False, False]
     assert [r[2] for r in rows] == [0, 1, 0, 1]
 
 
 def test_bookkeeping_next_step_masks_the_stale_step_and_restarts_the_episode_step_after_it():
-    rows = run_bookkeeping(
-        terms=[0, 0, 0, 0], truncs=[0, 1, 0, 0], finals=[0, 0, 0, 0], next_step_mode=True, gate_mode=True
-    )
+    rows = run_bookkeeping(terms=[0, 0, 0, 0], truncs=[0, 1, 0, 0], finals=[0, 0, 0, 0], next_step_mode=True)
     assert [r[0] for r in rows] == [True, True, False, True]
     assert [r[2] for r in rows] == [0, 1, 2, 0]
 
 
 def test_bookkeeping_next_step_an_end_that_the_loop_reset_in_its_step_leaves_no_stale_step():
     # next-step env, but the loop itself truncated and reset it at t=1 (a random start's cut, the advance's start)
-    rows = run_bookkeeping(terms=[0, 0, 0], truncs=[0, 1, 0], finals=[0, 1, 0], next_step_mode=True, gate_mode=True)
+    rows = run_bookkeeping(terms=[0, 0, 0], truncs=[0, 1, 0], finals=[0, 1, 0], next_step_mode=True)
     assert [r[0] for r in rows] == [True, True, True]
     assert [r[1] for r in rows] == [False, True, False]
     assert [r[2] for r in rows] == [0, 1, 0]
