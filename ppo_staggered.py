@@ -420,11 +420,10 @@ def make_env(args: Args, num_envs: int, device: torch.device, evaluation: bool, 
             for index in range(num_envs)
         ]
         fns = [partial(make_single_env, args, evaluation, env_video_dir) for env_video_dir in video_dirs]
-        disabled = gym.vector.AutoresetMode.DISABLED
+        vector_env = gym.vector.SyncVectorEnv
         if args.resolved_sim_backend == "physx_cpu" and num_envs > 1:  # one ManiSkill process per env
-            env = gym.vector.AsyncVectorEnv(fns, context="forkserver", autoreset_mode=disabled)
-        else:
-            env = gym.vector.SyncVectorEnv(fns, autoreset_mode=disabled)
+            vector_env = partial(gym.vector.AsyncVectorEnv, context="forkserver")
+        env = vector_env(fns, autoreset_mode=gym.vector.AutoresetMode.DISABLED)
     return PartialResetVecEnv(env, num_envs, device, reset_on_termination=not (evaluation or args.stagger))
 
 
@@ -454,7 +453,7 @@ class ResetState:
         next-step reset), and those of them that end their episode."""
         valid = ~self.stale & ~self.waiting
         done = terminated | truncated
-        reset_now = (self.stale | final_mask) if self.next_step_mode else final_mask
+        reset_now = self.stale | final_mask  # (stale: next-step mode only)
         if self.next_step_mode:  # an end that the step did not reset is reset by the next step: a stale step
             self.stale = done & ~final_mask
         # STAGGER: the reset gate. A terminated env waits until its group's gate resets it (naive, random start: at once)
@@ -737,7 +736,7 @@ def minibatch_gradients(agent: nn.Module, optimizer, args: Args, minibatch: dict
 
 def ppo_update(gradients, optimizer, batch: dict, args: Args) -> dict:
     """Epochs of shuffled minibatches, an Adam step each; the mean of each statistic, on the device (of all ranks)."""
-    totals, num_steps_taken = {}, 0  # sums of the minibatch statistics
+    totals = {}  # sums of the minibatch statistics
     for epoch in range(args.update_epochs):
         permutation = torch.randperm(args.batch_size, device=batch["obs"].device)
         for start in range(0, args.batch_size, args.minibatch_size):
@@ -745,11 +744,11 @@ def ppo_update(gradients, optimizer, batch: dict, args: Args) -> dict:
             stats = gradients({key: values[indices] for key, values in batch.items()})
             optimizer.step()
             totals = {name: totals.get(name, 0.0) + value for name, value in stats.items()}
-            num_steps_taken += 1
         # Table 3's target-KL stop, once per epoch as CleanRL (departure: ManiSkill's ppo.py checks every minibatch, a
         # host sync each). DDP: the KL of all ranks decides, so that every rank stops at the same epoch.
         if args.target_kl > 0 and bool(all_reduce_sum(stats["losses/approx_kl"]) > args.target_kl):
             break
+    num_steps_taken = (epoch + 1) * args.num_minibatches  # (epoch: the last one run)
     means = all_reduce_sum(torch.stack(list(totals.values()))) / num_steps_taken  # DDP: one all-reduce for all
     return dict(zip(totals, means))
 
@@ -947,8 +946,7 @@ def main(args: Args) -> dict:
                 # STAGGER: reset gates (Sec. 3.3). An env that terminated waits, masked, until its group's gate.
                 valid, episode_end = resets.step(terminated, truncated, final_mask)
                 valid_buf[step] = valid
-                if is_toy:
-                    correct_buf[step] = info["correct"]
+                correct_buf[step] = info.get("correct", False)  # ToyChain: the action was its block's target
                 # episode statistics, over the trained-on steps of the episodes that started in training
                 ep_return = ep_return + reward * valid
                 ep_success = ep_success | (info["success"] & valid)

@@ -1129,7 +1129,7 @@ def update_of_rank(rank, world_size, port, out_dir):
     join_gloo_group(rank, world_size, port)
     torch.randperm = lambda n, device=None: torch.arange(n, device=device)
     K, num_envs = 4, 128 // world_size
-    args = ppo.Args(update_epochs=3, target_kl=0.11, ent_coef=0.01, max_grad_norm=1e9)  # (no clipping: raw sums)
+    args = ppo.Args(update_epochs=3, num_minibatches=2, target_kl=0.11, ent_coef=0.01, max_grad_norm=1e9)  # (no clip)
     args.batch_size, args.minibatch_size = K * num_envs, K * num_envs // 2
     generator = torch.Generator().manual_seed(0)
     torch.manual_seed(0)
