@@ -873,8 +873,7 @@ def main(args: Args) -> dict:
 
         # ---- STAGGER: advance group j by j * S steps before training (App. B.1) --------------------------------------
         # Random actions, none trained on; group j starts its first episode (a partial reset) at step (N_B - 1 - j) * S.
-        next_step_mode = envs.metadata["autoreset_mode"] == gym.vector.AutoresetMode.NEXT_STEP
-        resets = ResetState(N, device, next_step_mode)
+        resets = ResetState(N, device, envs.metadata["autoreset_mode"] == gym.vector.AutoresetMode.NEXT_STEP)
         starts = stagger_start_steps(args.num_stagger_groups, args.stagger_step)  # of each group
         env_starts = torch.tensor(starts, device=device)[stagger_groups(N, args.num_stagger_groups, device)]
         advance_length = (args.num_stagger_groups - 1) * args.stagger_step  # group 0 starts last
