@@ -1,4 +1,4 @@
-"""PPO with staggered environment resets, for massively parallel simulation (ManiSkill3) and the toy chain.
+"""PPO with staggered environment resets, for massively parallel simulation (ManiSkill3, MuJoCo) and the toy chain.
 
 Paper: "Staggered Environment Resets Improve Massively Parallel On-Policy Reinforcement Learning",
 Sid Bharthulwar, Stone Tao, Hao Su (2025), arXiv:2511.21011.
@@ -22,6 +22,7 @@ Map from the paper to this file
   Sec. 2, 5.3 [21]    random_start_lengths, "RANDOM START"                         (--reset-scheme random-start)
   App. B.2, Table 2   PRESETS["ToyChain-v0"], ChainAgent                           (toy chain: toy_chain_env.py)
   App. B.3, Table 3   PRESETS[ManiSkill task ids], MANISKILL_COMMON, GaussianAgent
+  (not in the paper)  MUJOCO_PRESET                                                (MuJoCo locomotion, CPU envs)
   App. C, Fig. 6      batch_temporal_stats, toy_diagnostics.npz                    (figures: benchmarks/toy_sweeps.py)
   App. E.0.1          stagger/value_mse, stagger/policy_kl, toy/forgetting_mean    (toy_chain_env.ToyChainDiagnostics)
   Sec. 5.4 (large N)  all_reduce_sum, RunningMeanStd.merge_ranks, "DDP"            (torchrun: ranks x N envs)
@@ -31,6 +32,7 @@ Autoreset (autoreset_modes.txt): ToyChain either mode (--toy.autoreset-mode), Ma
   python ppo_staggered.py                                      # ToyChain-v0 (Table 2 PPO), ~30 s on a CPU
   python ppo_staggered.py --env-id StackCube-v1 --no-stagger   # Table 3's naive baseline on a CUDA GPU
   torchrun --nproc_per_node 2 ppo_staggered.py --env-id StackCube-v1   # 2 GPUs (NCCL; gloo with --no-cuda)
+  python ppo_staggered.py --env-id HalfCheetah-v5 --reset-scheme random-start   # 256 MuJoCo envs on a CPU
 """
 
 from __future__ import annotations
@@ -48,7 +50,7 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 from functools import partial
 from pathlib import Path
-from typing import Literal, NamedTuple, Optional
+from typing import Literal, Optional
 
 import gymnasium as gym
 import numpy as np
@@ -80,7 +82,7 @@ class Args:
     wandb_entity: Optional[str] = None
     """wandb entity (team)"""
     capture_video: bool = False
-    """record videos of the evaluation episodes of the first 8 eval envs into the run directory (ManiSkill tasks)"""
+    """record videos of the first 8 evaluation envs into the run directory (ManiSkill tasks)"""
     save_model: bool = False
     """write checkpoints (ckpt_{global_step}.pt at every evaluation, final_ckpt.pt at the end)"""
     checkpoint: Optional[str] = None
@@ -89,40 +91,40 @@ class Args:
     """only evaluate the policy of --checkpoint, then exit"""
 
     env_id: str = "ToyChain-v0"
-    """ToyChain-v0, a ManiSkill3 task id (StackCube-v1, PushT-v1, ...) or a Gymnasium id with Box spaces"""
+    """ToyChain-v0, a ManiSkill3 task (StackCube-v1, ...), MuJoCo (HalfCheetah-v5, ...) or another Gymnasium Box task"""
     num_envs: Optional[int] = None
-    """training envs N >= 1 per rank (ToyChain 512; Table 3 4096, AnymalC 512, TwoRobot 2048, G1 1024; CPU 8; Gym 16)"""
+    """envs per rank >= 1 (ToyChain 512; Table 3 4096, AnymalC 512, TwoRobot 2048, G1 1024; CPU 8; MuJoCo, Gym 256)"""
     num_eval_envs: Optional[int] = None
-    """evaluation envs, >= 1 (ToyChain, ManiSkill 128, CPU 8; Gymnasium 8)"""
+    """evaluation envs, >= 1 (ToyChain, ManiSkill 128; CPU, MuJoCo, Gym 8)"""
     horizon: Optional[int] = None
-    """horizon H >= 1 (Table 3 100, AnymalC 200, Humanoid 1000, G1 500; else the time limit; ToyChain: --toy.horizon)"""
+    """horizon H >= 1 (Table 3 100, AnymalC 200, Humanoid 1000, G1 500; else the time limit; ToyChain --toy.horizon)"""
     toy: ToyChainConfig = field(default_factory=ToyChainConfig)
     """ToyChain-v0 settings (App. B.2)"""
 
     total_timesteps: Optional[int] = None
-    """env steps of all ranks, >= 1 (ToyChain 384000: Table 2's 150 updates; ManiSkill 2e8, CPU 30000; Gymnasium 1e6)"""
+    """env steps of all ranks, >= 1 (ToyChain 384000: 150 updates; ManiSkill 2e8, CPU 3e4; MuJoCo, Gym 3e6)"""
     learning_rate: float = 3e-4
     """Adam learning rate, > 0 (Tables 2 and 3)"""
     num_steps: Optional[int] = None
-    """rollout length K >= 1 (ToyChain 5; Table 3 StackCube, PushT 8, Humanoid 64, G1 32, others 16; Gymnasium 16)"""
+    """rollout length K >= 1 (ToyChain 5; StackCube, PushT 8, Humanoid 64, G1 32, others 16; MuJoCo, Gym 8)"""
     gamma: Optional[float] = None
-    """discount in [0, 1] (Table 3 0.8, PushT, AnymalC 0.99, Humanoid 0.97; other ManiSkill 0.8; ToyChain, Gym 0.99)"""
+    """discount in [0, 1] (Table 3 0.8, PushT, AnymalC 0.99, Humanoid 0.97; ToyChain, MuJoCo, Gym 0.99)"""
     gae_lambda: Optional[float] = None
-    """GAE lambda in [0, 1] (ToyChain 0.95; ManiSkill 0.9, AnymalC 0.95 (Table 3); Gymnasium 0.95)"""
+    """GAE lambda in [0, 1] (Table 3 0.9, AnymalC 0.95; ToyChain, MuJoCo, Gym 0.95)"""
     num_minibatches: Optional[int] = None
-    """minibatches per epoch, >= 1 (ToyChain 4; ManiSkill 32 (Table 3), CPU 4; Gymnasium 4)"""
+    """minibatches per epoch, >= 1 (Table 3 32; ToyChain, CPU 4; MuJoCo, Gym 8)"""
     update_epochs: int = 4
     """epochs over each batch, >= 1"""
     clip_coef: float = 0.2
     """PPO clipping coefficient, > 0"""
     ent_coef: Optional[float] = None
-    """entropy bonus, >= 0 (ToyChain 0.01; ManiSkill 0.005; Gymnasium 0)"""
+    """entropy bonus, >= 0 (ToyChain 0.01; ManiSkill 0.005; MuJoCo, Gym 0)"""
     vf_coef: float = 0.5
     """value-loss coefficient, >= 0"""
     max_grad_norm: float = 0.5
     """gradient-norm clip, > 0"""
     target_kl: Optional[float] = None
-    """stop the update once approx KL exceeds this, >= 0, 0 = off (ToyChain 0; ManiSkill 0.1; Gymnasium 0)"""
+    """stop the update once approx KL exceeds this, >= 0, 0 = off (ManiSkill 0.1; others 0)"""
     bootstrap_at_done: Optional[Literal["always", "truncated"]] = None
     """bootstrap V(final obs) at every episode end ('always', default for ManiSkill) or only at truncations (others)"""
 
@@ -132,7 +134,7 @@ class Args:
     """--no-stagger: the naive synchronous baseline (alias of --reset-scheme naive)"""
 
     eval_freq: Optional[int] = None
-    """evaluate every this many iterations, 0 = only at the end (ToyChain 10; ManiSkill 25, CPU 50; Gymnasium 25)"""
+    """evaluate every this many iterations, 0 = only at the end (ToyChain 10; ManiSkill 25, CPU 50; MuJoCo, Gym 50)"""
     cudagraphs: bool = False
     """replay the policy step and the PPO update as CUDA graphs (tensordict's CudaGraphModule, as ppo_fast.py)"""
 
@@ -176,17 +178,18 @@ MANISKILL_COMMON = dict(
 MANISKILL_OTHER = dict(num_steps=16, gamma=0.8, gae_lambda=0.9, num_envs=4096)
 # Without CUDA: a short trial on CPU simulation (one process per env), about 3 minutes (StackCube) on 2 cores.
 MANISKILL_CPU_TRIAL = dict(num_envs=8, num_minibatches=4, num_eval_envs=8, total_timesteps=30_000, eval_freq=50)
-# Other Gymnasium envs with Box observations and actions (e.g. Pendulum-v1).
-GYM_DEFAULTS = {
-    "num_envs": 16,
-    "num_steps": 16,
+# Gymnasium tasks with Box spaces, set for MuJoCo locomotion (HalfCheetah-v5, Hopper-v5, Walker2d-v5, Ant-v5,
+# Humanoid-v5; H = their time limit, 1000): massively parallel PPO with K << H, observations normalized.
+MUJOCO_PRESET = {
+    "num_envs": 256,
+    "num_steps": 8,
     "gamma": 0.99,
     "gae_lambda": 0.95,
-    "num_minibatches": 4,
+    "num_minibatches": 8,
     "ent_coef": 0.0,
     "target_kl": 0.0,
-    "total_timesteps": 1_000_000,
-    "eval_freq": 25,
+    "total_timesteps": 3_000_000,
+    "eval_freq": 50,
     "num_eval_envs": 8,
 }
 
@@ -208,7 +211,7 @@ def resolve_args(args: Args) -> Args:
         preset = PRESETS[TOY_ENV_ID]
     elif kind == "gym":
         args.resolved_sim_backend = "cpu"
-        preset = GYM_DEFAULTS
+        preset = MUJOCO_PRESET
     else:
         gpu = f"physx_cuda:{os.environ.get('LOCAL_RANK', '0')}"  # DDP: torchrun's rank on this machine, its GPU
         args.resolved_sim_backend = gpu if args.cuda and torch.cuda.is_available() else "physx_cpu"
@@ -261,11 +264,10 @@ def resolve_args(args: Args) -> Args:
     H, K = args.horizon, args.num_steps
     if K > H:
         raise ArgsError(f"--num-steps K={K} is longer than the task horizon H={H} (staggering needs K <= H)")
-    # App. B.1: N_B = ceil(H / K), at most N. Sec. 3.3: "A standard choice is S = K"; S = ceil(H / N_B) spans H
+    # App. B.1: N_B = ceil(H / K), at most N. Sec. 3.3: "A standard choice is S = K"; with N_B = N < H / K groups,
+    # S = floor(H / N_B) >= K spreads them over the horizon, the last starting before H.
     args.num_stagger_groups = min(math.ceil(H / K), args.num_envs) if args.stagger else 1
-    args.stagger_step = max(K, math.ceil(H / args.num_stagger_groups)) if args.num_stagger_groups > 1 else K
-    if (args.num_stagger_groups - 1) * args.stagger_step >= H:
-        raise ArgsError(f"--num-envs {args.num_envs}: with that many stagger groups the last starts at or after H={H}")
+    args.stagger_step = max(K, H // args.num_stagger_groups) if args.num_stagger_groups > 1 else K
     args.batch_size = args.num_envs * K
     if args.batch_size % args.num_minibatches != 0:
         raise ArgsError(f"batch N*K = {args.batch_size} does not split into --num-minibatches {args.num_minibatches}")
@@ -309,8 +311,7 @@ def make_maniskill_env(args: Args, num_envs: int, evaluation: bool, video_dir: O
     from mani_skill.utils.wrappers.gymnasium import CPUGymWrapper
     from mani_skill.utils.wrappers.record import RecordEpisode
 
-    # physx_cuda:i renders on GPU i (ManiSkill's default: GPU 0 for every rank). Not "none": PushT-v1 reads render
-    # shapes as it builds its scene. CPU simulation: ManiSkill's default.
+    # physx_cuda:i renders on GPU i, not ManiSkill's GPU 0 (not "none": PushT-v1 reads render shapes as it builds)
     gpu_simulation = args.resolved_sim_backend.startswith("physx_cuda")
     render_backend = args.resolved_sim_backend.replace("physx_", "") if gpu_simulation else "gpu"
     env = gym.make(
@@ -419,11 +420,10 @@ def make_env(args: Args, num_envs: int, device: torch.device, evaluation: bool, 
             for index in range(num_envs)
         ]
         fns = [partial(make_single_env, args, evaluation, env_video_dir) for env_video_dir in video_dirs]
-        disabled = gym.vector.AutoresetMode.DISABLED
+        vector_env = gym.vector.SyncVectorEnv
         if args.resolved_sim_backend == "physx_cpu" and num_envs > 1:  # one ManiSkill process per env
-            env = gym.vector.AsyncVectorEnv(fns, context="forkserver", autoreset_mode=disabled)
-        else:
-            env = gym.vector.SyncVectorEnv(fns, autoreset_mode=disabled)
+            vector_env = partial(gym.vector.AsyncVectorEnv, context="forkserver")
+        env = vector_env(fns, autoreset_mode=gym.vector.AutoresetMode.DISABLED)
     return PartialResetVecEnv(env, num_envs, device, reset_on_termination=not (evaluation or args.stagger))
 
 
@@ -434,37 +434,32 @@ def stagger_groups(num_envs: int, num_groups: int, device=None) -> torch.Tensor:
 
 
 def stagger_start_steps(num_groups: int, stagger_step: int) -> list[int]:
-    """Advance step at which group j starts its first episode, so that after the (N_B - 1) * S advance steps group j
-    is at episode step j * S (App. B.1: "each group j starting ... after an initial offset of j*K simulation steps")."""
+    """Advance step at which group j starts, so that it is at step j * S when training starts (App. B.1)."""
     return [(num_groups - 1 - j) * stagger_step for j in range(num_groups)]
-
-
-class StepMask(NamedTuple):  # ResetState.step's (N,) masks of one vector step's transitions
-    valid: torch.Tensor  # trained on: neither waiting for a reset gate nor a stale next-step reset
-    episode_end: torch.Tensor  # a trained-on transition that ends its episode
 
 
 class ResetState:
     """The reset bookkeeping of N envs (Sec. 3.3; autoreset_modes.txt): which transitions are trained on, who waits."""
 
-    def __init__(self, num_envs: int, device, next_step_mode: bool, gate_mode: bool):
+    def __init__(self, num_envs: int, device, next_step_mode: bool):
         self.stale = torch.zeros(num_envs, dtype=torch.bool, device=device)  # next-step mode: the next step only resets
-        self.waiting = torch.zeros(num_envs, dtype=torch.bool, device=device)  # gate mode: terminated, waits (masked)
+        self.waiting = torch.zeros(num_envs, dtype=torch.bool, device=device)  # terminated, not reset: waits (masked)
         self.episode_step = torch.zeros(num_envs, dtype=torch.long, device=device)  # at the current observation
         self.next_step_mode = next_step_mode  # an env resets in the step after its episode ends (else in the same)
-        self.gate_mode = gate_mode  # staggered: a terminated env waits for its group's reset gate
 
-    def step(self, terminated, truncated, final_mask) -> StepMask:
-        """Advances over one vector step; final_mask: the envs reset inside it (by a same-step env or by the loop)."""
+    def step(self, terminated, truncated, final_mask) -> tuple[torch.Tensor, torch.Tensor]:
+        """Advances over one vector step; final_mask: the envs reset inside it (by a same-step env or by the loop).
+        Returns (valid, episode_end): the transitions trained on (neither waiting for a reset gate nor a stale
+        next-step reset), and those of them that end their episode."""
         valid = ~self.stale & ~self.waiting
         done = terminated | truncated
-        reset_now = (self.stale | final_mask) if self.next_step_mode else final_mask
+        reset_now = self.stale | final_mask  # (stale: next-step mode only)
         if self.next_step_mode:  # an end that the step did not reset is reset by the next step: a stale step
             self.stale = done & ~final_mask
-        if self.gate_mode:  # STAGGER: the reset gate. A terminated env waits until its group's gate resets it
-            self.waiting = (self.waiting | (valid & terminated)) & ~reset_now
+        # STAGGER: the reset gate. A terminated env waits until its group's gate resets it (naive, random start: at once)
+        self.waiting = (self.waiting | (valid & terminated)) & ~reset_now
         self.episode_step = torch.where(reset_now, 0, self.episode_step + 1)
-        return StepMask(valid=valid, episode_end=valid & done)
+        return valid, valid & done
 
 
 def random_start_lengths(num_envs: int, horizon: int, seed: int) -> torch.Tensor:
@@ -652,13 +647,13 @@ def clock(device: torch.device) -> float:
 
 
 # ---- Checkpoints -----------------------------------------------------------------------------------------------------
-def save_checkpoint(path: Path, agent, optimizer, obs_rms: RunningMeanStd, global_step: int, iteration: int) -> None:
-    """Enough to resume or evaluate (iteration: rollouts collected); a temporary file renamed, never half-written."""
+def save_checkpoint(path: Path, agent, optimizer, obs_rms: RunningMeanStd, global_step: int, args: Args) -> None:
+    """Enough to resume or evaluate; a temporary file renamed, never half-written."""
     state = {
         "model": agent.state_dict(),
         "optimizer": optimizer.state_dict(),
         "global_step": global_step,
-        "iteration": iteration,
+        "iteration": global_step // (args.batch_size * args.world_size),  # rollouts collected
         "obs_rms": {"mean": obs_rms.mean, "var": obs_rms.var, "count": obs_rms.count},
     }
     tmp = path.with_name(path.name + ".tmp")
@@ -715,12 +710,12 @@ def ppo_loss(agent: nn.Module, minibatch: dict, args: Args) -> tuple[torch.Tenso
     loss = pg_loss - args.ent_coef * entropy_loss + args.vf_coef * v_loss
     with torch.no_grad():
         stats = {
-            "policy_loss": pg_loss.detach(),
-            "value_loss": v_loss.detach(),
-            "entropy": entropy_loss.detach(),
-            "old_approx_kl": masked_mean(-logratio, valid, count),
-            "approx_kl": masked_mean((ratio - 1) - logratio, valid, count),
-            "clipfrac": masked_mean(((ratio - 1.0).abs() > args.clip_coef).float(), valid, count),
+            "losses/policy_loss": pg_loss.detach(),
+            "losses/value_loss": v_loss.detach(),
+            "losses/entropy": entropy_loss.detach(),
+            "losses/old_approx_kl": masked_mean(-logratio, valid, count),
+            "losses/approx_kl": masked_mean((ratio - 1) - logratio, valid, count),
+            "losses/clipfrac": masked_mean(((ratio - 1.0).abs() > args.clip_coef).float(), valid, count),
         }
     return loss, stats
 
@@ -741,7 +736,7 @@ def minibatch_gradients(agent: nn.Module, optimizer, args: Args, minibatch: dict
 
 def ppo_update(gradients, optimizer, batch: dict, args: Args) -> dict:
     """Epochs of shuffled minibatches, an Adam step each; the mean of each statistic, on the device (of all ranks)."""
-    totals, num_steps_taken = {}, 0  # sums of the minibatch statistics
+    totals = {}  # sums of the minibatch statistics
     for epoch in range(args.update_epochs):
         permutation = torch.randperm(args.batch_size, device=batch["obs"].device)
         for start in range(0, args.batch_size, args.minibatch_size):
@@ -749,29 +744,35 @@ def ppo_update(gradients, optimizer, batch: dict, args: Args) -> dict:
             stats = gradients({key: values[indices] for key, values in batch.items()})
             optimizer.step()
             totals = {name: totals.get(name, 0.0) + value for name, value in stats.items()}
-            num_steps_taken += 1
         # Table 3's target-KL stop, once per epoch as CleanRL (departure: ManiSkill's ppo.py checks every minibatch, a
         # host sync each). DDP: the KL of all ranks decides, so that every rank stops at the same epoch.
-        if args.target_kl > 0 and bool(all_reduce_sum(stats["approx_kl"]) > args.target_kl):
+        if args.target_kl > 0 and bool(all_reduce_sum(stats["losses/approx_kl"]) > args.target_kl):
             break
+    num_steps_taken = (epoch + 1) * args.num_minibatches  # (epoch: the last one run)
     means = all_reduce_sum(torch.stack(list(totals.values()))) / num_steps_taken  # DDP: one all-reduce for all
     return dict(zip(totals, means))
 
 
 @torch.no_grad()
-def evaluate(agent: nn.Module, eval_envs, obs_rms: RunningMeanStd, horizon: int, seed: int) -> dict:
-    """One H-step episode of every eval env with the deterministic policy and no partial resets (Table 3 and
-    ManiSkill's protocol: a success does not end an evaluation episode); eval/... means over the eval envs."""
+def evaluate(agent: nn.Module, eval_envs, obs_rms: RunningMeanStd, horizon: int, seed: int, absorbing: bool) -> dict:
+    """One episode of every eval env, deterministic policy, no partial resets: H steps, or to an absorbing termination
+    (a fallen Hopper). ManiSkill's protocol: a success does not end it. eval/return: its sum of rewards, env mean."""
     obs, _ = eval_envs.reset(seed=seed)
-    ret, success_once = 0.0, False  # (the next-step ToyChain's first reset step comes only after H steps)
-    for _ in range(horizon):
-        obs, reward, _, _, info = eval_envs.step(agent.deterministic_action(obs_rms.normalize(obs)))
-        ret, success_once = ret + reward, success_once | info["success"]
+    running = torch.ones(eval_envs.num_envs, dtype=torch.bool, device=obs.device)  # not yet terminated
+    ret = torch.zeros(eval_envs.num_envs, device=obs.device)
+    length = torch.zeros(eval_envs.num_envs, device=obs.device)
+    success_once = torch.zeros_like(running)
+    for _ in range(horizon):  # (the next-step ToyChain's first reset step comes only after H steps)
+        obs, reward, terminated, _, info = eval_envs.step(agent.deterministic_action(obs_rms.normalize(obs)))
+        ret = ret + reward * running
+        length = length + running
+        success_once = success_once | (info["success"] & running)
+        running = running & ~(terminated & absorbing)
     return {
         "eval/return": ret.mean(),
         "eval/success_once": success_once.float().mean(),
         "eval/success_at_end": info["success"].float().mean(),
-        "eval/episode_len": horizon,
+        "eval/episode_len": length.mean(),
     }
 
 
@@ -831,20 +832,20 @@ def main(args: Args) -> dict:
         if args.world_size > 1:  # DDP: every rank starts from rank 0's weights
             for tensor in agent.state_dict().values():
                 dist.broadcast(tensor, src=0)
+        absorbing = args.bootstrap_at_done == "truncated"  # a termination ends an evaluation episode
         start_time = time.time()
 
         def log_evaluation(checkpoint_name: Optional[str]) -> None:
             if rank > 0:  # DDP: rank 0 alone evaluates and saves
                 return
             eval_start = clock(device)
-            for name, value in evaluate(agent, eval_envs, obs_rms, H, args.seed + global_step).items():
+            for name, value in evaluate(agent, eval_envs, obs_rms, H, args.seed + global_step, absorbing).items():
                 log(name, value, global_step)
             log("time/eval", clock(device) - eval_start, global_step)
             evaluation = " ".join(f"{name}={value:.3f}" for name, value in last.items() if name.startswith("eval/"))
             print(f"global_step={global_step} {evaluation}")
-            completed = global_step // (args.batch_size * args.world_size)  # iterations (rollouts collected)
             if args.save_model and checkpoint_name:
-                save_checkpoint(run_dir / checkpoint_name, agent, optimizer, obs_rms, global_step, completed)
+                save_checkpoint(run_dir / checkpoint_name, agent, optimizer, obs_rms, global_step, args)
 
         if args.evaluate:
             log_evaluation(None)
@@ -872,8 +873,7 @@ def main(args: Args) -> dict:
 
         # ---- STAGGER: advance group j by j * S steps before training (App. B.1) --------------------------------------
         # Random actions, none trained on; group j starts its first episode (a partial reset) at step (N_B - 1 - j) * S.
-        next_step_mode = envs.metadata["autoreset_mode"] == gym.vector.AutoresetMode.NEXT_STEP
-        resets = ResetState(N, device, next_step_mode, gate_mode=args.stagger)
+        resets = ResetState(N, device, envs.metadata["autoreset_mode"] == gym.vector.AutoresetMode.NEXT_STEP)
         starts = stagger_start_steps(args.num_stagger_groups, args.stagger_step)  # of each group
         env_starts = torch.tensor(starts, device=device)[stagger_groups(N, args.num_stagger_groups, device)]
         advance_length = (args.num_stagger_groups - 1) * args.stagger_step  # group 0 starts last
@@ -881,8 +881,9 @@ def main(args: Args) -> dict:
         envs.action_space.seed(seed + global_step)  # the advance's random actions, reproducible
         obs_rms.update(raw_obs)
         for advance_step in range(advance_length):
-            random_actions = torch.as_tensor(envs.action_space.sample(), device=device)
-            raw_obs, _, terminated, truncated, info = envs.step(random_actions)
+            raw_obs, _, terminated, truncated, info = envs.step(
+                torch.as_tensor(envs.action_space.sample(), device=device)
+            )
             final_mask = info.get("_final_obs", torch.zeros_like(terminated, dtype=torch.bool))
             if advance_step + 1 in starts:  # (the schedule is known on the host: no device sync)
                 starting = env_starts == advance_step + 1
@@ -891,7 +892,6 @@ def main(args: Args) -> dict:
             resets.step(terminated, truncated, final_mask)
             obs_rms.update(raw_obs)
         obs_rms.merge_ranks()
-        obs = obs_rms.normalize(raw_obs)
         summary["advance_env_steps"] = advance_length * N * args.world_size
         # RANDOM START ([21]): each env's first episode is cut (truncated) after first_lengths ~ U[1, H] training steps
         random_start = args.reset_scheme == "random-start"
@@ -902,7 +902,6 @@ def main(args: Args) -> dict:
         first_episode = torch.full((N,), random_start, device=device)
         tracked = (resets.episode_step == 0) & ~first_episode  # episode statistics: whole episodes begun in training
         ep_return = torch.zeros(N, device=device)
-        ep_len = torch.zeros(N, device=device)
         ep_success = torch.zeros(N, dtype=torch.bool, device=device)
         toy_diagnostics = ToyChainDiagnostics(envs) if is_toy else None
         if stop:
@@ -920,6 +919,7 @@ def main(args: Args) -> dict:
             rollout_start = clock(device)
             ended = {"return": 0.0, "length": 0.0, "successes": 0.0, "episodes": 0.0}  # sums over the episodes ended
             for step in range(K):
+                obs = obs_rms.normalize(raw_obs)
                 obs_buf[step] = obs
                 episode_step_buf[step] = resets.episode_step
                 actions_buf[step], logprobs_buf[step], values_buf[step] = act(obs)
@@ -943,38 +943,33 @@ def main(args: Args) -> dict:
                     with torch.no_grad():
                         final_values_buf[step] = agent.get_value(obs_rms.normalize(final_obs))
                 # STAGGER: reset gates (Sec. 3.3). An env that terminated waits, masked, until its group's gate.
-                mask = resets.step(terminated, truncated, final_mask)
-                valid_buf[step] = mask.valid
-                if is_toy:
-                    correct_buf[step] = info["correct"]
+                valid, episode_end = resets.step(terminated, truncated, final_mask)
+                valid_buf[step] = valid
+                correct_buf[step] = info.get("correct", False)  # ToyChain: the action was its block's target
                 # episode statistics, over the trained-on steps of the episodes that started in training
-                ep_return = ep_return + reward * mask.valid
-                ep_len = ep_len + mask.valid
-                ep_success = ep_success | (info["success"] & mask.valid)
-                recorded = mask.episode_end & tracked
+                ep_return = ep_return + reward * valid
+                ep_success = ep_success | (info["success"] & valid)
+                recorded = episode_end & tracked
                 ended["return"] += (ep_return * recorded).sum()
-                ended["length"] += (ep_len * recorded).sum()
+                ended["length"] += ((episode_step_buf[step] + 1) * recorded).sum()  # (waits and stale steps come after)
                 ended["successes"] += (ep_success * recorded).sum()
                 ended["episodes"] += (1.0 * recorded).sum()
-                ep_return = ep_return * ~mask.episode_end
-                ep_len = ep_len * ~mask.episode_end
-                ep_success = ep_success & ~mask.episode_end
+                ep_return = ep_return * ~episode_end
+                ep_success = ep_success & ~episode_end
                 tracked = tracked | (resets.episode_step == 0)
                 obs_rms.update(raw_obs)
-                obs = obs_rms.normalize(raw_obs)
             global_step += N * K * args.world_size  # DDP: the env steps of all ranks
             obs_rms.merge_ranks()  # DDP: every rank normalizes alike from here on
-            obs = obs_rms.normalize(raw_obs)
 
             # ---- 3. targets: GAE, bootstrapping V(true next state) under either autoreset mode -----------------------
             with torch.no_grad():
-                next_values = torch.cat([values_buf[1:], agent.get_value(obs).unsqueeze(0)])
+                last_value = agent.get_value(obs_rms.normalize(raw_obs))
+                next_values = torch.cat([values_buf[1:], last_value.unsqueeze(0)])
                 next_values = torch.where(final_mask_buf, final_values_buf, next_values)
                 advantages, returns = compute_gae(
                     rewards_buf, values_buf, next_values, no_bootstrap_buf, dones_buf, args.gamma, args.gae_lambda
                 )
             update_start = clock(device)
-            rollout_time = update_start - rollout_start
 
             # ---- 4. update: epochs of shuffled minibatches -----------------------------------------------------------
             rollout = {
@@ -994,48 +989,34 @@ def main(args: Args) -> dict:
                 # App. E.0.1: value error and policy oscillation 0.5 E[(log pi_new - log pi_old)^2] over the batch.
                 _, newlogprob, _, _ = agent.get_action_and_value(batch["obs"], batch["actions"])
                 b_valid, b_returns = batch["valid"], batch["returns"]
-                policy_kl = 0.5 * masked_mean((newlogprob - batch["logprobs"]).square(), b_valid)
                 value_mse = masked_mean((values_buf.flatten() - b_returns).square(), b_valid)
                 returns_var = masked_mean((b_returns - masked_mean(b_returns, b_valid)).square(), b_valid)
-                explained_var = 1 - value_mse / returns_var.clamp(min=1e-8)
+                scalars = {
+                    **losses,  # losses/policy_loss, ... (ppo_loss)
+                    "losses/explained_variance": 1 - value_mse / returns_var.clamp(min=1e-8),
+                    "stagger/value_mse": value_mse,
+                    "stagger/policy_kl": 0.5 * masked_mean((newlogprob - batch["logprobs"]).square(), b_valid),
+                    "stagger/valid_fraction": valid_buf.float().mean(),
+                }
 
-            # ---- 5. log ----------------------------------------------------------------------------------------------
-            losses["explained_variance"] = explained_var
-            # one device sync for all of them: stacked, copied to the host and named back at once
-            losses = dict(zip(losses, torch.stack(list(losses.values())).tolist()))
-            log("losses/policy_loss", losses["policy_loss"], global_step)
-            log("losses/value_loss", losses["value_loss"], global_step)
-            log("losses/entropy", losses["entropy"], global_step)
-            log("losses/old_approx_kl", losses["old_approx_kl"], global_step)
-            log("losses/approx_kl", losses["approx_kl"], global_step)
-            log("losses/clipfrac", losses["clipfrac"], global_step)
-            log("losses/explained_variance", losses["explained_variance"], global_step)
+            # ---- 5. log: the scalars above in one device sync (stacked, copied to the host and named back at once) ---
+            for name, value in zip(scalars, torch.stack(list(scalars.values())).tolist()):
+                log(name, value, global_step)
             log("charts/learning_rate", optimizer.param_groups[0]["lr"], global_step)
             log("charts/SPS", (global_step - start_step) / (time.time() - start_time), global_step)
             if ended["episodes"] > 0:
                 log("charts/episodic_return", ended["return"] / ended["episodes"], global_step)
                 log("charts/episodic_length", ended["length"] / ended["episodes"], global_step)
                 log("charts/success_rate", ended["successes"] / ended["episodes"], global_step)
-            log("stagger/value_mse", value_mse, global_step)
-            log("stagger/policy_kl", policy_kl, global_step)
-            log("stagger/valid_fraction", valid_buf.float().mean(), global_step)
             for name, value in batch_temporal_stats(episode_step_buf, valid_buf, H, K).items():
                 log(name, value, global_step)  # stagger/episode_step_min, stagger/episode_step_max, ...
-            log("time/rollout", rollout_time, global_step)
+            log("time/rollout", update_start - rollout_start, global_step)
             log("time/update", clock(device) - update_start, global_step)
             if is_toy:  # App. C / E: batch accuracy, block occupancy, per-block accuracy and forgetting
                 log("toy/accuracy", masked_mean(correct_buf.float(), valid_buf), global_step)
                 probs = torch.softmax(agent.actor(agent.blocks).detach(), dim=-1)  # of every block's actions
                 log("toy/forgetting_mean", toy_diagnostics.record(obs_buf, probs), global_step)
 
-        if args.world_size > 1:  # DDP: every rank holds rank 0's weights and observation statistics: checked here
-            weights = nn.utils.parameters_to_vector(agent.parameters()).detach()
-            state = torch.cat([weights, obs_rms.totals().flatten().float()])
-            state_of_rank_0 = state.clone()
-            dist.broadcast(state_of_rank_0, src=0)
-            difference = (state - state_of_rank_0).abs().max()
-            dist.all_reduce(difference, op=dist.ReduceOp.MAX)
-            summary["ddp/max_weight_difference"] = float(difference)
         log_evaluation("final_ckpt.pt")
         if is_toy and toy_diagnostics.accuracy:
             summary["toy/forgetting_mean_overall"] = toy_diagnostics.save(run_dir / "toy_diagnostics.npz")
@@ -1043,8 +1024,7 @@ def main(args: Args) -> dict:
         summary["interrupted"] = True
         if rank == 0 and args.save_model and global_step > start_step:  # (nothing new to save before training)
             print("interrupted: writing summary.json and final_ckpt.pt")
-            completed = global_step // (args.batch_size * args.world_size)
-            save_checkpoint(run_dir / "final_ckpt.pt", agent, optimizer, obs_rms, global_step, completed)
+            save_checkpoint(run_dir / "final_ckpt.pt", agent, optimizer, obs_rms, global_step, args)
         raise
     finally:
         wall = time.time() - start_time
