@@ -305,7 +305,7 @@ def report(runs: dict, options: Options, suffix: str) -> None:
         "mean training return reaches it.",
         "",
         "| task | script | architecture | runs holding: final eval (last tenth) | final eval/return: median, worst "
-        "| per seed: final eval (last tenth) | steps to threshold: median |",
+        "| seed: final eval (last tenth) | steps to threshold: median |",
         "|---|---|---|---|---|---|---|",
     ]
     arms = [("cleanrl", "-")] + [(algo, architecture) for algo in SCRIPTS for architecture in ARCHITECTURES]
@@ -313,6 +313,7 @@ def report(runs: dict, options: Options, suffix: str) -> None:
         for algo, architecture in arms:
             keys = [run_key(algo, task, architecture, 0 if algo == "cleanrl" else threads, seed) for seed in seeds]
             chosen = [runs[key] for key in keys if key in runs]
+            ran = [seed for seed, key in zip(seeds, keys) if key in runs]
             if not chosen:  # (not run, or a benchmark stopped early: --resume runs the rest)
                 continue
             tenths = [last_tenth_return(run["rows"]) for run in chosen]
@@ -323,12 +324,14 @@ def report(runs: dict, options: Options, suffix: str) -> None:
                 name = "CleanRL ppo.py (fe8d8a03), run here"
                 holding = f"- ({held_tenth}/{len(chosen)})"
                 finals = "-"
-                per_seed = ", ".join(f"- ({tenth:.0f})" for tenth in tenths)
+                per_seed = ", ".join(f"{seed}: - ({tenth:.0f})" for seed, tenth in zip(ran, tenths))
             else:
                 name = f"cleanba_{algo}.py"
                 holding = f"**{sum(value >= threshold for value in evals)}/{len(chosen)}** ({held_tenth}/{len(chosen)})"
                 finals = f"{np.median(evals):.1f}, {min(evals):.1f}"
-                per_seed = ", ".join(f"{value:.0f} ({tenth:.0f})" for value, tenth in zip(evals, tenths))
+                per_seed = ", ".join(
+                    f"{seed}: {value:.0f} ({tenth:.0f})" for seed, value, tenth in zip(ran, evals, tenths)
+                )
             lines.append(
                 f"| {task} | {name} | {architecture} | {holding} | {finals} | {per_seed} | {median_text(reach)} |"
             )
