@@ -47,7 +47,7 @@ THRESHOLD = 0.9  # eval/success_once
 ScriptName = Literal["ppo_staggered", "ppo_ver", "pql"]
 # Per script: (flags of every run, env steps of a full run, env steps of a --quick run). 8 training envs and at least 8
 # eval episodes everywhere; evaluations every ~2-2.5k env steps. The step budgets keep the whole benchmark within the
-# issue's 2 hours on 2 cores (measured on an idle machine, start-up and evaluations included: ppo_staggered 4.6-5.1
+# 2 hours on 2 cores it was sized for (measured on an idle machine, start-up and evaluations included: ppo_staggered 4.6-5.1
 # minutes a run, ppo_ver 4.0-4.4, pql 6 and DDPG(n) 9; 108 minutes in all); longer single runs are in README.md.
 COMMON: dict[str, tuple[list[str], int, int]] = {
     # K = 16 (ManiSkill's PPO for tasks without a Table 3 row): one iteration is 128 env steps, eval every 2,560

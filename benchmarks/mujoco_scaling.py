@@ -1,5 +1,5 @@
 """ppo_staggered.py on MuJoCo locomotion (Gymnasium's HalfCheetah-v5 and Hopper-v5, CPU), H = 1000 and K = 8 (H/K = 125):
-the staggered-resets paper's two claims about real simulators, measured at N = 64 to 1,024 envs (issue 41).
+the staggered-resets paper's two claims about real simulators, measured at N = 64 to 1,024 envs.
 
 Claims (Bharthulwar, Tao, Su 2025, arXiv:2511.21011):
   Sec. 3, 5.2   with many envs and K << H, synchronous resets make every batch one narrow slice of the episode;
