@@ -46,9 +46,9 @@ ENV_ID = "PushCube-v1"
 THRESHOLD = 0.9  # eval/success_once
 ScriptName = Literal["ppo_staggered", "ppo_ver", "pql"]
 # Per script: (flags of every run, env steps of a full run, env steps of a --quick run). 8 training envs and at least 8
-# eval episodes everywhere; evaluations every ~2-2.5k env steps. The step budgets keep the whole benchmark within the
-# 2 hours on 2 cores it was sized for (measured on an idle machine, start-up and evaluations included: ppo_staggered 4.6-5.1
-# minutes a run, ppo_ver 4.0-4.4, pql 6 and DDPG(n) 9; 108 minutes in all); longer single runs are in README.md.
+# eval episodes everywhere; evaluations every ~2-2.5k env steps. The step budgets keep the whole benchmark within 2
+# hours on 2 cores (measured on an idle machine, start-up and evaluations included: ppo_staggered 4.6-5.1 minutes a
+# run, ppo_ver 4.0-4.4, pql 6 and DDPG(n) 9; 108 minutes in all); longer single runs are in README.md.
 COMMON: dict[str, tuple[list[str], int, int]] = {
     # K = 16 (ManiSkill's PPO for tasks without a Table 3 row): one iteration is 128 env steps, eval every 2,560
     "ppo_staggered": (["--num-envs", "8", "--num-eval-envs", "8", "--eval-freq", "20"], 100_000, 40_000),
