@@ -1031,7 +1031,8 @@ def main(args: Args) -> dict:
         summary["global_step"] = global_step
         summary["wall_time_s"] = wall
         summary["sps"] = (global_step - start_step) / max(wall, 1e-9)
-        summary.update(last)  # the last value of every logged scalar
+        for name, value in last.items():  # the last value of every logged scalar
+            summary[name] = value
         if rank == 0:
             (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
             writer.close()

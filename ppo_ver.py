@@ -1334,7 +1334,8 @@ def main(args: Args) -> dict:
             summary["wall_time_s"] = wall
             summary["sps"] = (global_step - start_step) / wall
             summary["env_busy_time_s"] = env_busy_time
-            summary.update(last)  # the last value of each metric
+            for name, value in last.items():  # the last value of each metric
+                summary[name] = value
             (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
             writer.close()
         if distributed:
