@@ -30,8 +30,10 @@ pack() {
     [ -e "$first" ] || continue
     cat "${first%.piece-00}".piece-* >"${first%.piece-00}" && rm -f "${first%.piece-00}".piece-*
   done && rm -f gitpython-* gitdb-* smmap-* mplib-* toppra-*)
-  python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-    --platform any -d "$house/all" pexpect ptyprocess || return 1
+  if ! ls "$house"/all/pexpect-*.whl >/dev/null 2>&1; then  # the wheelhouse may already hold them
+    python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+      --platform any -d "$house/all" pexpect ptyprocess || return 1
+  fi
   python3 -m pip install -q --no-deps --no-compile --target "$site" --python-version 3.12 --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform any --only-binary=:all: \
     "$house"/all/*.whl || return 1

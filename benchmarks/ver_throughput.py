@@ -428,7 +428,7 @@ def run_gpu(o: Options) -> None:
         "",
         f"{torch.cuda.get_device_name(0)}, {os.cpu_count()} CPU cores; {time.time() - start:.0f} s.",
         "",
-        "| spread | VER | NoVER | sync | ideal |",
+        "| spread | VER | NoVER | sync | ideal (median of the three runs') |",
         "|---|---|---|---|---|",
     ]
     for spread in o.spreads:
@@ -445,7 +445,13 @@ def run_gpu(o: Options) -> None:
         "| ranks | sync | NoVER | VER | paper |",
         "|---|---|---|---|---|",
     ]
-    for nproc in sorted({r["ranks"] for r in scaling}):
+    for nproc in o.gpu_ranks:
+        if nproc > torch.cuda.device_count():
+            lines.append(
+                f"| {nproc} | not run: {nproc} ranks need {nproc} GPUs, this machine has "
+                f"{torch.cuda.device_count()} | | | |"
+            )
+            continue
         got = {r["mode"]: r["sps"] for r in scaling if r["ranks"] == nproc}
         lines.append(
             f"| {nproc} | {got.get('sync', float('nan')):.0f} | {got.get('nover', float('nan')):.0f} | "
