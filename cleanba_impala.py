@@ -23,7 +23,9 @@ Autoreset: EnvPool's next-step mode (ToyChain-v0 too): the step after an episode
 masked out of the loss, the trace is cut at every end, and its observation (the true last one) is bootstrapped at a
 truncation (at every end with --bootstrap-at-done always).
 Departures (classic control, from Table 3): 8 minibatches and RMSprop epsilon 0.1 (benchmarks/results/
-cleanba_classic_first_presets.md), no entropy bonus (benchmarks/results/cleanba_classic_collapse.md).
+cleanba_classic_first_presets.md); on CartPole-v1 no entropy bonus: there it drifts a solved policy away
+(benchmarks/results/cleanba_classic_collapse.md). Acrobot-v1 keeps 0.01: its -1 per step gives no signal until the
+goal is found, and without the bonus seed 5 never finds it (benchmarks/results/cleanba_classic.md).
 
 Examples
   python cleanba_impala.py --env-id ToyChain-v0                              # seconds on a CPU
@@ -128,7 +130,7 @@ class Args:
     num_minibatches: Optional[int] = None
     """minibatches of whole env sequences, one pass (>= 1; default: Atari 4, Table 3; classic 8; ToyChain 4)"""
     ent_coef: Optional[float] = None
-    """entropy coefficient, >= 0 (default: Atari 0.01, Table 3; classic 0, a departure; ToyChain 0.01)"""
+    """entropy coefficient, >= 0 (default: Atari 0.01, Table 3; CartPole 0, a departure; Acrobot and ToyChain 0.01)"""
     vf_coef: float = 0.5
     """baseline coefficient (>= 0): the loss has vf_coef x 0.5 x sum (v_s - V)^2 (Table 3, as Cleanba and torchbeast)"""
     max_grad_norm: float = 40.0
@@ -153,7 +155,8 @@ TOY_ENV_ID = "ToyChain-v0"
 CLASSIC_ENVS = {"CartPole-v1": (4, 2), "Acrobot-v1": (6, 3)}  # EnvPool classic control: observation size, actions
 # App. B Table 3 (Atari, ToyChain); classic control: the departures of the docstring
 TABLE_3 = dict(num_minibatches=4, rmsprop_eps=0.01, ent_coef=0.01)
-CLASSIC_DEPARTURES = dict(num_minibatches=8, rmsprop_eps=0.1, ent_coef=0.0)
+CLASSIC_DEPARTURES = dict(num_minibatches=8, rmsprop_eps=0.1)
+CLASSIC_ENT_COEF = {"CartPole-v1": 0.0, "Acrobot-v1": 0.01}  # per task: the departures of the docstring
 PRESETS = {
     "atari": dict(TABLE_3, local_num_envs=128, num_steps=20, total_timesteps=50_000_000),
     "classic": dict(local_num_envs=16, num_steps=20, total_timesteps=500_000, **CLASSIC_DEPARTURES),
@@ -193,6 +196,8 @@ def resolve_args(args: Args, world_size: int = 1) -> Args:
             args.toy.validate()  # every --toy.* flag, each named with its value and domain
         except ValueError as error:
             raise ArgsError(str(error)) from None
+    if family == "classic" and args.ent_coef is None:
+        args.ent_coef = CLASSIC_ENT_COEF[args.env_id]
     for name, value in PRESETS[family].items():
         if getattr(args, name) is None:
             setattr(args, name, value)

@@ -331,6 +331,7 @@ def test_classic_control_presets_and_every_flag_overrides_them():
     assert departures == (0.1, 40.0, 8, 0.0)  # Table 3's clip, not its epsilon, minibatches or entropy bonus
     flags = dict(rmsprop_eps=0.01, max_grad_norm=1000.0, num_minibatches=4, ent_coef=0.01)
     assert dataclasses.asdict(ci.resolve_args(ci.Args(env_id="CartPole-v1", **flags))).items() >= flags.items()
+    assert ci.resolve_args(ci.Args(env_id="Acrobot-v1")).ent_coef == 0.01  # Acrobot explores with the bonus
     custom = ci.resolve_args(ci.Args(env_id="Acrobot-v1", local_num_envs=8, num_steps=10, total_timesteps=1000))
     assert (custom.local_num_envs, custom.num_steps, custom.num_iterations, custom.minibatch_size) == (8, 10, 12, 10)
     logits, value = ci.Agent(custom)(torch.zeros(5, 6))
