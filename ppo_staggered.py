@@ -20,7 +20,7 @@ Map from the paper to this file
   Sec. 3.3, App. B.1  stagger_groups, stagger_start_steps, "STAGGER: advance"     (groups, offsets j*S)
   Sec. 3.3 resets     ResetState, PartialResetVecEnv                               (reset gates, masking)
   Sec. 2, 5.3 [21]    random_start_lengths, "RANDOM START"                         (--reset-scheme random-start)
-  App. B.2, Table 2   PRESETS["ToyChain-v0"], ChainAgent                           (toy chain: toy_chain_env.py)
+  App. B.2, Table 2   PRESETS["ToyChain-v0"], toy_chain_env.ChainAgent             (the toy chain and its network)
   App. B.3, Table 3   PRESETS[ManiSkill task ids], MANISKILL_COMMON, GaussianAgent
   (not in the paper)  MUJOCO_PRESET                                                (MuJoCo locomotion, CPU envs)
   App. C, Fig. 6      batch_temporal_stats, toy_diagnostics.npz                    (figures: benchmarks/toy_sweeps.py)
@@ -60,7 +60,7 @@ import torch.nn as nn
 import tyro
 from torch.utils.tensorboard import SummaryWriter
 
-from toy_chain_env import ToyChainConfig, ToyChainDiagnostics
+from toy_chain_env import ChainAgent, ToyChainConfig, ToyChainDiagnostics
 
 
 @dataclass
@@ -148,6 +148,7 @@ class Args:
 
 
 TOY_ENV_ID = "ToyChain-v0"
+VIDEO_ENVS = 8  # --capture-video records this many evaluation envs at most, as ManiSkill's baselines
 PRESETS: dict[str, dict] = {
     # App. B.2, Table 2: PPO on the toy chain (N = 512, K = 5, 150 updates).
     TOY_ENV_ID: {
@@ -293,13 +294,9 @@ def resolve_args(args: Args) -> Args:
 
 
 def format_settings(args: Args) -> str:
-    """The resolved settings as `name=value` pairs (nested ones as toy.horizon=200), wrapped at 120 characters."""
-    pairs = []
-    for name, value in asdict(args).items():
-        if isinstance(value, dict):
-            pairs += [f"{name}.{inner_name}={inner_value}" for inner_name, inner_value in value.items()]
-        else:
-            pairs.append(f"{name}={value}")
+    """The resolved settings as `name=value` pairs (the toy chain's as toy.horizon=200), wrapped at 120 characters."""
+    pairs = [f"{name}={value}" for name, value in asdict(args).items() if name != "toy"]
+    pairs += [f"toy.{name}={value}" for name, value in asdict(args.toy).items()]
     return "settings:\n" + textwrap.fill(" ".join(pairs), 120, initial_indent="  ", subsequent_indent="  ")
 
 
@@ -332,9 +329,6 @@ def make_maniskill_env(args: Args, num_envs: int, evaluation: bool, video_dir: O
     if isinstance(env.unwrapped.single_action_space, gym.spaces.Dict):  # e.g. TwoRobotPickCube-v1 (one per robot)
         env = FlattenActionSpaceWrapper(env)
     return env
-
-
-VIDEO_ENVS = 8  # --capture-video records this many evaluation envs at most, as ManiSkill's baselines
 
 
 class FirstFrames(gym.Wrapper):
@@ -560,33 +554,6 @@ def mlp(sizes: list[int], activation: type[nn.Module], out_std: float) -> nn.Seq
     return nn.Sequential(*layers, layer_init(nn.Linear(sizes[-2], sizes[-1]), std=out_std))
 
 
-class ChainAgent(nn.Module):
-    """Table 2: block index -> 64-d embedding -> 4 x 256 ReLU -> categorical policy / scalar value (separate nets).
-    The networks run once per block and the batch gathers its rows: the same outputs and gradients, B rows of work."""
-
-    def __init__(self, num_blocks: int, num_actions: int):
-        super().__init__()
-        self.register_buffer("blocks", torch.arange(num_blocks))
-        hidden = [256, 256, 256, 256]
-        self.actor = nn.Sequential(nn.Embedding(num_blocks, 64), mlp([64, *hidden, num_actions], nn.ReLU, 0.01))
-        self.critic = nn.Sequential(nn.Embedding(num_blocks, 64), mlp([64, *hidden, 1], nn.ReLU, 1.0))
-
-    def get_value(self, obs: torch.Tensor) -> torch.Tensor:
-        return self.critic(self.blocks)[:, 0][obs]
-
-    def get_action_and_value(self, obs: torch.Tensor, action: Optional[torch.Tensor] = None):
-        log_probs = torch.log_softmax(self.actor(self.blocks)[obs], dim=-1)
-        if action is None:  # Gumbel-max sampling: a categorical sample without a host sync (CUDA-graph friendly)
-            gumbel = -torch.log(-torch.log(torch.rand_like(log_probs).clamp(1e-20, 1.0)))
-            action = torch.argmax(log_probs + gumbel, dim=-1)
-        logprob = log_probs.gather(-1, action.long().unsqueeze(-1)).squeeze(-1)
-        entropy = -(log_probs.exp() * log_probs).sum(-1)
-        return action, logprob, entropy, self.get_value(obs)
-
-    def deterministic_action(self, obs: torch.Tensor) -> torch.Tensor:
-        return self.actor(self.blocks)[obs].argmax(-1)
-
-
 class GaussianAgent(nn.Module):
     """Table 3: actor and critic MLPs, 3 x 256 tanh; Gaussian policy, learned log std from -0.5 (ManiSkill's ppo.py)."""
 
@@ -796,8 +763,14 @@ def main(args: Args) -> dict:
     if args.track and rank == 0:
         import wandb
 
-        settings = dict(sync_tensorboard=True, config=asdict(args), name=run_name, save_code=True)
-        wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, **settings)
+        wandb.init(
+            project=args.wandb_project_name,
+            entity=args.wandb_entity,
+            sync_tensorboard=True,
+            config=asdict(args),
+            name=run_name,
+            save_code=True,
+        )
     writer = SummaryWriter(str(run_dir)) if rank == 0 else None
     last: dict[str, float] = {}  # the last value of every scalar, for summary.json
 
@@ -881,9 +854,8 @@ def main(args: Args) -> dict:
         envs.action_space.seed(seed + global_step)  # the advance's random actions, reproducible
         obs_rms.update(raw_obs)
         for advance_step in range(advance_length):
-            raw_obs, _, terminated, truncated, info = envs.step(
-                torch.as_tensor(envs.action_space.sample(), device=device)
-            )
+            random_actions = torch.as_tensor(envs.action_space.sample(), device=device)
+            raw_obs, _, terminated, truncated, info = envs.step(random_actions)
             final_mask = info.get("_final_obs", torch.zeros_like(terminated, dtype=torch.bool))
             if advance_step + 1 in starts:  # (the schedule is known on the host: no device sync)
                 starting = env_starts == advance_step + 1
@@ -896,9 +868,8 @@ def main(args: Args) -> dict:
         # RANDOM START ([21]): each env's first episode is cut (truncated) after first_lengths ~ U[1, H] training steps
         random_start = args.reset_scheme == "random-start"
         training_step = 0
-        first_lengths = random_start_lengths(N, H, seed + global_step)
+        first_lengths = random_start_lengths(N, H, seed + global_step).to(device)
         cut_steps = set(first_lengths.tolist()) - {H} if random_start else set()
-        first_lengths = first_lengths.to(device)
         first_episode = torch.full((N,), random_start, device=device)
         tracked = (resets.episode_step == 0) & ~first_episode  # episode statistics: whole episodes begun in training
         ep_return = torch.zeros(N, device=device)
@@ -1014,8 +985,7 @@ def main(args: Args) -> dict:
             log("time/update", clock(device) - update_start, global_step)
             if is_toy:  # App. C / E: batch accuracy, block occupancy, per-block accuracy and forgetting
                 log("toy/accuracy", masked_mean(correct_buf.float(), valid_buf), global_step)
-                probs = torch.softmax(agent.actor(agent.blocks).detach(), dim=-1)  # of every block's actions
-                log("toy/forgetting_mean", toy_diagnostics.record(obs_buf, probs), global_step)
+                log("toy/forgetting_mean", toy_diagnostics.record(obs_buf, agent.action_probs()), global_step)
 
         log_evaluation("final_ckpt.pt")
         if is_toy and toy_diagnostics.accuracy:

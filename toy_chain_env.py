@@ -43,6 +43,7 @@ Diagnostics for the scripts: `block` (N,) and `episode_step` (N,) are the curren
 steps taken in the current episode; info["correct"] says whether each env's action was its block's target (False
 on the ignored action of a next-step reset); `target_actions` (B,) holds a*_b. ToyChainDiagnostics records a policy's
 block occupancy and per-block accuracy over training (App. C), and forgetting_matrix its forgetting (App. E.0.1).
+ChainAgent is Table 2's PPO network for the chain (ppo_staggered.py's).
 
 Simulation time (for VER, Wijmans et al. 2022, Sec. 2: heterogeneous environments). With step_time_mean > 0 every
 step() spends time.sleep() inside the call, as a CPU simulator would spend simulation time in the process that steps
@@ -59,6 +60,7 @@ Registered with Gymnasium as "ToyChain-v0" (vector entry point):
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, fields, replace
 from typing import Any, Literal
@@ -66,6 +68,7 @@ from typing import Any, Literal
 import gymnasium as gym
 import numpy as np
 import torch
+import torch.nn as nn
 from gymnasium.vector import AutoresetMode, VectorEnv
 
 
@@ -318,6 +321,54 @@ class ToyChainDiagnostics:
         accuracy = np.stack(self.accuracy)
         np.savez(path, occupancy=np.stack(self.occupancy), accuracy=accuracy)
         return float(forgetting_matrix(accuracy).mean())
+
+
+def chain_network(num_blocks: int, num_outputs: int, out_std: float) -> nn.Sequential:
+    """Table 2's network: block index -> 64-d embedding -> 4 x 256 ReLU -> linear output. Orthogonal init (gain sqrt 2,
+    the output layer out_std), zero biases, as CleanRL's layer_init."""
+    embedding = nn.Embedding(num_blocks, 64)
+    sizes = [64, 256, 256, 256, 256, num_outputs]
+    layers: list[nn.Module] = []
+    for index, (n_in, n_out) in enumerate(zip(sizes[:-1], sizes[1:])):
+        linear = nn.Linear(n_in, n_out)
+        is_output = index == len(sizes) - 2
+        nn.init.orthogonal_(linear.weight, out_std if is_output else math.sqrt(2))
+        nn.init.constant_(linear.bias, 0.0)
+        layers.append(linear)
+        if not is_output:
+            layers.append(nn.ReLU())
+    return nn.Sequential(embedding, nn.Sequential(*layers))
+
+
+class ChainAgent(nn.Module):
+    """Table 2's PPO agent for the chain (ppo_staggered.py): a categorical policy and a scalar value, separate networks.
+    They run once per block and the batch gathers its rows: the same outputs and gradients, B rows of work."""
+
+    def __init__(self, num_blocks: int, num_actions: int):
+        super().__init__()
+        self.register_buffer("blocks", torch.arange(num_blocks))
+        self.actor = chain_network(num_blocks, num_actions, out_std=0.01)
+        self.critic = chain_network(num_blocks, 1, out_std=1.0)
+
+    def get_value(self, obs: torch.Tensor) -> torch.Tensor:
+        return self.critic(self.blocks)[:, 0][obs]
+
+    def get_action_and_value(self, obs: torch.Tensor, action: torch.Tensor | None = None):
+        log_probs = torch.log_softmax(self.actor(self.blocks)[obs], dim=-1)
+        if action is None:  # Gumbel-max sampling: a categorical sample without a host sync (CUDA-graph friendly)
+            gumbel = -torch.log(-torch.log(torch.rand_like(log_probs).clamp(1e-20, 1.0)))
+            action = torch.argmax(log_probs + gumbel, dim=-1)
+        logprob = log_probs.gather(-1, action.long().unsqueeze(-1)).squeeze(-1)
+        entropy = -(log_probs.exp() * log_probs).sum(-1)
+        return action, logprob, entropy, self.get_value(obs)
+
+    def deterministic_action(self, obs: torch.Tensor) -> torch.Tensor:
+        return self.actor(self.blocks)[obs].argmax(-1)
+
+    @torch.no_grad()
+    def action_probs(self) -> torch.Tensor:
+        """(B, A): the policy's action probabilities in every block (for ToyChainDiagnostics.record)."""
+        return torch.softmax(self.actor(self.blocks), dim=-1)
 
 
 class ToyChainPool:
