@@ -87,8 +87,8 @@ class Args:
     """a checkpoint to resume training from (model, optimizer, iteration), or to evaluate with --evaluate"""
     evaluate: bool = False
     """only evaluate the policy of --checkpoint, then exit"""
-    num_eval_episodes: int = 10
-    """episodes of the final evaluation (one per eval env; >= 0, 0: none) and of --evaluate"""
+    num_eval_episodes: int = 100
+    """episodes of the final evaluation and of --evaluate, one per eval env, >= 0 (0: none; 10 are noisy on CartPole)"""
 
     env_id: str = "Breakout-v5"
     """EnvPool Atari (Breakout-v5, Pong-v5, ...), EnvPool classic control (CartPole-v1, Acrobot-v1) or ToyChain-v0"""
