@@ -202,6 +202,7 @@ class ArgsError(ValueError):
 def resolve_args(args: Args) -> Args:
     """Fills the task presets and derived sizes into a copy of `args` and checks it. Raises ArgsError."""
     args = replace(args, toy=replace(args.toy))
+    from mani_skill.utils.assets.data import is_data_source_downloaded
     from mani_skill.utils.registration import REGISTERED_ENVS
 
     kind = "toy" if args.env_id == TOY_ENV_ID else "maniskill" if args.env_id in REGISTERED_ENVS else "gym"
@@ -282,11 +283,9 @@ def resolve_args(args: Args) -> Args:
         raise ArgsError("--evaluate needs --checkpoint PATH")
     if args.cudagraphs and (args.world_size > 1 or not (args.cuda and torch.cuda.is_available())):
         raise ArgsError("--cudagraphs: one process on a CUDA GPU only (no torchrun all-reduces or CPU work in graphs)")
-    if args.env_id == "AnymalC-Reach-v1" and args.world_size > 1:  # DDP: every rank would prompt and download it
-        from mani_skill.utils.assets.data import is_data_source_downloaded
-
-        if not is_data_source_downloaded("anymal_c"):
-            raise ArgsError("--env-id AnymalC-Reach-v1: python -m mani_skill.utils.download_asset anymal_c first")
+    # DDP: every rank would prompt for AnymalC's robot download at once
+    if args.env_id == "AnymalC-Reach-v1" and args.world_size > 1 and not is_data_source_downloaded("anymal_c"):
+        raise ArgsError("--env-id AnymalC-Reach-v1: python -m mani_skill.utils.download_asset anymal_c first")
     icd_files = glob.glob("/usr/share/vulkan/icd.d/*.json") + glob.glob("/etc/vulkan/icd.d/*.json")
     if kind == "maniskill" and sys.platform.startswith("linux") and not (icd_files or os.getenv("VK_ICD_FILENAMES")):
         raise ArgsError("ManiSkill3 needs a Vulkan driver, even for state-only simulation: bash .ci/install_system.sh")
@@ -346,10 +345,11 @@ class TerminationInInfo(gym.Wrapper):
         return obs, reward, False, truncated, {**info, "terminated": terminated}
 
 
-def make_single_env(args: Args, evaluation: bool, video_dir: Optional[str]):
-    """One env with numpy outputs, for a Gymnasium vector env: a physx_cpu ManiSkill task or a Gymnasium env."""
+def make_single_env(args: Args, evaluation: bool, video_dir: Optional[str], index: int):
+    """Env `index` of a vector env: a physx_cpu ManiSkill task (filmed if index < VIDEO_ENVS) or a Gymnasium env."""
     if args.resolved_sim_backend == "physx_cpu":
-        return TerminationInInfo(make_maniskill_env(args, 1, evaluation, video_dir))
+        env_video_dir = os.path.join(video_dir, f"env{index}") if video_dir and index < VIDEO_ENVS else None
+        return TerminationInInfo(make_maniskill_env(args, 1, evaluation, env_video_dir))
     return TerminationInInfo(gym.wrappers.ClipAction(gym.make(args.env_id, max_episode_steps=args.horizon)))
 
 
@@ -409,11 +409,7 @@ def make_env(args: Args, num_envs: int, device: torch.device, evaluation: bool, 
     if args.resolved_sim_backend.startswith("physx_cuda"):
         env = make_maniskill_env(args, num_envs, evaluation, video_dir)
     else:
-        video_dirs = [
-            os.path.join(video_dir, f"env{index}") if video_dir and index < VIDEO_ENVS else None
-            for index in range(num_envs)
-        ]
-        fns = [partial(make_single_env, args, evaluation, env_video_dir) for env_video_dir in video_dirs]
+        fns = [partial(make_single_env, args, evaluation, video_dir, index) for index in range(num_envs)]
         vector_env = gym.vector.SyncVectorEnv
         if args.resolved_sim_backend == "physx_cpu" and num_envs > 1:  # one ManiSkill process per env
             vector_env = partial(gym.vector.AsyncVectorEnv, context="forkserver")
@@ -450,7 +446,7 @@ class ResetState:
         reset_now = self.stale | final_mask  # (stale: next-step mode only)
         if self.next_step_mode:  # an end that the step did not reset is reset by the next step: a stale step
             self.stale = done & ~final_mask
-        # STAGGER: the reset gate. A terminated env waits until its group's gate resets it (naive, random start: at once)
+        # STAGGER: the reset gate. A terminated env waits until its group's gate resets it (naive, random-start: now)
         self.waiting = (self.waiting | (valid & terminated)) & ~reset_now
         self.episode_step = torch.where(reset_now, 0, self.episode_step + 1)
         return valid, valid & done

@@ -1366,11 +1366,17 @@ def test_cpu_simulation_records_the_first_8_eval_envs(monkeypatch):
     """CPU simulation (one env per process): of 12 evaluation envs, the first 8 record a video each."""
     video_dirs = []
 
-    def capture(fns, **kwargs):
-        video_dirs.extend(fn.args[2] for fn in fns)
-        raise InterruptedError  # (no env is built)
+    def record_video_dir(args, num_envs, evaluation, video_dir):
+        video_dirs.append(video_dir)
+        return gym.make("CartPole-v1")  # (a stand-in: no ManiSkill env is built)
 
-    monkeypatch.setattr(gym.vector, "AsyncVectorEnv", capture)
+    def build_each_env(fns, **kwargs):
+        for fn in fns:
+            fn()
+        raise InterruptedError
+
+    monkeypatch.setattr(ppo, "make_maniskill_env", record_video_dir)
+    monkeypatch.setattr(gym.vector, "AsyncVectorEnv", build_each_env)
     args = ppo.Args(env_id="PushCube-v1", resolved_sim_backend="physx_cpu", horizon=50)
     with pytest.raises(InterruptedError):
         ppo.make_env(args, 12, torch.device("cpu"), evaluation=True, video_dir="videos")
