@@ -791,7 +791,7 @@ def test_logged_returns_are_raw_game_scores(tmp_path):
 def final_returns_on_cartpole(tmp_path, script) -> dict:
     """Shared with test_cleanba_impala.py: seeds 1-5 of the script on EnvPool's CartPole-v1 as a user runs it (its
     classic preset, 500k steps, its default architecture) with one actor thread, two runs at a time. Returns each
-    seed's final return: eval/return after training, the mean score of 10 episodes of the trained policy."""
+    seed's final return: eval/return after training, the mean score of 100 episodes of the trained policy."""
     seeds = [1, 2, 3, 4, 5]
 
     def final_return(seed: int) -> float:
@@ -807,13 +807,13 @@ def final_returns_on_cartpole(tmp_path, script) -> dict:
 
 def test_learns_cartpole_and_holds_it_to_the_end(tmp_path):
     """The final return of every seed, not a median: a policy learned and then lost shows (the lost runs ended at
-    223-428). Asserted: each of seeds 1-5 ends with eval/return >= 450 (475 is the task's threshold; one fall in the 10
-    evaluation episodes costs about 50). Measured with the classic preset (CleanRL's ppo.py settings; no entropy bonus
-    and the advantage std floor of 1, the classic-control departures), synchronous: 500.0 on all five seeds, and
-    concurrent 500.0, 485.5, 500.0, 500.0, 500.0 (benchmarks/results/cleanba_classic.md). With CleanRL's entropy 0.01
-    and no floor, the concurrent architecture lost seeds 11 and 13 late (cleanba_classic_collapse.md)."""
+    223-428). Asserted: each of seeds 1-5 ends with eval/return >= 475 (the task's threshold), the mean of 100
+    episodes. Measured with the classic preset (CleanRL's ppo.py settings; no entropy bonus and the advantage std floor
+    of 1, the classic-control departures), synchronous: 500.0, 500.0, 498.8, 500.0, 499.4
+    (benchmarks/results/cleanba_classic.md). With CleanRL's entropy 0.01 and no floor, the concurrent architecture lost
+    seeds 11 and 13 late (cleanba_classic_collapse.md)."""
     finals = final_returns_on_cartpole(tmp_path, SCRIPT)
-    assert min(finals.values()) >= 450, finals
+    assert min(finals.values()) >= 475, finals
 
 
 def test_torchrun_two_learners_with_gloo(tmp_path):
