@@ -36,7 +36,8 @@ The json is rewritten after every run; --resume keeps the runs it holds (same co
 seeds. --quick runs every arm once (seed 1, N = 8/16/32, 4,096 steps, H = 100, evaluations every ~1k steps) into *_quick.* files: a check of the
 benchmark itself, not a result.
 
-  python benchmarks/mujoco_scaling.py              # 33 runs, 2M steps each (CleanRL 1M): about 2.5 hours, 2 cores
+  python benchmarks/mujoco_scaling.py              # 33 runs, 2M steps each (CleanRL 1M): 11-17 min a run, two at
+                                                   # a time: about 4 hours on 2 cores (--resume goes on after a stop)
   python benchmarks/mujoco_scaling.py --quick      # every code path, a few minutes
   python benchmarks/mujoco_scaling.py --resume     # after a stop: keeps the runs the json has, runs the rest
 """
