@@ -22,7 +22,8 @@ Autoreset: EnvPool's next-step mode (ToyChain-v0 runs in the same mode): the ste
 the env (action ignored, reward 0); that row is masked out of the loss. Its observation is the episode's true last
 one, whose value is bootstrapped at a truncation (at every end with --bootstrap-at-done always).
 Departures (classic control, from Table 2 and CleanRL's ppo.py): no entropy bonus; advantages divided by max(std, 1),
-so a solved task's vanished advantage is not scaled back to unit size (benchmarks/results/cleanba_classic_collapse.md).
+so a solved task's vanished advantage is not scaled back to unit size; a constant learning rate, so V converges once
+the task is solved and a late fall can still be learned from (benchmarks/results/cleanba_classic_collapse.md).
 
 Examples
   python cleanba_ppo.py --env-id ToyChain-v0                                 # seconds on a CPU
@@ -112,8 +113,8 @@ class Args:
     """env steps of all processes, at least one batch (default: Atari 50M, Table 2; classic 500k; ToyChain 64,000)"""
     learning_rate: float = 2.5e-4
     """Adam learning rate (> 0; Table 2)"""
-    anneal_lr: bool = True
-    """linearly decay the learning rate to 0 (Table 2)"""
+    anneal_lr: Optional[bool] = None
+    """linearly decay the learning rate to 0 (default: Atari and ToyChain True, Table 2; classic False, a departure)"""
     num_steps: Optional[int] = None
     """rollout length per env and update, >= 1 (default: Atari 128, Table 2; classic 128; ToyChain 10)"""
     gamma: float = 0.99
@@ -155,8 +156,8 @@ class Args:
 TOY_ENV_ID = "ToyChain-v0"
 CLASSIC_ENVS = {"CartPole-v1": (4, 2), "Acrobot-v1": (6, 3)}  # EnvPool classic control: observation size, actions
 # App. B Table 2 (Atari, ToyChain); classic control: CleanRL's ppo.py clipping and the departures of the docstring
-TABLE_2_LOSS = dict(clip_coef=0.1, clip_vloss=False, ent_coef=0.01, adv_std_floor=0.0)
-CLASSIC_LOSS = dict(clip_coef=0.2, clip_vloss=True, ent_coef=0.0, adv_std_floor=1.0)
+TABLE_2_LOSS = dict(clip_coef=0.1, clip_vloss=False, ent_coef=0.01, adv_std_floor=0.0, anneal_lr=True)
+CLASSIC_LOSS = dict(clip_coef=0.2, clip_vloss=True, ent_coef=0.0, adv_std_floor=1.0, anneal_lr=False)
 PRESETS = {
     "atari": dict(TABLE_2_LOSS, local_num_envs=128, num_steps=128, total_timesteps=50_000_000),
     "classic": dict(CLASSIC_LOSS, local_num_envs=4, num_steps=128, total_timesteps=500_000),

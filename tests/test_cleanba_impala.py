@@ -307,7 +307,7 @@ def test_resolve_args_fills_table_3():
         1.0,
         1.0,
     )
-    assert (a.gamma, a.ent_coef, a.vf_coef, a.anneal_lr) == (0.99, 0.01, 0.5, True)
+    assert (a.gamma, a.ent_coef, a.vf_coef, a.anneal_lr) == (0.99, 0.01, 0.5, True)  # Table 3 anneals
     assert a.concurrency and (a.batch_size, a.minibatch_size, a.num_iterations) == (2560, 640, 19531)
     learner = ci.Learner(a, ci.Agent(a), torch.device("cpu"), rank=0)
     group = learner.optimizer.param_groups[0]
@@ -329,7 +329,8 @@ def test_classic_control_presets_and_every_flag_overrides_them():
     )
     departures = (cartpole.rmsprop_eps, cartpole.max_grad_norm, cartpole.num_minibatches, cartpole.ent_coef)
     assert departures == (0.1, 40.0, 8, 0.0)  # Table 3's clip, not its epsilon, minibatches or entropy bonus
-    flags = dict(rmsprop_eps=0.01, max_grad_norm=1000.0, num_minibatches=4, ent_coef=0.01)
+    assert not cartpole.anneal_lr  # a constant learning rate, another departure
+    flags = dict(rmsprop_eps=0.01, max_grad_norm=1000.0, num_minibatches=4, ent_coef=0.01, anneal_lr=True)
     assert dataclasses.asdict(ci.resolve_args(ci.Args(env_id="CartPole-v1", **flags))).items() >= flags.items()
     assert ci.resolve_args(ci.Args(env_id="Acrobot-v1")).ent_coef == 0.01  # Acrobot explores with the bonus
     custom = ci.resolve_args(ci.Args(env_id="Acrobot-v1", local_num_envs=8, num_steps=10, total_timesteps=1000))

@@ -271,19 +271,15 @@ def test_envpool_cartpole_truncates_at_500_and_terminates_a_fallen_pole():
 def test_classic_control_presets_are_cleanrl_ppo_and_every_flag_overrides_them():
     cartpole = cp.resolve_args(cp.Args(env_id="CartPole-v1"))
     assert (cartpole.local_num_envs, cartpole.num_steps, cartpole.total_timesteps) == (4, 128, 500_000)
-    assert (cartpole.learning_rate, cartpole.anneal_lr, cartpole.num_minibatches, cartpole.update_epochs) == (
-        2.5e-4,
-        True,
-        4,
-        4,
-    )
+    assert (cartpole.learning_rate, cartpole.num_minibatches, cartpole.update_epochs) == (2.5e-4, 4, 4)
     assert (cartpole.clip_coef, cartpole.gamma, cartpole.gae_lambda) == (0.2, 0.99, 0.95)
     assert cartpole.clip_vloss  # CleanRL's ppo.py clips the value loss; Table 2 does not
-    assert (cartpole.ent_coef, cartpole.adv_std_floor) == (0.0, 1.0)  # the classic-control departures
+    assert (cartpole.ent_coef, cartpole.adv_std_floor, cartpole.anneal_lr) == (0.0, 1.0, False)  # the departures
     table_2 = cp.resolve_args(cp.Args(env_id="Breakout-v5"))
     assert (table_2.clip_coef, table_2.clip_vloss, table_2.ent_coef, table_2.adv_std_floor) == (0.1, False, 0.01, 0.0)
-    flags = cp.resolve_args(cp.Args(env_id="CartPole-v1", ent_coef=0.01, adv_std_floor=0.0))
-    assert (flags.ent_coef, flags.adv_std_floor) == (0.01, 0.0)
+    assert table_2.anneal_lr and cp.resolve_args(cp.Args(env_id="ToyChain-v0")).anneal_lr
+    flags = cp.resolve_args(cp.Args(env_id="CartPole-v1", ent_coef=0.01, adv_std_floor=0.0, anneal_lr=True))
+    assert (flags.ent_coef, flags.adv_std_floor, flags.anneal_lr) == (0.01, 0.0, True)
     custom = cp.resolve_args(cp.Args(env_id="Acrobot-v1", local_num_envs=16, num_steps=32, clip_coef=0.1))
     assert (custom.local_num_envs, custom.num_steps, custom.clip_coef, custom.batch_size) == (16, 32, 0.1, 512)
     logits, value = cp.Agent(custom)(torch.zeros(5, 6))
