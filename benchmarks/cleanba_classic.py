@@ -39,6 +39,7 @@ import itertools
 import json
 import os
 import platform
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -283,6 +284,11 @@ def median_text(values: list[float]) -> str:
     return f"{np.median(finite):.0f}" if finite else "never"
 
 
+def command_line() -> str:
+    """The benchmark's command as it was run (a --replot only redraws: left out)."""
+    return shlex.join(["python", "benchmarks/cleanba_classic.py", *(arg for arg in sys.argv[1:] if arg != "--replot")])
+
+
 def report(runs: dict, options: Options, suffix: str) -> None:
     seeds = list(options.seeds[:1] if options.quick else options.seeds)
     threads = options.actor_threads
@@ -291,7 +297,7 @@ def report(runs: dict, options: Options, suffix: str) -> None:
         "# Cleanba scripts on EnvPool classic control"
         + (" (--quick: a check of the benchmark, not a result)" if options.quick else ""),
         "",
-        f"Command: `python benchmarks/cleanba_classic.py{' --quick' if options.quick else ''}`. Machine: "
+        f"Command: `{command_line()}`. Machine: "
         f"{platform.node()} ({platform.processor() or platform.machine()}), {os.cpu_count()} CPUs, {options.jobs} runs "
         f"at once. Date: {time.strftime('%Y-%m-%d')}. Scripts at commit "
         + "; ".join(f"{commit_name} ({count} runs)" for commit_name, count in commits.items())
