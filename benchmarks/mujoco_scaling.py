@@ -29,6 +29,10 @@ Updates to the threshold: PPO iterations (one N x K batch each) before the evalu
 advance (random actions before training, (N_B - 1) x S x N env steps: 60k at N = 64, 254k at 256, 1.0M at 1024) is not
 in the budget (ppo_staggered.py's global_step); the table gives it beside.
 
+Posture: a HalfCheetah can learn to run on its back (a local optimum near 2,000), and the staggered advance's random
+actions flip some cheetahs before training. Each HalfCheetah run's final policy (--save-model's final_ckpt.pt) is run
+deterministically for 1000 steps in 8 envs: "time on back" is the fraction of steps with |rooty| > pi/2.
+
 Writes benchmarks/results/mujoco_scaling.md, .json (every run's per-evaluation rows, its training-return curve and its
 diagnostics' means) and .png (return against env steps per N; final return against N per scheme, Fig. 5's shape).
 The json is rewritten after every run; --resume keeps the runs it holds (same command) and runs the rest. Runs go
@@ -166,11 +170,14 @@ def run_ours(flags: list[str], seed: int) -> dict:
     """One run of ppo_staggered.py as a user runs it: its evaluations, training-return curve, diagnostics' means."""
     with tempfile.TemporaryDirectory() as out:
         start = time.time()
-        launch([sys.executable, str(SCRIPT), *flags, "--seed", str(seed), "--output-dir", out], out)  # (MUJOCO_LOG.TXT)
+        command = [sys.executable, str(SCRIPT), *flags, "--seed", str(seed), "--output-dir", out, "--save-model"]
+        launch(command, out)  # (cwd: MuJoCo writes MUJOCO_LOG.TXT there)
         wall = time.time() - start
         run_dir = next(path for path in Path(out).iterdir() if path.is_dir())
         scalars = read_scalars(run_dir)
         summary = json.loads((run_dir / "summary.json").read_text())
+        task = flags[flags.index("--env-id") + 1]
+        on_back = time_on_back(run_dir / "final_ckpt.pt", seed) if task == SCALING_TASK else None
     evals = [
         {"global_step": step, "eval/return": value, "eval/episode_len": length}
         for (step, value), (_, length) in zip(scalars["eval/return"], scalars["eval/episode_len"])
@@ -183,7 +190,34 @@ def run_ours(flags: list[str], seed: int) -> dict:
         "global_step": summary["global_step"],
         "sps": summary["sps"],
         "wall_s": wall,
+        "time_on_back": on_back,
     }
+
+
+def time_on_back(checkpoint: Path, seed: int) -> float:
+    """HalfCheetah: the fraction of a deterministic evaluation's env steps (8 envs, 1000 steps each) that the final
+    policy spends on its back (|rooty| > pi/2; rooty is observation 1). A cheetah can learn to run either way up; the
+    staggered advance's random actions flip some before training begins (the md's table gives the fraction)."""
+    sys.path.insert(0, str(ROOT))
+    import torch
+
+    import ppo_staggered
+
+    args = ppo_staggered.resolve_args(ppo_staggered.Args(env_id=SCALING_TASK, cuda=False, seed=seed))
+    device = torch.device("cpu")
+    envs = ppo_staggered.make_env(args, 8, device, evaluation=True)
+    agent = ppo_staggered.make_agent(envs)
+    optimizer = torch.optim.Adam(agent.parameters())
+    obs_rms = ppo_staggered.RunningMeanStd(envs.single_observation_space.shape, device)
+    ppo_staggered.load_checkpoint(str(checkpoint), agent, optimizer, obs_rms, device)
+    obs, _ = envs.reset(seed=seed)
+    steps_on_back = []
+    with torch.no_grad():
+        for _ in range(1000):
+            obs, _, _, _, _ = envs.step(agent.deterministic_action(obs_rms.normalize(obs)))
+            steps_on_back.append((obs[:, 1].abs() > np.pi / 2).float().mean().item())
+    envs.close()
+    return float(np.mean(steps_on_back))
 
 
 def run_cleanrl(path: Path, seed: int, total_timesteps: int) -> dict:
@@ -351,8 +385,18 @@ def table_row(runs: list[dict], arm: str) -> str:
         f"{np.mean([run['sps'] for run in runs]):,.0f}",
         *(f"{value:.3g}" for value in diagnostics),
         *(["-"] * (3 - len(diagnostics))),
+        on_back_cell(runs),
     ]
     return "| " + " | ".join(cells) + " |"
+
+
+def on_back_cell(runs: list[dict]) -> str:
+    """Mean and per-seed time on back (HalfCheetah's runs since it was added; "?" for a run before it)."""
+    values = [run.get("time_on_back") for run in runs]
+    if all(value is None for value in values):
+        return "-"
+    known = [value for value in values if value is not None]
+    return f"{np.mean(known):.2f} ({', '.join('?' if value is None else f'{value:.2f}' for value in values)})"
 
 
 def group(record: dict, task: str, scheme: str, num_envs: int) -> list[dict]:
@@ -388,12 +432,13 @@ def report(record: dict, options: Options, suffix: str) -> None:
         + ", fixed before running; steps and updates to it: before the first evaluation that reached it, median "
         "over the seeds that did (per seed). Advance: the staggered advance's random-action env steps, not in the "
         "budget. Minutes: launch to exit of one run, start-up and evaluations included, while --jobs runs shared "
-        "the machine. Diagnostics: means over every update of the run, then over seeds.",
+        "the machine. Diagnostics: means over every update of the run, then over seeds. Time on back (HalfCheetah): the "
+        "fraction of a deterministic 1000-step evaluation of the final policy (8 envs) spent with |rooty| > pi/2.",
         "",
         "| arm | task | scheme | N | seeds | final eval return (per seed) | final training return (per seed) "
         "| seeds reached | env steps to threshold (per seed) | updates to threshold (per seed) | advance env steps "
-        "| minutes / run | steps/s | stage coverage | value MSE | policy KL |",
-        "|" + "---|" * 16,
+        "| minutes / run | steps/s | stage coverage | value MSE | policy KL | time on back (per seed) |",
+        "|" + "---|" * 17,
     ]
     for n in scaling_n:
         for scheme in SCHEMES[:2]:
@@ -409,7 +454,7 @@ def report(record: dict, options: Options, suffix: str) -> None:
     if runs:
         lines.append(table_row(runs, f"reference ({cleanrl_steps:,} steps)"))
     else:
-        lines.append(f"| reference | {SCALING_TASK} | CleanRL: not run ({options.cleanrl} absent) |" + " - |" * 13)
+        lines.append(f"| reference | {SCALING_TASK} | CleanRL: not run ({options.cleanrl} absent) |" + " - |" * 14)
     lines += [
         "",
         "CleanRL's ppo_continuous_action.py does not evaluate (only with --save-model and cleanrl_utils): its "
