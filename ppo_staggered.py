@@ -22,7 +22,7 @@ Map from the paper to this file
   Sec. 2, 5.3 [21]    random_start_lengths, "RANDOM START"                         (--reset-scheme random-start)
   App. B.2, Table 2   PRESETS["ToyChain-v0"], toy_chain_env.ChainAgent             (the toy chain and its network)
   App. B.3, Table 3   PRESETS[ManiSkill task ids], MANISKILL_COMMON, GaussianAgent
-  (not in the paper)  MUJOCO_PRESET                                                (MuJoCo locomotion, CPU envs)
+  (not in the paper)  MUJOCO_PRESET, RunningMeanStd.scale                          (MuJoCo: CPU envs, reward scaling)
   App. C, Fig. 6      batch_temporal_stats, toy_diagnostics.npz                    (figures: benchmarks/toy_sweeps.py)
   App. E.0.1          stagger/value_mse, stagger/policy_kl, toy/forgetting_mean    (toy_chain_env.ToyChainDiagnostics)
   Sec. 5.4 (large N)  all_reduce_sum, RunningMeanStd.merge_ranks, "DDP"            (torchrun: ranks x N envs)
@@ -125,6 +125,8 @@ class Args:
     """gradient-norm clip, > 0"""
     target_kl: Optional[float] = None
     """stop the update once approx KL exceeds this, >= 0, 0 = off (ManiSkill 0.1; others 0)"""
+    normalize_reward: Optional[bool] = None
+    """divide rewards by a running std of the discounted return, clip to +-10, as CleanRL's MuJoCo PPO (MuJoCo, Gym)"""
     bootstrap_at_done: Optional[Literal["always", "truncated"]] = None
     """bootstrap V(final obs) at every episode end ('always', default for ManiSkill) or only at truncations (others)"""
 
@@ -189,6 +191,7 @@ MUJOCO_PRESET = {
     "num_minibatches": 8,
     "ent_coef": 0.0,
     "target_kl": 0.0,
+    "normalize_reward": True,
     "total_timesteps": 3_000_000,
     "eval_freq": 50,
     "num_eval_envs": 8,
@@ -225,6 +228,7 @@ def resolve_args(args: Args) -> Args:
             )
             preset = {**preset, **MANISKILL_CPU_TRIAL}
     args = replace(args, **{name: value for name, value in preset.items() if getattr(args, name) is None})
+    args.normalize_reward = bool(args.normalize_reward)  # (on in the MuJoCo preset only)
     domains = [  # (flag, value, whether it is in the flag's domain, the domain); presets filled in (--toy.*: below)
         ("--seed", args.seed, args.seed >= 0, ">= 0"),
         ("--num-envs", args.num_envs, args.num_envs >= 1, ">= 1"),
@@ -534,6 +538,10 @@ class RunningMeanStd:
     def normalize(self, obs: torch.Tensor) -> torch.Tensor:
         return ((obs - self.mean) / torch.sqrt(self.var + 1e-8)).clamp(-10.0, 10.0) if self.enabled else obs
 
+    def scale(self, rewards: torch.Tensor) -> torch.Tensor:
+        """Reward scaling (of discounted returns' statistics): divided by the std, not centred, clipped to +-10."""
+        return (rewards / torch.sqrt(self.var + 1e-8)).clamp(-10.0, 10.0) if self.enabled else rewards
+
 
 # ---- Networks --------------------------------------------------------------------------------------------------------
 def layer_init(layer: nn.Linear, std: float = math.sqrt(2), bias_const: float = 0.0) -> nn.Linear:
@@ -610,15 +618,16 @@ def clock(device: torch.device) -> float:
 
 
 # ---- Checkpoints -----------------------------------------------------------------------------------------------------
-def save_checkpoint(path: Path, agent, optimizer, obs_rms: RunningMeanStd, global_step: int, args: Args) -> None:
+def save_checkpoint(path: Path, agent, optimizer, normalizers: dict, global_step: int, args: Args) -> None:
     """Enough to resume or evaluate; a temporary file renamed, never half-written."""
     state = {
         "model": agent.state_dict(),
         "optimizer": optimizer.state_dict(),
         "global_step": global_step,
         "iteration": global_step // (args.batch_size * args.world_size),  # rollouts collected
-        "obs_rms": {"mean": obs_rms.mean, "var": obs_rms.var, "count": obs_rms.count},
     }
+    for name, rms in normalizers.items():  # obs_rms, reward_rms
+        state[name] = {"mean": rms.mean, "var": rms.var, "count": rms.count}
     tmp = path.with_name(path.name + ".tmp")
     try:
         torch.save(state, tmp)
@@ -627,18 +636,19 @@ def save_checkpoint(path: Path, agent, optimizer, obs_rms: RunningMeanStd, globa
         tmp.unlink(missing_ok=True)
 
 
-def load_checkpoint(path: str, agent, optimizer, obs_rms: RunningMeanStd, device: torch.device) -> int:
+def load_checkpoint(path: str, agent, optimizer, normalizers: dict, device: torch.device) -> int:
     """Restores what save_checkpoint wrote; returns its global step."""
     try:
         checkpoint = torch.load(path, map_location=device, weights_only=True)
         agent.load_state_dict(checkpoint["model"])
         optimizer.load_state_dict(checkpoint["optimizer"])
-        obs_rms.mean = checkpoint["obs_rms"]["mean"]
-        obs_rms.var = checkpoint["obs_rms"]["var"]
-        obs_rms.count = checkpoint["obs_rms"]["count"]
+        for name, rms in normalizers.items():  # obs_rms, reward_rms
+            rms.mean = checkpoint[name]["mean"]
+            rms.var = checkpoint[name]["var"]
+            rms.count = checkpoint[name]["count"]
+            rms.merged = rms.totals()  # (every rank loads the same)
     except (RuntimeError, KeyError, ValueError, pickle.UnpicklingError) as error:  # another task's, or no checkpoint
         raise ArgsError(f"--checkpoint {path}: not a checkpoint of this task ({str(error).splitlines()[0]})") from error
-    obs_rms.merged = obs_rms.totals()  # (every rank loads the same)
     return checkpoint["global_step"]
 
 
@@ -795,8 +805,10 @@ def main(args: Args) -> dict:
         # Table 3: Adam, eps 1e-5; on CUDA one fused kernel per step (the step is outside --cudagraphs' graph)
         optimizer = torch.optim.Adam(agent.parameters(), lr=args.learning_rate, eps=1e-5, fused=device.type == "cuda")
         obs_rms = RunningMeanStd(spaces.single_observation_space.shape, device, enabled=not is_toy)  # Table 3
+        reward_rms = RunningMeanStd((), device, enabled=args.normalize_reward)  # of the discounted returns
+        normalizers = {"obs_rms": obs_rms, "reward_rms": reward_rms}
         if args.checkpoint:
-            global_step = start_step = load_checkpoint(args.checkpoint, agent, optimizer, obs_rms, device)
+            global_step = start_step = load_checkpoint(args.checkpoint, agent, optimizer, normalizers, device)
             print(f"resuming from {args.checkpoint} at global step {global_step}")
         if args.world_size > 1:  # DDP: every rank starts from rank 0's weights
             for tensor in agent.state_dict().values():
@@ -814,7 +826,7 @@ def main(args: Args) -> dict:
             evaluation = " ".join(f"{name}={value:.3f}" for name, value in last.items() if name.startswith("eval/"))
             print(f"global_step={global_step} {evaluation}")
             if args.save_model and checkpoint_name:
-                save_checkpoint(run_dir / checkpoint_name, agent, optimizer, obs_rms, global_step, args)
+                save_checkpoint(run_dir / checkpoint_name, agent, optimizer, normalizers, global_step, args)
 
         if args.evaluate:
             log_evaluation(None)
@@ -825,6 +837,7 @@ def main(args: Args) -> dict:
         actions_buf = torch.zeros((K, N, *envs.single_action_space.shape), dtype=dtype, device=device)
         logprobs_buf = torch.zeros((K, N), device=device)
         rewards_buf = torch.zeros((K, N), device=device)
+        discounted_returns_buf = torch.zeros((K, N), device=device)  # --normalize-reward's statistics
         values_buf = torch.zeros((K, N), device=device)
         final_values_buf = torch.zeros((K, N), device=device)
         no_bootstrap_buf = torch.zeros((K, N), dtype=torch.bool, device=device)
@@ -869,6 +882,7 @@ def main(args: Args) -> dict:
         first_episode = torch.full((N,), random_start, device=device)
         tracked = (resets.episode_step == 0) & ~first_episode  # episode statistics: whole episodes begun in training
         ep_return = torch.zeros(N, device=device)
+        discounted_return = torch.zeros(N, device=device)  # of the trained-on rewards, since the episode began
         ep_success = torch.zeros(N, dtype=torch.bool, device=device)
         toy_diagnostics = ToyChainDiagnostics(envs) if is_toy else None
         if stop:
@@ -915,6 +929,9 @@ def main(args: Args) -> dict:
                 correct_buf[step] = info.get("correct", False)  # ToyChain: the action was its block's target
                 # episode statistics, over the trained-on steps of the episodes that started in training
                 ep_return = ep_return + reward * valid
+                discounted_return = discounted_return * args.gamma + reward * valid
+                discounted_returns_buf[step] = discounted_return
+                discounted_return = discounted_return * ~episode_end
                 ep_success = ep_success | (info["success"] & valid)
                 recorded = episode_end & tracked
                 ended["return"] += (ep_return * recorded).sum()
@@ -929,12 +946,17 @@ def main(args: Args) -> dict:
             obs_rms.merge_ranks()  # DDP: every rank normalizes alike from here on
 
             # ---- 3. targets: GAE, bootstrapping V(true next state) under either autoreset mode -----------------------
+            rewards = rewards_buf
+            if args.normalize_reward:  # CleanRL's reward scaling, from the trained-on steps' discounted returns
+                reward_rms.update(discounted_returns_buf[valid_buf])  # (a host sync, once per update)
+                reward_rms.merge_ranks()  # DDP: every rank scales alike
+                rewards = reward_rms.scale(rewards_buf)
             with torch.no_grad():
                 last_value = agent.get_value(obs_rms.normalize(raw_obs))
                 next_values = torch.cat([values_buf[1:], last_value.unsqueeze(0)])
                 next_values = torch.where(final_mask_buf, final_values_buf, next_values)
                 advantages, returns = compute_gae(
-                    rewards_buf, values_buf, next_values, no_bootstrap_buf, dones_buf, args.gamma, args.gae_lambda
+                    rewards, values_buf, next_values, no_bootstrap_buf, dones_buf, args.gamma, args.gae_lambda
                 )
             update_start = clock(device)
 
@@ -990,7 +1012,7 @@ def main(args: Args) -> dict:
         summary["interrupted"] = True
         if rank == 0 and args.save_model and global_step > start_step:  # (nothing new to save before training)
             print("interrupted: writing summary.json and final_ckpt.pt")
-            save_checkpoint(run_dir / "final_ckpt.pt", agent, optimizer, obs_rms, global_step, args)
+            save_checkpoint(run_dir / "final_ckpt.pt", agent, optimizer, normalizers, global_step, args)
         raise
     finally:
         wall = time.time() - start_time

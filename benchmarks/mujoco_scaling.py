@@ -7,7 +7,7 @@ Claims (Bharthulwar, Tao, Su 2025, arXiv:2511.21011):
   Sec. 5.4      the gain grows with N: naive PPO saturates while staggered PPO keeps improving (Fig. 5).
 
 Arms (every run: ppo_staggered.py's MuJoCo preset, K = 8, H = 1000, gamma 0.99, lambda 0.95, observation
-normalization; the same --total-timesteps for every arm; nothing tuned per arm):
+normalization and reward scaling; the same --total-timesteps for every arm; nothing tuned per arm):
   scaling     HalfCheetah-v5 (no early terminations: naive envs stay in lockstep), staggered vs naive, N = 64, 256, 1024
   schemes     N = 256: random-start (legged_gym's init_at_random_ep_len) beside the two, on HalfCheetah-v5 and Hopper-v5
               (a fallen Hopper terminates: early terminations desynchronize naive envs by themselves)
@@ -209,7 +209,8 @@ def time_on_back(checkpoint: Path, seed: int) -> float:
     agent = ppo_staggered.make_agent(envs)
     optimizer = torch.optim.Adam(agent.parameters())
     obs_rms = ppo_staggered.RunningMeanStd(envs.single_observation_space.shape, device)
-    ppo_staggered.load_checkpoint(str(checkpoint), agent, optimizer, obs_rms, device)
+    normalizers = {"obs_rms": obs_rms, "reward_rms": ppo_staggered.RunningMeanStd((), device)}
+    ppo_staggered.load_checkpoint(str(checkpoint), agent, optimizer, normalizers, device)
     obs, _ = envs.reset(seed=seed)
     steps_on_back = []
     with torch.no_grad():
@@ -368,7 +369,7 @@ def table_row(runs: list[dict], arm: str) -> str:
     hits = ~np.isnan(steps)
     cleanrl = first["scheme"] == "cleanrl"
     name = "CleanRL ppo_continuous_action.py" if cleanrl else first["scheme"]
-    diagnostics = [np.mean([run["diagnostics"][tag] for run in runs]) for tag in DIAGNOSTICS[:3]] if not cleanrl else []
+    diagnostics = [np.mean([run["diagnostics"][tag] for run in runs]) for tag in DIAGNOSTICS] if not cleanrl else []
     cells = [
         arm,
         first["task"],
@@ -384,7 +385,7 @@ def table_row(runs: list[dict], arm: str) -> str:
         f"{np.mean([run['wall_s'] for run in runs]) / 60:.1f}",
         f"{np.mean([run['sps'] for run in runs]):,.0f}",
         *(f"{value:.3g}" for value in diagnostics),
-        *(["-"] * (3 - len(diagnostics))),
+        *(["-"] * (len(DIAGNOSTICS) - len(diagnostics))),
         on_back_cell(runs),
     ]
     return "| " + " | ".join(cells) + " |"
@@ -423,7 +424,8 @@ def report(record: dict, options: Options, suffix: str) -> None:
         f"- Commit: {', '.join(commits)}",
         "",
         f"Every ppo_staggered.py run: its MuJoCo preset (K = {K}, H = {100 if options.quick else 1000}, gamma 0.99, "
-        f"lambda 0.95, 8 minibatches, 4 epochs, observation normalization), {steps:,} env steps, an evaluation "
+        f"lambda 0.95, 8 minibatches, 4 epochs, observation normalization, reward scaling), {steps:,} env steps, an "
+        f"evaluation "
         f"(8 envs, deterministic, one episode each) about every {1024 if options.quick else options.eval_every:,} env "
         "steps. Final eval return: "
         "mean eval/return over the last 10% of evaluations, mean over seeds (per seed); training return: the same of "
@@ -432,13 +434,14 @@ def report(record: dict, options: Options, suffix: str) -> None:
         + ", fixed before running; steps and updates to it: before the first evaluation that reached it, median "
         "over the seeds that did (per seed). Advance: the staggered advance's random-action env steps, not in the "
         "budget. Minutes: launch to exit of one run, start-up and evaluations included, while --jobs runs shared "
-        "the machine. Diagnostics: means over every update of the run, then over seeds. Time on back (HalfCheetah): the "
+        "the machine. Diagnostics: means over every update of the run, then over seeds (trained-on fraction: "
+        "stagger/valid_fraction, the steps not waiting for a reset gate). Time on back (HalfCheetah): the "
         "fraction of a deterministic 1000-step evaluation of the final policy (8 envs) spent with |rooty| > pi/2.",
         "",
         "| arm | task | scheme | N | seeds | final eval return (per seed) | final training return (per seed) "
         "| seeds reached | env steps to threshold (per seed) | updates to threshold (per seed) | advance env steps "
-        "| minutes / run | steps/s | stage coverage | value MSE | policy KL | time on back (per seed) |",
-        "|" + "---|" * 17,
+        "| minutes / run | steps/s | stage coverage | value MSE | policy KL | trained-on fraction | time on back (per seed) |",
+        "|" + "---|" * 18,
     ]
     for n in scaling_n:
         for scheme in SCHEMES[:2]:
@@ -454,7 +457,7 @@ def report(record: dict, options: Options, suffix: str) -> None:
     if runs:
         lines.append(table_row(runs, f"reference ({cleanrl_steps:,} steps)"))
     else:
-        lines.append(f"| reference | {SCALING_TASK} | CleanRL: not run ({options.cleanrl} absent) |" + " - |" * 14)
+        lines.append(f"| reference | {SCALING_TASK} | CleanRL: not run ({options.cleanrl} absent) |" + " - |" * 15)
     lines += [
         "",
         "CleanRL's ppo_continuous_action.py does not evaluate (only with --save-model and cleanrl_utils): its "

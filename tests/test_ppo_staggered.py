@@ -158,6 +158,31 @@ def test_running_mean_std_matches_numpy():
     np.testing.assert_allclose(rms.var.numpy(), data.var(0), rtol=1e-9)
 
 
+def test_reward_scaling_matches_gymnasium_normalize_reward():
+    """--normalize-reward on one env without episode ends: the discounted returns the loop accumulates, their running
+    statistics (one update per rollout) and the scaled rewards are those of Gymnasium's NormalizeReward (per step)."""
+    rewards = np.random.default_rng(0).normal(2.0, 3.0, size=40)
+    wrapped = gym.wrappers.NormalizeReward(gym.make("CartPole-v1"), gamma=0.9)
+    reference = []
+    for reward in rewards:
+        wrapped.discounted_reward = wrapped.discounted_reward * 0.9 + reward  # its step's statistics, no env step
+        wrapped.return_rms.update(wrapped.discounted_reward)
+        reference.append(reward / np.sqrt(wrapped.return_rms.var + wrapped.epsilon))
+    rms = ppo.RunningMeanStd((), "cpu")
+    discounted = torch.zeros(1, dtype=torch.float64)
+    for rollout in np.split(rewards, 5):  # K = 8
+        returns = []
+        for reward in rollout:
+            discounted = discounted * 0.9 + reward  # the loop's recursion (no episode end, every step trained on)
+            returns.append(discounted)
+        rms.update(torch.cat(returns))
+    np.testing.assert_allclose(rms.var.item(), wrapped.return_rms.var.item(), rtol=1e-6)  # (float32 start)
+    scaled = rms.scale(torch.as_tensor(rewards, dtype=torch.float64))
+    assert scaled[-1].item() == pytest.approx(reference[-1], rel=1e-6)  # the same statistics at the last step
+    np.testing.assert_allclose(rms.scale(torch.tensor([1e6, -1e6])).numpy(), [10.0, -10.0])  # clipped to +-10
+    assert ppo.RunningMeanStd((), "cpu", enabled=False).scale(torch.tensor([5.0])).item() == 5.0
+
+
 def test_masked_mean():
     x = torch.tensor([1.0, 2.0, 3.0, float("nan")])
     assert ppo.masked_mean(x, torch.tensor([True, True, True, False])).item() == 2.0
@@ -249,7 +274,8 @@ def test_stackcube_preset_is_table_3_and_without_cuda_a_short_cpu_trial_says_so(
 def test_mujoco_preset_and_fewer_envs_than_groups_spread_over_the_horizon():
     a = ppo.resolve_args(ppo.Args(env_id="HalfCheetah-v5", cuda=False))
     assert (a.num_envs, a.num_steps, a.horizon, a.gamma, a.gae_lambda) == (256, 8, 1000, 0.99, 0.95)
-    assert (a.ent_coef, a.target_kl, a.bootstrap_at_done) == (0.0, 0.0, "truncated")
+    assert (a.ent_coef, a.target_kl, a.bootstrap_at_done, a.normalize_reward) == (0.0, 0.0, "truncated", True)
+    assert not ppo.resolve_args(ppo.Args(cuda=False)).normalize_reward  # ToyChain (and ManiSkill): off
     assert (a.num_stagger_groups, a.stagger_step, a.minibatch_size) == (125, 8, 256)  # ceil(1000 / 8) groups, S = K
     few = ppo.resolve_args(ppo.Args(env_id="Hopper-v5", cuda=False, num_envs=64))
     # 64 < 125 groups: S = floor(1000 / 64) = 15, so the last group starts at 63 * 15 = 945 < H
@@ -825,8 +851,8 @@ def test_save_model_then_resume_continues_the_global_step_then_evaluate(tmp_path
     assert ckpts == ["ckpt_0.pt", "ckpt_640.pt", "final_ckpt.pt"]
     ckpt = torch.load(os.path.join(run_dir, "final_ckpt.pt"), weights_only=True)
     assert ckpt["global_step"] == 1280 and ckpt["iteration"] == 4 and ckpt["optimizer"]["state"]
-    assert set(ckpt) == {"model", "optimizer", "global_step", "iteration", "obs_rms"}  # CONVENTIONS.md's layout
-    assert set(ckpt["obs_rms"]) == {"mean", "var", "count"}
+    assert set(ckpt) == {"model", "optimizer", "global_step", "iteration", "obs_rms", "reward_rms"}  # CONVENTIONS.md's
+    assert set(ckpt["obs_rms"]) == set(ckpt["reward_rms"]) == {"mean", "var", "count"}
 
     second = tmp_path / "second"
     proc = run_script(
