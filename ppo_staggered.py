@@ -20,7 +20,7 @@ Map from the paper to this file
   Sec. 3.3, App. B.1  stagger_groups, stagger_start_steps, "STAGGER: advance"     (groups, offsets j*S)
   Sec. 3.3 resets     ResetState, PartialResetVecEnv                               (reset gates, masking)
   Sec. 2, 5.3 [21]    random_start_lengths, "RANDOM START"                         (--reset-scheme random-start)
-  App. B.2, Table 2   PRESETS["ToyChain-v0"], toy_chain_env.ChainAgent             (the toy chain and its network)
+  App. B.2, Table 2   toy_chain_env.TABLE2_PPO, toy_chain_env.ChainAgent           (PPO's settings and network)
   App. B.3, Table 3   PRESETS[ManiSkill task ids], MANISKILL_COMMON, GaussianAgent
   (not in the paper)  MUJOCO_PRESET, RunningMeanStd.scale                          (MuJoCo: CPU envs, reward scaling)
   App. C, Fig. 6      batch_temporal_stats, toy_diagnostics.npz                    (figures: benchmarks/toy_sweeps.py)
@@ -60,7 +60,7 @@ import torch.nn as nn
 import tyro
 from torch.utils.tensorboard import SummaryWriter
 
-from toy_chain_env import ChainAgent, ToyChainConfig, ToyChainDiagnostics
+from toy_chain_env import TABLE2_PPO, ChainAgent, ToyChainConfig, ToyChainDiagnostics
 
 
 @dataclass
@@ -152,19 +152,7 @@ class Args:
 TOY_ENV_ID = "ToyChain-v0"
 VIDEO_ENVS = 8  # --capture-video records this many evaluation envs at most, as ManiSkill's baselines
 PRESETS: dict[str, dict] = {
-    # App. B.2, Table 2: PPO on the toy chain (N = 512, K = 5, 150 updates).
-    TOY_ENV_ID: {
-        "num_envs": 512,
-        "num_steps": 5,
-        "gamma": 0.99,
-        "gae_lambda": 0.95,
-        "num_minibatches": 4,
-        "ent_coef": 0.01,
-        "target_kl": 0.0,
-        "total_timesteps": 150 * 512 * 5,
-        "eval_freq": 10,
-        "num_eval_envs": 128,
-    },
+    TOY_ENV_ID: TABLE2_PPO,  # App. B.2, Table 2: PPO on the toy chain (N = 512, K = 5, 150 updates)
     # App. B.3, Table 3: per-task K, H, gamma, lambda and N of the ManiSkill experiments.
     "StackCube-v1": dict(num_steps=8, horizon=100, gamma=0.8, gae_lambda=0.9, num_envs=4096),
     "PushT-v1": dict(num_steps=8, horizon=100, gamma=0.99, gae_lambda=0.9, num_envs=4096),
@@ -181,8 +169,7 @@ MANISKILL_COMMON = dict(
 MANISKILL_OTHER = dict(num_steps=16, gamma=0.8, gae_lambda=0.9, num_envs=4096)
 # Without CUDA: a short trial on CPU simulation (one process per env), about 3 minutes (StackCube) on 2 cores.
 MANISKILL_CPU_TRIAL = dict(num_envs=8, num_minibatches=4, num_eval_envs=8, total_timesteps=30_000, eval_freq=50)
-# Gymnasium tasks with Box spaces, set for MuJoCo locomotion (HalfCheetah-v5, Hopper-v5, Walker2d-v5, Ant-v5,
-# Humanoid-v5; H = their time limit, 1000): massively parallel PPO with K << H, observations normalized.
+# Gymnasium Box tasks, set for MuJoCo locomotion (HalfCheetah-v5, ...; H = the time limit, 1000): K << H, N = 256.
 MUJOCO_PRESET = {
     "num_envs": 256,
     "num_steps": 8,
@@ -222,10 +209,8 @@ def resolve_args(args: Args) -> Args:
         args.resolved_sim_backend = gpu if args.cuda and torch.cuda.is_available() else "physx_cpu"
         preset = {**MANISKILL_COMMON, **PRESETS.get(args.env_id, MANISKILL_OTHER)}
         if args.resolved_sim_backend == "physx_cpu":
-            print(
-                f"note: no CUDA GPU, so {args.env_id} runs a short CPU simulation trial {MANISKILL_CPU_TRIAL}. Table 3 "
-                f"needs a CUDA GPU: {preset['num_envs']} envs, {preset['total_timesteps']:.0e} steps. Flags override."
-            )
+            print(f"note: no CUDA GPU, so {args.env_id} runs a short CPU trial {MANISKILL_CPU_TRIAL} (flags override).")
+            print(f"  Table 3 needs a CUDA GPU: {preset['num_envs']} envs, {preset['total_timesteps']:.0e} steps.")
             preset = {**preset, **MANISKILL_CPU_TRIAL}
     args = replace(args, **{name: value for name, value in preset.items() if getattr(args, name) is None})
     args.normalize_reward = bool(args.normalize_reward)  # (on in the MuJoCo preset only)
@@ -442,9 +427,8 @@ class ResetState:
         self.next_step_mode = next_step_mode  # an env resets in the step after its episode ends (else in the same)
 
     def step(self, terminated, truncated, final_mask) -> tuple[torch.Tensor, torch.Tensor]:
-        """Advances over one vector step; final_mask: the envs reset inside it (by a same-step env or by the loop).
-        Returns (valid, episode_end): the transitions trained on (neither waiting for a reset gate nor a stale
-        next-step reset), and those of them that end their episode."""
+        """Advances one vector step (final_mask: the envs reset inside it, by a same-step env or the loop). Returns
+        (valid, episode_end): the steps trained on (not waiting at a gate, not a stale reset), and those that end."""
         valid = ~self.stale & ~self.waiting
         done = terminated | truncated
         reset_now = self.stale | final_mask  # (stale: next-step mode only)
@@ -717,8 +701,7 @@ def ppo_update(gradients, optimizer, batch: dict, args: Args) -> dict:
             stats = gradients({key: values[indices] for key, values in batch.items()})
             optimizer.step()
             totals = {name: totals.get(name, 0.0) + value for name, value in stats.items()}
-        # Table 3's target-KL stop, once per epoch as CleanRL (departure: ManiSkill's ppo.py checks every minibatch, a
-        # host sync each). DDP: the KL of all ranks decides, so that every rank stops at the same epoch.
+        # Table 3's target-KL stop, once per epoch as CleanRL (ManiSkill's ppo.py: every minibatch). DDP: all ranks'.
         if args.target_kl > 0 and bool(all_reduce_sum(stats["losses/approx_kl"]) > args.target_kl):
             break
     num_steps_taken = (epoch + 1) * args.num_minibatches  # (epoch: the last one run)
@@ -831,13 +814,11 @@ def main(args: Args) -> dict:
         if args.evaluate:
             log_evaluation(None)
             return summary
-        # rollout storage (K, N, ...); ToyChain's observations and actions are indices
-        dtype = torch.long if is_toy else torch.float32
+        dtype = torch.long if is_toy else torch.float32  # rollout storage (K, N, ...): the chain's are indices
         obs_buf = torch.zeros((K, N, *envs.single_observation_space.shape), dtype=dtype, device=device)
         actions_buf = torch.zeros((K, N, *envs.single_action_space.shape), dtype=dtype, device=device)
         logprobs_buf = torch.zeros((K, N), device=device)
         rewards_buf = torch.zeros((K, N), device=device)
-        discounted_returns_buf = torch.zeros((K, N), device=device)  # --normalize-reward's statistics
         values_buf = torch.zeros((K, N), device=device)
         final_values_buf = torch.zeros((K, N), device=device)
         no_bootstrap_buf = torch.zeros((K, N), dtype=torch.bool, device=device)
@@ -882,7 +863,7 @@ def main(args: Args) -> dict:
         first_episode = torch.full((N,), random_start, device=device)
         tracked = (resets.episode_step == 0) & ~first_episode  # episode statistics: whole episodes begun in training
         ep_return = torch.zeros(N, device=device)
-        discounted_return = torch.zeros(N, device=device)  # of the trained-on rewards, since the episode began
+        discounted_return = torch.zeros(N, device=device)  # --normalize-reward: of the trained-on rewards (phase 3)
         ep_success = torch.zeros(N, dtype=torch.bool, device=device)
         toy_diagnostics = ToyChainDiagnostics(envs) if is_toy else None
         if stop:
@@ -929,9 +910,6 @@ def main(args: Args) -> dict:
                 correct_buf[step] = info.get("correct", False)  # ToyChain: the action was its block's target
                 # episode statistics, over the trained-on steps of the episodes that started in training
                 ep_return = ep_return + reward * valid
-                discounted_return = discounted_return * args.gamma + reward * valid
-                discounted_returns_buf[step] = discounted_return
-                discounted_return = discounted_return * ~episode_end
                 ep_success = ep_success | (info["success"] & valid)
                 recorded = episode_end & tracked
                 ended["return"] += (ep_return * recorded).sum()
@@ -946,11 +924,15 @@ def main(args: Args) -> dict:
             obs_rms.merge_ranks()  # DDP: every rank normalizes alike from here on
 
             # ---- 3. targets: GAE, bootstrapping V(true next state) under either autoreset mode -----------------------
-            rewards = rewards_buf
             if args.normalize_reward:  # CleanRL's reward scaling, from the trained-on steps' discounted returns
-                reward_rms.update(discounted_returns_buf[valid_buf])  # (a host sync, once per update)
+                discounted_returns = torch.zeros_like(rewards_buf)
+                for step in range(K):  # (carried over rollouts, restarted where an episode ended)
+                    discounted_return = discounted_return * args.gamma + rewards_buf[step] * valid_buf[step]
+                    discounted_returns[step] = discounted_return
+                    discounted_return = discounted_return * ~(valid_buf[step] & dones_buf[step])
+                reward_rms.update(discounted_returns[valid_buf])  # (a host sync, once per update)
                 reward_rms.merge_ranks()  # DDP: every rank scales alike
-                rewards = reward_rms.scale(rewards_buf)
+            rewards = reward_rms.scale(rewards_buf)  # (the rewards themselves without --normalize-reward)
             with torch.no_grad():
                 last_value = agent.get_value(obs_rms.normalize(raw_obs))
                 next_values = torch.cat([values_buf[1:], last_value.unsqueeze(0)])
@@ -961,15 +943,14 @@ def main(args: Args) -> dict:
             update_start = clock(device)
 
             # ---- 4. update: epochs of shuffled minibatches -----------------------------------------------------------
-            rollout = {
-                "obs": obs_buf,
-                "actions": actions_buf,
-                "logprobs": logprobs_buf,
-                "valid": valid_buf,
-                "advantages": advantages,
-                "returns": returns,
+            batch = {  # the rollout, (K, N, ...) -> (K * N, ...)
+                "obs": obs_buf.flatten(0, 1),
+                "actions": actions_buf.flatten(0, 1),
+                "logprobs": logprobs_buf.flatten(0, 1),
+                "valid": valid_buf.flatten(0, 1),
+                "advantages": advantages.flatten(0, 1),
+                "returns": returns.flatten(0, 1),
             }
-            batch = {key: value.flatten(0, 1) for key, value in rollout.items()}  # (K, N, ...) -> (K * N, ...)
             losses = ppo_update(gradients, optimizer, batch, args)
             ended = {key: all_reduce_sum(total) for key, total in ended.items()}  # DDP: the episodes of all ranks
             if rank > 0:  # DDP: rank 0 alone logs (the losses and episodes of all ranks, the rest of its own batch)
@@ -1016,11 +997,8 @@ def main(args: Args) -> dict:
         raise
     finally:
         wall = time.time() - start_time
-        summary["global_step"] = global_step
-        summary["wall_time_s"] = wall
-        summary["sps"] = (global_step - start_step) / max(wall, 1e-9)
-        for name, value in last.items():  # the last value of every logged scalar
-            summary[name] = value
+        summary.update(global_step=global_step, wall_time_s=wall, sps=(global_step - start_step) / max(wall, 1e-9))
+        summary.update(last)  # the last value of every logged scalar
         if rank == 0:
             (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
             writer.close()

@@ -43,7 +43,7 @@ Diagnostics for the scripts: `block` (N,) and `episode_step` (N,) are the curren
 steps taken in the current episode; info["correct"] says whether each env's action was its block's target (False
 on the ignored action of a next-step reset); `target_actions` (B,) holds a*_b. ToyChainDiagnostics records a policy's
 block occupancy and per-block accuracy over training (App. C), and forgetting_matrix its forgetting (App. E.0.1).
-ChainAgent is Table 2's PPO network for the chain (ppo_staggered.py's).
+ChainAgent and TABLE2_PPO are Table 2's PPO network and settings for the chain (ppo_staggered.py's).
 
 Simulation time (for VER, Wijmans et al. 2022, Sec. 2: heterogeneous environments). With step_time_mean > 0 every
 step() spends time.sleep() inside the call, as a CPU simulator would spend simulation time in the process that steps
@@ -369,6 +369,21 @@ class ChainAgent(nn.Module):
     def action_probs(self) -> torch.Tensor:
         """(B, A): the policy's action probabilities in every block (for ToyChainDiagnostics.record)."""
         return torch.softmax(self.actor(self.blocks), dim=-1)
+
+
+# Table 2's PPO settings for the chain (N = 512, K = 5, 150 updates): ppo_staggered.py's ToyChain-v0 preset.
+TABLE2_PPO = {
+    "num_envs": 512,
+    "num_steps": 5,
+    "gamma": 0.99,
+    "gae_lambda": 0.95,
+    "num_minibatches": 4,
+    "ent_coef": 0.01,
+    "target_kl": 0.0,
+    "total_timesteps": 150 * 512 * 5,
+    "eval_freq": 10,
+    "num_eval_envs": 128,
+}
 
 
 class ToyChainPool:
