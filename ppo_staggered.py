@@ -169,8 +169,7 @@ MANISKILL_COMMON = dict(
 MANISKILL_OTHER = dict(num_steps=16, gamma=0.8, gae_lambda=0.9, num_envs=4096)
 # Without CUDA: a short trial on CPU simulation (one process per env), about 3 minutes (StackCube) on 2 cores.
 MANISKILL_CPU_TRIAL = dict(num_envs=8, num_minibatches=4, num_eval_envs=8, total_timesteps=30_000, eval_freq=50)
-# Gymnasium Box tasks, set for MuJoCo locomotion (HalfCheetah-v5, ...; H = the time limit, 1000): K << H, N = 256.
-MUJOCO_PRESET = {
+MUJOCO_PRESET = {  # Gymnasium Box tasks, set for MuJoCo locomotion (HalfCheetah-v5, ...): H = the time limit, 1000
     "num_envs": 256,
     "num_steps": 8,
     "gamma": 0.99,
@@ -326,10 +325,11 @@ class FirstFrames(gym.Wrapper):
         return self.env.render()[:VIDEO_ENVS]
 
 
-class TerminationInInfo(gym.Wrapper):
-    """A termination moved to info["terminated"], so that the vector env runs on: PartialResetVecEnv decides resets."""
+class SingleEnvAdapter(gym.Wrapper):
+    """Actions clipped to the (bounded) action space; a termination moved to info: PartialResetVecEnv resets."""
 
     def step(self, action):
+        action = np.clip(action, self.action_space.low, self.action_space.high)  # (ClipAction would unbound the space)
         obs, reward, terminated, truncated, info = self.env.step(action)
         return obs, reward, False, truncated, {**info, "terminated": terminated}
 
@@ -338,8 +338,8 @@ def make_single_env(args: Args, evaluation: bool, video_dir: Optional[str], inde
     """Env `index` of a vector env: a physx_cpu ManiSkill task (filmed if index < VIDEO_ENVS) or a Gymnasium env."""
     if args.resolved_sim_backend == "physx_cpu":
         env_video_dir = os.path.join(video_dir, f"env{index}") if video_dir and index < VIDEO_ENVS else None
-        return TerminationInInfo(make_maniskill_env(args, 1, evaluation, env_video_dir))
-    return TerminationInInfo(gym.wrappers.ClipAction(gym.make(args.env_id, max_episode_steps=args.horizon)))
+        return SingleEnvAdapter(make_maniskill_env(args, 1, evaluation, env_video_dir))
+    return SingleEnvAdapter(gym.make(args.env_id, max_episode_steps=args.horizon))
 
 
 class PartialResetVecEnv(gym.vector.VectorEnv):
@@ -841,7 +841,7 @@ def main(args: Args) -> dict:
         env_starts = torch.tensor(starts, device=device)[stagger_groups(N, args.num_stagger_groups, device)]
         advance_length = (args.num_stagger_groups - 1) * args.stagger_step  # group 0 starts last
         raw_obs, _ = envs.reset(seed=seed + global_step)
-        envs.action_space.seed(seed + global_step)  # the advance's random actions, reproducible
+        envs.action_space.seed(seed + global_step)  # the advance's random actions: uniform in the bounds, reproducible
         obs_rms.update(raw_obs)
         for advance_step in range(advance_length):
             random_actions = torch.as_tensor(envs.action_space.sample(), device=device)

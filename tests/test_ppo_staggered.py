@@ -748,6 +748,28 @@ def test_mujoco_smoke_of_each_reset_scheme(tmp_path, scheme, advance, step_min, 
     assert [step for step, _ in scalars(run_dir)["eval/return"]] == [0, 128, 192]
 
 
+def test_mujoco_advance_actions_are_uniform_in_the_bounds_and_the_env_clips_the_policys():
+    """The staggered advance steps envs.action_space.sample(): uniform in HalfCheetah's [-1, 1] box, not in Gymnasium
+    ClipAction's unbounded box (whose samples are N(0, 1), clipped: they flip most cheetahs before training). The
+    policy's Gaussian actions beyond the bounds are clipped: stepping 5.0 is stepping 1.0."""
+    args = ppo.resolve_args(ppo.Args(env_id="HalfCheetah-v5", cuda=False, num_envs=2))
+    envs = ppo.make_env(args, 2, torch.device("cpu"), evaluation=False)
+    try:
+        assert np.all(envs.action_space.low == -1.0) and np.all(envs.action_space.high == 1.0)
+        envs.action_space.seed(0)
+        samples = np.stack([envs.action_space.sample() for _ in range(200)])
+        assert np.abs(samples).max() <= 1.0
+        assert np.mean(np.abs(samples) > 0.5) == pytest.approx(0.5, abs=0.05)  # N(0, 1): 0.62
+        next_obs = []
+        for action in (5.0, 1.0):
+            envs.reset(seed=3)
+            obs, _, _, _, _ = envs.step(torch.full((2, 6), action))
+            next_obs.append(obs)
+        assert torch.equal(next_obs[0], next_obs[1])
+    finally:
+        envs.close()
+
+
 def test_mujoco_evaluation_is_one_episode_to_its_fall_and_returns_the_sum_of_its_rewards(tmp_path):
     """Hopper-v5: eval/return and eval/episode_len are those of one episode of the final checkpoint's deterministic
     policy stepped here with Gymnasium itself, to the fall (a termination ends it) or the 1000-step limit."""
