@@ -997,8 +997,11 @@ def main(args: Args) -> dict:
         raise
     finally:
         wall = time.time() - start_time
-        summary.update(global_step=global_step, wall_time_s=wall, sps=(global_step - start_step) / max(wall, 1e-9))
-        summary.update(last)  # the last value of every logged scalar
+        summary["global_step"] = global_step
+        summary["wall_time_s"] = wall
+        summary["sps"] = (global_step - start_step) / max(wall, 1e-9)
+        for name, value in last.items():  # the last value of every logged scalar
+            summary[name] = value
         if rank == 0:
             (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
             writer.close()
