@@ -3,22 +3,21 @@
 Paper: "Staggered Environment Resets Improve Massively Parallel On-Policy Reinforcement Learning",
 Sid Bharthulwar, Stone Tao, Hao Su (2025), arXiv:2511.21011.
 
-With N parallel envs, rollouts of K steps and a task horizon H >> K, synchronous resets make every PPO batch one
-K-step slice of the task, cycling through the horizon every H/K updates (Sec. 3.2). Staggered resets split the envs into
+With N parallel envs, rollouts of K steps and a task horizon H >> K, synchronous resets make every PPO batch one K-step
+slice of the task, cycling through the horizon every H/K updates (Sec. 3.2). Staggered resets split the envs into
 N_B = ceil(H/K) groups and advance group j by j*S steps (S = K) before training, so that every batch holds every stage
-of the task (Sec. 3.3, App. B.1). Each group resets together when its horizon ends (its "reset gate"); an env that
-terminates early waits, masked out of the loss, for its group's gate. --no-stagger is the naive baseline of Tables 1/3:
-one group, immediate partial resets (as ManiSkill's PPO). --reset-scheme random-start is legged_gym / Isaac Lab's
-init_at_random_ep_len ([21], Sec. 5.3): each env's first episode is cut after U[1, H] steps.
+(Sec. 3.3, App. B.1). A group resets together at its "reset gate", when its horizon ends; an env that terminates early
+waits for it, masked out of the loss. --no-stagger is the naive baseline of Tables 1/3: immediate partial resets.
+--reset-scheme random-start (legged_gym's init_at_random_ep_len, Sec. 5.3): first episodes last U[1, H] steps.
 
-This is ManiSkill's PPO baseline (examples/baselines/ppo/ppo.py) with three differences, each marked "STAGGER": the
-advance before training, the reset gates with their loss mask, and the masked PPO losses. Under torchrun ("DDP") every
-rank steps and staggers its own --num-envs envs on its own GPU; losses are means over the trained-on steps of all ranks
-and gradients are summed over ranks: G ranks of N envs step as one rank of G x N (Sec. 5.4).
+This is ManiSkill's PPO baseline (examples/baselines/ppo/ppo.py) with three changes, each marked "STAGGER": the advance
+before training, the reset gates with their loss mask, and the masked PPO losses. Under torchrun ("DDP") each rank steps
+and staggers its own --num-envs envs on its own GPU; losses and gradients are taken over the trained-on steps of all
+ranks, so G ranks of N envs train as one rank of G x N (Sec. 5.4).
 
 Map from the paper to this file
   Sec. 3.3, App. B.1  stagger_groups, stagger_start_steps, "STAGGER: advance"     (groups, offsets j*S)
-  Sec. 3.3 resets     ResetState, PartialResetVecEnv                               (reset gates, masking)
+  Sec. 3.3 resets     ResetState, PartialResetVecEnv                               (gates, loss masks, autoreset modes)
   Sec. 2, 5.3 [21]    random_start_lengths, "RANDOM START"                         (--reset-scheme random-start)
   App. B.2, Table 2   toy_chain_env.TABLE2_PPO, toy_chain_env.ChainAgent           (PPO's settings and network)
   App. B.3, Table 3   PRESETS[ManiSkill task ids], MANISKILL_COMMON, GaussianAgent
@@ -26,8 +25,6 @@ Map from the paper to this file
   App. C, Fig. 6      batch_temporal_stats, toy_diagnostics.npz                    (figures: benchmarks/toy_sweeps.py)
   App. E.0.1          stagger/value_mse, stagger/policy_kl, toy/forgetting_mean    (toy_chain_env.ToyChainDiagnostics)
   Sec. 5.4 (large N)  all_reduce_sum, RunningMeanStd.merge_ranks, "DDP"            (torchrun: ranks x N envs)
-Autoreset (autoreset_modes.txt): ToyChain either mode (--toy.autoreset-mode), ManiSkill and Gymnasium same-step
-(PartialResetVecEnv); ResetState masks next-step resets.
 
   python ppo_staggered.py                                      # ToyChain-v0 (Table 2 PPO), ~30 s on a CPU
   python ppo_staggered.py --env-id StackCube-v1 --no-stagger   # Table 3's naive baseline on a CUDA GPU
