@@ -131,6 +131,8 @@ class Args:
     """staggered (Sec. 3.3), naive (synchronous: Tables 1/3's baseline) or random-start (first episodes U[1, H] long)"""
     stagger: bool = True
     """--no-stagger: the naive synchronous baseline (alias of --reset-scheme naive)"""
+    advance_actions: Literal["policy", "random"] = "policy"
+    """the stagger advance's actions (App. B.1): the initial policy's mean action, or uniform random in the bounds"""
 
     eval_freq: Optional[int] = None
     """evaluate every this many iterations, 0 = only at the end (ToyChain 10; ManiSkill 25, CPU 50; MuJoCo, Gym 50)"""
@@ -415,7 +417,7 @@ def stagger_start_steps(num_groups: int, stagger_step: int) -> list[int]:
 
 
 class ResetState:
-    """The reset bookkeeping of N envs (Sec. 3.3; autoreset_modes.txt): which transitions are trained on, who waits."""
+    """The reset bookkeeping of N envs (Sec. 3.3): which transitions are trained on, which envs wait for a reset gate."""
 
     def __init__(self, num_envs: int, device, next_step_mode: bool):
         self.stale = torch.zeros(num_envs, dtype=torch.bool, device=device)  # next-step mode: the next step only resets
@@ -423,18 +425,42 @@ class ResetState:
         self.episode_step = torch.zeros(num_envs, dtype=torch.long, device=device)  # at the current observation
         self.next_step_mode = next_step_mode  # an env resets in the step after its episode ends (else in the same)
 
-    def step(self, terminated, truncated, final_mask) -> tuple[torch.Tensor, torch.Tensor]:
-        """Advances one vector step (final_mask: the envs reset inside it, by a same-step env or the loop). Returns
-        (valid, episode_end): the steps trained on (not waiting at a gate, not a stale reset), and those that end."""
-        valid = ~self.stale & ~self.waiting
+    def trained_on(self) -> torch.Tensor:
+        """The envs whose next transition is trained on: not waiting for a reset gate, not a stale reset step."""
+        return ~self.stale & ~self.waiting
+
+    def step(self, terminated, truncated, reset_mask) -> tuple[torch.Tensor, torch.Tensor]:
+        """Advances one vector step (reset_mask: the envs reset inside it, by a same-step env or by the loop). Returns
+        (valid, episode_end): the steps trained on, and those that end an episode."""
+        valid = self.trained_on()
         done = terminated | truncated
-        reset_now = self.stale | final_mask  # (stale: next-step mode only)
+        reset_now = self.stale | reset_mask  # (stale: next-step mode only)
         if self.next_step_mode:  # an end that the step did not reset is reset by the next step: a stale step
-            self.stale = done & ~final_mask
-        # STAGGER: the reset gate. A terminated env waits until its group's gate resets it (naive, random-start: now)
-        self.waiting = (self.waiting | (valid & terminated)) & ~reset_now
+            self.stale = done & ~reset_mask
+        # STAGGER: a terminated env that nobody resets waits, masked, for the next reset gate (naive: never waits)
+        self.waiting = (self.waiting | (valid & terminated)) & ~reset_now & ~self.stale
         self.episode_step = torch.where(reset_now, 0, self.episode_step + 1)
         return valid, valid & done
+
+    def gated(self, terminated, reset_mask) -> torch.Tensor:
+        """STAGGER (Sec. 3.3): the envs a reset gate resets, with the group that reaches H there: those waiting since a
+        termination, and those that terminate in this step (reset_mask: the envs the step reset already)."""
+        return (self.waiting | terminated) & ~reset_mask
+
+
+def is_reset_gate(clock: int, starts: list[int], horizon: int) -> bool:
+    """STAGGER (Sec. 3.3): whether some group reaches its reset gate `clock` env steps after the reset that begins the
+    advance. Group j starts at starts[j] and then every H steps, when its time limit resets it: a gate every S steps."""
+    return clock % horizon in starts
+
+
+def reset_inside_step(envs, mask: torch.Tensor, raw_obs: torch.Tensor, final_obs, final_mask: torch.Tensor):
+    """Resets the envs in `mask` after a step, as a same-step env resets an episode's end: their true last observation
+    goes into final_obs (for V(final obs)) and their reset one into the observations. Returns all three."""
+    last_obs = raw_obs if final_obs is None else final_obs
+    final_obs = torch.where(mask.view(-1, *[1] * (raw_obs.dim() - 1)), raw_obs, last_obs)
+    raw_obs, _ = envs.reset(options={"reset_mask": mask})  # (the observations of all envs)
+    return raw_obs, final_obs, final_mask | mask
 
 
 def random_start_lengths(num_envs: int, horizon: int, seed: int) -> torch.Tensor:
@@ -454,6 +480,29 @@ def compute_gae(rewards, values, next_values, no_bootstrap, dones, gamma: float,
         lastgaelam = deltas[t] + gamma * gae_lambda * (~dones[t]) * lastgaelam
         advantages[t] = lastgaelam
     return advantages, advantages + values
+
+
+def discounted_returns(rewards, valid, dones, gamma: float, carried: torch.Tensor):
+    """Reward scaling's discounted returns (CleanRL's NormalizeReward) over a (K, N) rollout: G_t = gamma G_{t-1} + r_t
+    of the trained-on rewards, restarted after an episode end. carried: G before the rollout. Returns (G, G after it)."""
+    returns = torch.zeros_like(rewards)
+    for step in range(rewards.shape[0]):
+        carried = carried * gamma + rewards[step] * valid[step]
+        returns[step] = carried
+        carried = carried * ~(valid[step] & dones[step])
+    return returns, carried
+
+
+def normalize_advantages(advantages: torch.Tensor, valid: torch.Tensor):
+    """(A - mean) / (std + 1e-8), the mean and (population) std over the valid entries. DDP: over those of all ranks,
+    from their count, sum and sum of squares in one all-reduce (float64: E[A^2] - E[A]^2 keeps its digits). Returns
+    the normalized advantages and the number of valid entries (of all ranks)."""
+    masked = torch.where(valid, advantages, 0.0).double()
+    shares = torch.stack([valid.sum().double(), masked.sum(), masked.square().sum()])
+    count, total, total_sq = all_reduce_sum(shares)
+    mean = total / count.clamp(min=1)
+    std = (total_sq / count.clamp(min=1) - mean.square()).clamp(min=0).sqrt()
+    return (advantages - mean.float()) / (std.float() + 1e-8), count.float()
 
 
 def masked_mean(values: torch.Tensor, mask: torch.Tensor, count: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -494,14 +543,21 @@ class RunningMeanStd:
         self.enabled = enabled  # off for ToyChain, whose block index is embedded
         self.merged = self.totals()  # DDP: the totals that all ranks share (the last merge's)
 
-    def update(self, obs: torch.Tensor) -> None:
-        if self.enabled:
-            batch_mean, batch_var, batch_n = obs.mean(0), obs.var(0, unbiased=False), obs.shape[0]
-            delta, total = batch_mean - self.mean, self.count + batch_n
-            self.mean = self.mean + delta * batch_n / total
-            between_batches = delta.square() * self.count * batch_n / total
-            self.var = (self.var * self.count + batch_var * batch_n + between_batches) / total
-            self.count = total
+    def update(self, values: torch.Tensor, mask: Optional[torch.Tensor] = None) -> None:
+        """Adds the rows of `values` where `mask` is True (all of them without a mask); none: no change. (Selecting
+        the rows waits for the device: on a GPU, PartialResetVecEnv waits at every env step already.)"""
+        if not self.enabled:
+            return
+        if mask is not None:
+            values = values[mask]
+        if values.shape[0] == 0:  # (an empty batch's mean and variance are NaN)
+            return
+        batch_mean, batch_var, batch_n = values.mean(0), values.var(0, unbiased=False), values.shape[0]
+        delta, total = batch_mean - self.mean, self.count + batch_n
+        self.mean = self.mean + delta * batch_n / total
+        between_batches = delta.square() * self.count * batch_n / total
+        self.var = (self.var * self.count + batch_var * batch_n + between_batches) / total
+        self.count = total
 
     def totals(self) -> torch.Tensor:
         """Count, sum and sum of squares of the observations so far (they add up over observations), in float64."""
@@ -647,15 +703,7 @@ def ppo_loss(agent: nn.Module, minibatch: dict, args: Args) -> tuple[torch.Tenso
     _, newlogprob, entropy, newvalue = agent.get_action_and_value(minibatch["obs"], minibatch["actions"])
     logratio = newlogprob - minibatch["logprobs"]
     ratio = logratio.exp()
-    advantages = minibatch["advantages"]
-    # DDP: count, sum and sum of squares of all ranks' valid advantages in one all-reduce (float64: E[A^2] - E[A]^2)
-    masked = torch.where(valid, advantages, 0.0).double()
-    shares = torch.stack([valid.sum().double(), masked.sum(), masked.square().sum()])
-    count, total, total_sq = all_reduce_sum(shares)
-    mean = total / count.clamp(min=1)
-    std = (total_sq / count.clamp(min=1) - mean.square()).clamp(min=0).sqrt()
-    advantages = (advantages - mean.float()) / (std.float() + 1e-8)
-    count = count.float()
+    advantages, count = normalize_advantages(minibatch["advantages"], valid)
     pg_loss1 = -advantages * ratio
     pg_loss2 = -advantages * ratio.clamp(1 - args.clip_coef, 1 + args.clip_coef)
     pg_loss = masked_mean(torch.max(pg_loss1, pg_loss2), valid, count)
@@ -704,6 +752,36 @@ def ppo_update(gradients, optimizer, batch: dict, args: Args) -> dict:
     num_steps_taken = (epoch + 1) * args.num_minibatches  # (epoch: the last one run)
     means = all_reduce_sum(torch.stack(list(totals.values()))) / num_steps_taken  # DDP: one all-reduce for all
     return dict(zip(totals, means))
+
+
+@torch.no_grad()
+def advance_actions(kind: str, envs, agent: nn.Module, obs_rms: RunningMeanStd, raw_obs: torch.Tensor) -> torch.Tensor:
+    """The stagger advance's actions (App. B.1): the initial policy's mean action, or uniform in the action bounds."""
+    if kind == "random":
+        return torch.as_tensor(envs.action_space.sample(), device=raw_obs.device)
+    return agent.deterministic_action(obs_rms.normalize(raw_obs))
+
+
+def stagger_advance(envs, resets: ResetState, agent: nn.Module, obs_rms: RunningMeanStd, args: Args, seed: int):
+    """STAGGER (App. B.1): from a reset of every env, advances group j by j * S steps with --advance-actions, none
+    trained on. Group j starts its first episode (a partial reset) at step (N_B - 1 - j) * S; group N_B - 1 at the
+    reset itself. Each start is a reset gate: the envs waiting since a termination start with that group (Sec. 3.3).
+    Returns the observations that training starts from."""
+    starts = stagger_start_steps(args.num_stagger_groups, args.stagger_step)
+    raw_obs, _ = envs.reset(seed=seed)
+    groups = stagger_groups(args.num_envs, args.num_stagger_groups, raw_obs.device)
+    env_starts = torch.tensor(starts, device=raw_obs.device)[groups]
+    envs.action_space.seed(seed)  # (random advance actions: reproducible)
+    for advance_step in range(starts[0]):  # (group 0 starts last, at (N_B - 1) * S)
+        actions = advance_actions(args.advance_actions, envs, agent, obs_rms, raw_obs)
+        raw_obs, _, terminated, truncated, info = envs.step(actions)
+        final_mask = info.get("_final_obs", torch.zeros_like(terminated, dtype=torch.bool))
+        if advance_step + 1 in starts:  # (the schedule is known on the host: no device sync)
+            starting = (env_starts == advance_step + 1) | resets.gated(terminated, final_mask)
+            raw_obs, _ = envs.reset(options={"reset_mask": starting})  # (the observations of all envs)
+            final_mask = final_mask | starting  # (reset inside this step, by the loop)
+        resets.step(terminated, truncated, final_mask)
+    return raw_obs
 
 
 @torch.no_grad()
@@ -832,25 +910,12 @@ def main(args: Args) -> dict:
             act, gradients = CudaGraphModule(act), CudaGraphModule(gradients)
 
         # ---- STAGGER: advance group j by j * S steps before training (App. B.1) --------------------------------------
-        # Random actions, none trained on; group j starts its first episode (a partial reset) at step (N_B - 1 - j) * S.
         resets = ResetState(N, device, envs.metadata["autoreset_mode"] == gym.vector.AutoresetMode.NEXT_STEP)
-        starts = stagger_start_steps(args.num_stagger_groups, args.stagger_step)  # of each group
-        env_starts = torch.tensor(starts, device=device)[stagger_groups(N, args.num_stagger_groups, device)]
-        advance_length = (args.num_stagger_groups - 1) * args.stagger_step  # group 0 starts last
-        raw_obs, _ = envs.reset(seed=seed + global_step)
-        envs.action_space.seed(seed + global_step)  # the advance's random actions: uniform in the bounds, reproducible
-        obs_rms.update(raw_obs)
-        for advance_step in range(advance_length):
-            random_actions = torch.as_tensor(envs.action_space.sample(), device=device)
-            raw_obs, _, terminated, truncated, info = envs.step(random_actions)
-            final_mask = info.get("_final_obs", torch.zeros_like(terminated, dtype=torch.bool))
-            if advance_step + 1 in starts:  # (the schedule is known on the host: no device sync)
-                starting = env_starts == advance_step + 1
-                raw_obs, _ = envs.reset(options={"reset_mask": starting})  # (the observations of all envs)
-                final_mask = final_mask | starting  # (reset inside this step, by the loop)
-            resets.step(terminated, truncated, final_mask)
-            obs_rms.update(raw_obs)
+        raw_obs = stagger_advance(envs, resets, agent, obs_rms, args, seed + global_step)
+        obs_rms.update(raw_obs, resets.trained_on())  # the observations trained on, from here on (not the advance's)
         obs_rms.merge_ranks()
+        starts = stagger_start_steps(args.num_stagger_groups, args.stagger_step)  # the reset gates' schedule
+        advance_length = starts[0]  # (group 0 starts last)
         summary["advance_env_steps"] = advance_length * N * args.world_size
         # RANDOM START ([21]): each env's first episode is cut (truncated) after first_lengths ~ U[1, H] training steps
         random_start = args.reset_scheme == "random-start"
@@ -889,10 +954,13 @@ def main(args: Args) -> dict:
                 if training_step in cut_steps:  # RANDOM START: truncate and reset the first episodes this long
                     cut = (first_lengths == training_step) & first_episode & ~(terminated | truncated)
                     if bool(cut.any()):  # (a host sync at fewer than H steps of the whole run)
-                        last_obs = raw_obs if final_obs is None else final_obs
-                        final_obs = torch.where(cut.view(-1, *[1] * (raw_obs.dim() - 1)), raw_obs, last_obs)
-                        truncated, final_mask = truncated | cut, final_mask | cut
-                        raw_obs, _ = envs.reset(options={"reset_mask": cut})  # (the observations of all envs)
+                        truncated = truncated | cut
+                        raw_obs, final_obs, final_mask = reset_inside_step(envs, cut, raw_obs, final_obs, final_mask)
+                # STAGGER: a reset gate (Sec. 3.3): as a group reaches H, the envs waiting since a termination reset too
+                if args.stagger and is_reset_gate(advance_length + training_step, starts, H):
+                    gated = resets.gated(terminated, final_mask)
+                    if bool(gated.any()):  # (a host sync once per gate: every S >= K steps)
+                        raw_obs, final_obs, final_mask = reset_inside_step(envs, gated, raw_obs, final_obs, final_mask)
                 first_episode = first_episode & ~(terminated | truncated)
                 rewards_buf[step], dones_buf[step] = reward, terminated | truncated
                 no_bootstrap_buf[step] = terminated & (args.bootstrap_at_done == "truncated")
@@ -901,7 +969,7 @@ def main(args: Args) -> dict:
                 if final_obs is not None:
                     with torch.no_grad():
                         final_values_buf[step] = agent.get_value(obs_rms.normalize(final_obs))
-                # STAGGER: reset gates (Sec. 3.3). An env that terminated waits, masked, until its group's gate.
+                # STAGGER: an env that terminated waits, masked, for the next reset gate (its steps are not trained on)
                 valid, episode_end = resets.step(terminated, truncated, final_mask)
                 valid_buf[step] = valid
                 correct_buf[step] = info.get("correct", False)  # ToyChain: the action was its block's target
@@ -916,18 +984,16 @@ def main(args: Args) -> dict:
                 ep_return = ep_return * ~episode_end
                 ep_success = ep_success & ~episode_end
                 tracked = tracked | (resets.episode_step == 0)
-                obs_rms.update(raw_obs)
+                obs_rms.update(raw_obs, resets.trained_on())  # the observations that will be trained on
             global_step += N * K * args.world_size  # DDP: the env steps of all ranks
             obs_rms.merge_ranks()  # DDP: every rank normalizes alike from here on
 
             # ---- 3. targets: GAE, bootstrapping V(true next state) under either autoreset mode -----------------------
             if args.normalize_reward:  # CleanRL's reward scaling, from the trained-on steps' discounted returns
-                discounted_returns = torch.zeros_like(rewards_buf)
-                for step in range(K):  # (carried over rollouts, restarted where an episode ended)
-                    discounted_return = discounted_return * args.gamma + rewards_buf[step] * valid_buf[step]
-                    discounted_returns[step] = discounted_return
-                    discounted_return = discounted_return * ~(valid_buf[step] & dones_buf[step])
-                reward_rms.update(discounted_returns[valid_buf])  # (a host sync, once per update)
+                step_returns, discounted_return = discounted_returns(
+                    rewards_buf, valid_buf, dones_buf, args.gamma, discounted_return
+                )
+                reward_rms.update(step_returns, valid_buf)  # (a host sync, once per update)
                 reward_rms.merge_ranks()  # DDP: every rank scales alike
             rewards = reward_rms.scale(rewards_buf)  # (the rewards themselves without --normalize-reward)
             with torch.no_grad():

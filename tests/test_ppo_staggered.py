@@ -420,10 +420,11 @@ def scalars(run_dir):
 
 
 @pytest.mark.parametrize("stagger", [True, False])
-def test_an_early_success_waits_masked_for_its_groups_gate_or_resets_at_once(tmp_path, stagger):
-    """H = 10, 4 envs (staggered: in 2 groups 5 steps apart); every episode succeeds (terminates) at its step 3.
-    Staggered: the env runs on, masked, and resets only with its group at step 10 (its gate); 3 of every 10 steps are
-    trained on, and the 1000-per-step rewards after the success never reach the losses. Naive: it resets at step 3."""
+def test_an_early_success_waits_masked_for_the_next_gate_or_resets_at_once(tmp_path, stagger):
+    """H = 10, 4 envs (staggered: in 2 groups 5 steps apart, so a reset gate every 5 steps); every episode succeeds
+    (terminates) at its step 3. Staggered: the env runs on, masked, and resets at the next gate, 2 steps later (not at
+    its own group's, 7 steps later); 3 of every 5 steps are trained on, and the 1000-per-step rewards after the success
+    never reach the losses. Naive: it resets at step 3."""
     summary = train_in_process(
         tmp_path,
         env_id="SuccessAt3-v0",
@@ -439,10 +440,10 @@ def test_an_early_success_waits_masked_for_its_groups_gate_or_resets_at_once(tmp
     # envs 0-3 train (the next one evaluates); the first `advance` steps are the stagger advance
     training_resets = [(t, ended) for index, steps, t, ended in RESETS if index < 4 and steps > advance]
     after_success = {t for t, ended in training_resets if ended}
-    assert after_success == ({10} if stagger else {3})
+    assert after_success == ({5} if stagger else {3})
     s = scalars(summary["run_dir"])
     valid = [v for _, v in s["stagger/valid_fraction"]]
-    assert valid[-1] == pytest.approx(0.3 if stagger else 1.0)
+    assert valid[-1] == pytest.approx(0.6 if stagger else 1.0)
     assert summary["charts/episodic_length"] == 3 and summary["charts/episodic_return"] == 3
     assert summary["losses/value_loss"] < 20 and abs(summary["losses/policy_loss"]) < 1
 
