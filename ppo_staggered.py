@@ -5,10 +5,12 @@ Sid Bharthulwar, Stone Tao, Hao Su (2025), arXiv:2511.21011.
 
 With N parallel envs, rollouts of K steps and a task horizon H >> K, synchronous resets make every PPO batch one K-step
 slice of the task, cycling through the horizon every H/K updates (Sec. 3.2). Staggered resets split the envs into
-N_B = ceil(H/K) groups and advance group j by j*S steps (S = K) before training, so that every batch holds every stage
-(Sec. 3.3, App. B.1). A group resets together at its "reset gate", when its horizon ends; an env that terminates early
-waits for it, masked out of the loss. --no-stagger is the naive baseline of Tables 1/3: immediate partial resets.
---reset-scheme random-start (legged_gym's init_at_random_ep_len, Sec. 5.3): first episodes last U[1, H] steps.
+N_B = ceil(H/K) groups and advance group j by j*S steps (S = K) before training, with the initial policy or random
+actions, so that every batch holds every stage (Sec. 3.3, App. B.1). A group resets together at its "reset gate", when
+its horizon ends; some group's gate comes every S steps. An env that terminates early waits, masked out of the loss,
+for the next gate of any group, and resets there with that group. --no-stagger is the naive baseline of Tables 1/3:
+immediate partial resets. --reset-scheme random-start (legged_gym's init_at_random_ep_len, Sec. 5.3): first episodes
+last U[1, H] steps.
 
 This is ManiSkill's PPO baseline (examples/baselines/ppo/ppo.py) with three changes, each marked "STAGGER": the advance
 before training, the reset gates with their loss mask, and the masked PPO losses. Under torchrun ("DDP") each rank steps
@@ -16,8 +18,8 @@ and staggers its own --num-envs envs on its own GPU; losses and gradients are ta
 ranks, so G ranks of N envs train as one rank of G x N (Sec. 5.4).
 
 Map from the paper to this file
-  Sec. 3.3, App. B.1  stagger_groups, stagger_start_steps, "STAGGER: advance"     (groups, offsets j*S)
-  Sec. 3.3 resets     ResetState, PartialResetVecEnv                               (gates, loss masks, autoreset modes)
+  Sec. 3.3, App. B.1  stagger_groups, stagger_start_steps, stagger_advance         (groups, offsets j*S, their actions)
+  Sec. 3.3 resets     ResetState, is_reset_gate, PartialResetVecEnv                (gates, loss masks, autoreset modes)
   Sec. 2, 5.3 [21]    random_start_lengths, "RANDOM START"                         (--reset-scheme random-start)
   App. B.2, Table 2   toy_chain_env.TABLE2_PPO, toy_chain_env.ChainAgent           (PPO's settings and network)
   App. B.3, Table 3   PRESETS[ManiSkill task ids], MANISKILL_COMMON, GaussianAgent
@@ -343,8 +345,9 @@ def make_single_env(args: Args, evaluation: bool, video_dir: Optional[str], inde
 
 class PartialResetVecEnv(gym.vector.VectorEnv):
     """A batched env without autoreset (ManiSkill on the GPU, a Gymnasium vector env) as a same-step autoreset vector
-    env of torch tensors: it resets truncated envs, and terminated ones if `reset_on_termination` (else they run on to
-    their group's gate, Sec. 3.3). info holds "final_obs" only when some env reset: the loop reads the key, no sync."""
+    env of torch tensors: it resets truncated envs, and terminated ones if `reset_on_termination` (else they run on
+    until the loop resets them at a reset gate, Sec. 3.3). info holds "final_obs" only when some env reset: the loop
+    reads the key, no sync."""
 
     metadata = {"autoreset_mode": gym.vector.AutoresetMode.SAME_STEP}
 

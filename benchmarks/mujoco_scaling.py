@@ -85,6 +85,9 @@ class Options:
     """N of the schemes arm (three schemes, HalfCheetah-v5 and Hopper-v5)"""
     schemes_tasks: tuple[str, ...] = ("HalfCheetah-v5", "Hopper-v5")
     """tasks of the schemes arm"""
+    regime_num_steps: int = 64
+    """K of the regime arm: HalfCheetah-v5 at the schemes arm's N, staggered vs naive, with Table 3's MS-HumanoidWalk
+    rollout (K = 64, H = 1000: 16 groups); 0: no such arm"""
     eval_every: int = 50_000
     """env steps between evaluations (--eval-freq is this over N x K, at least 1)"""
     cleanrl: str = str(ROOT / ".cleanrl" / "ppo_continuous_action.py")
@@ -254,6 +257,17 @@ def sizes(options: Options) -> tuple[tuple[int, ...], int, int, int]:
     return options.num_envs, options.schemes_num_envs, options.total_timesteps, options.cleanrl_timesteps
 
 
+def planned_run(task: str, scheme: str, n: int, k: int, seed: int, steps: int, options: Options) -> dict:
+    """One ppo_staggered.py run of the plan: its flags, and its key in the json (K only where it is not the preset's)."""
+    eval_freq = max(1, round((1024 if options.quick else options.eval_every) / (n * k)))
+    flags = ["--env-id", task, "--reset-scheme", scheme, "--num-envs", str(n), "--no-cuda"]
+    flags += ["--total-timesteps", str(steps), "--eval-freq", str(eval_freq)]
+    flags += [] if k == K else ["--num-steps", str(k)]
+    flags += ["--horizon", "100"] if options.quick else []
+    key = f"{task}|{scheme}|{n}|{seed}" if k == K else f"{task}|{scheme}|{n}|K{k}|{seed}"
+    return {"key": key, "task": task, "scheme": scheme, "num_envs": n, "num_steps": k, "seed": seed, "flags": flags}
+
+
 def plan(options: Options) -> list[dict]:
     """Every run, seed by seed (each seed: every arm, the order alternating from seed to seed, so that a drift of a
     shared machine favours no arm): a stopped benchmark has every arm on its first seeds."""
@@ -266,12 +280,12 @@ def plan(options: Options) -> list[dict]:
             configurations = [(SCALING_TASK, scheme, n) for n in scaling_n for scheme in SCHEMES[:2]]
             configurations += [(task, scheme, schemes_n) for task in options.schemes_tasks for scheme in SCHEMES]
             for task, scheme, n in dict.fromkeys(configurations):  # (HalfCheetah at schemes N is in both arms)
-                eval_freq = max(1, round((1024 if options.quick else options.eval_every) / (n * K)))
-                flags = ["--env-id", task, "--reset-scheme", scheme, "--num-envs", str(n), "--no-cuda"]
-                flags += ["--total-timesteps", str(steps), "--eval-freq", str(eval_freq)]
-                flags += ["--horizon", "100"] if options.quick else []
-                key = f"{task}|{scheme}|{n}|{seed}"
-                chosen.append({"key": key, "task": task, "scheme": scheme, "num_envs": n, "seed": seed, "flags": flags})
+                chosen.append(planned_run(task, scheme, n, K, seed, steps, options))
+            if options.regime_num_steps:
+                for scheme in SCHEMES[:2]:
+                    chosen.append(
+                        planned_run(SCALING_TASK, scheme, schemes_n, options.regime_num_steps, seed, steps, options)
+                    )
         if seed <= (1 if options.quick else options.cleanrl_seeds) and Path(options.cleanrl).exists():
             flags = ["--env-id", SCALING_TASK, "--total-timesteps", str(cleanrl_steps)]
             key = f"{SCALING_TASK}|cleanrl|1|{seed}"
@@ -339,7 +353,9 @@ def to_threshold(run: dict, threshold: float) -> tuple[float, float]:
     if "evals" in run:
         for row in run["evals"]:
             if row["eval/return"] >= threshold:
-                return float(row["global_step"]), float(row["global_step"] // (run["num_envs"] * K))
+                return float(row["global_step"]), float(
+                    row["global_step"] // (run["num_envs"] * run.get("num_steps", K))
+                )
         return float("nan"), float("nan")
     by_iteration: dict[int, list[float]] = {}
     for step, value in run["episodes"]:
@@ -375,6 +391,7 @@ def table_row(runs: list[dict], arm: str) -> str:
         first["task"],
         name,
         str(first["num_envs"]),
+        str(first.get("num_steps", K)),
         str(len(runs)),
         "-" if cleanrl else per_seed([final_return(run) for run in runs]),
         per_seed([final_training_return(run) for run in runs]),
@@ -400,12 +417,12 @@ def on_back_cell(runs: list[dict]) -> str:
     return f"{np.mean(known):.2f} ({', '.join('?' if value is None else f'{value:.2f}' for value in values)})"
 
 
-def group(record: dict, task: str, scheme: str, num_envs: int) -> list[dict]:
-    """The runs of one configuration, by seed."""
+def group(record: dict, task: str, scheme: str, num_envs: int, num_steps: int = K) -> list[dict]:
+    """The runs of one configuration, by seed (the runs before K was recorded had the preset's)."""
     chosen = [
         run
         for run in record["runs"].values()
-        if (run["task"], run["scheme"], run["num_envs"]) == (task, scheme, num_envs)
+        if (run["task"], run["scheme"], run["num_envs"], run.get("num_steps", K)) == (task, scheme, num_envs, num_steps)
     ]
     return sorted(chosen, key=lambda run: run["seed"])
 
@@ -438,10 +455,10 @@ def report(record: dict, options: Options, suffix: str) -> None:
         "stagger/valid_fraction, the steps not waiting for a reset gate). Time on back (HalfCheetah): the "
         "fraction of a deterministic 1000-step evaluation of the final policy (8 envs) spent with |rooty| > pi/2.",
         "",
-        "| arm | task | scheme | N | seeds | final eval return (per seed) | final training return (per seed) "
+        "| arm | task | scheme | N | K | seeds | final eval return (per seed) | final training return (per seed) "
         "| seeds reached | env steps to threshold (per seed) | updates to threshold (per seed) | advance env steps "
         "| minutes / run | steps/s | stage coverage | value MSE | policy KL | trained-on fraction | time on back (per seed) |",
-        "|" + "---|" * 18,
+        "|" + "---|" * 19,
     ]
     for n in scaling_n:
         for scheme in SCHEMES[:2]:
@@ -453,11 +470,15 @@ def report(record: dict, options: Options, suffix: str) -> None:
             runs = group(record, task, scheme, schemes_n)
             if runs:
                 lines.append(table_row(runs, "schemes"))
+    for scheme in SCHEMES[:2]:
+        runs = group(record, SCALING_TASK, scheme, schemes_n, options.regime_num_steps)
+        if runs:
+            lines.append(table_row(runs, "regime"))
     runs = group(record, SCALING_TASK, "cleanrl", 1)
     if runs:
         lines.append(table_row(runs, f"reference ({cleanrl_steps:,} steps)"))
     else:
-        lines.append(f"| reference | {SCALING_TASK} | CleanRL: not run ({options.cleanrl} absent) |" + " - |" * 15)
+        lines.append(f"| reference | {SCALING_TASK} | CleanRL: not run ({options.cleanrl} absent) |" + " - |" * 16)
     lines += [
         "",
         "CleanRL's ppo_continuous_action.py does not evaluate (only with --save-model and cleanrl_utils): its "
@@ -489,18 +510,19 @@ def plot(record: dict, options: Options, suffix: str) -> None:
 
     scaling_n, schemes_n, _, _ = sizes(options)
     colors = {"staggered": "C0", "naive": "C1", "random-start": "C2", "cleanrl": "k"}
-    panels = [(SCALING_TASK, n, SCHEMES if n == schemes_n else SCHEMES[:2]) for n in scaling_n]
-    panels += [(task, schemes_n, SCHEMES) for task in options.schemes_tasks if task != SCALING_TASK]
+    panels = [(SCALING_TASK, n, K, SCHEMES if n == schemes_n else SCHEMES[:2]) for n in scaling_n]
+    panels += [(task, schemes_n, K, SCHEMES) for task in options.schemes_tasks if task != SCALING_TASK]
+    panels += [(SCALING_TASK, schemes_n, options.regime_num_steps, SCHEMES[:2])] if options.regime_num_steps else []
     figure, axes = plt.subplots(2, max(3, len(panels)), figsize=(5.5 * max(3, len(panels)), 9), squeeze=False)
-    for column, (task, n, schemes) in enumerate(panels):  # top row: eval return against env steps, per N
+    for column, (task, n, k, schemes) in enumerate(panels):  # top row: eval return against env steps, per N and K
         axis = axes[0, column]
         for scheme in schemes:
-            for index, run in enumerate(group(record, task, scheme, n)):
+            for index, run in enumerate(group(record, task, scheme, n, k)):
                 steps = [row["global_step"] for row in run["evals"]]
                 values = [row["eval/return"] for row in run["evals"]]
                 axis.plot(steps, values, color=colors[scheme], alpha=0.7, label=scheme if index == 0 else None)
         axis.axhline(THRESHOLDS[task], color="gray", linestyle="--", linewidth=1)
-        axis.set_title(f"{task}, N = {n}, K = {K} (one line per seed)")
+        axis.set_title(f"{task}, N = {n}, K = {k} (one line per seed)")
         axis.set_xlabel("env steps")
         axis.set_ylabel("eval/return (deterministic)")
         axis.legend(fontsize=8)

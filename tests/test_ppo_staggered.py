@@ -4,6 +4,7 @@ networks, presets and argument checks; then the training loop as users run it, o
 of 2 ranks x 64 envs against 1 rank x 128 envs, the observation statistics merged across ranks, a one-process
 checkpoint resumed on 2 ranks with identical weights, a killed rank, Ctrl-C."""
 
+import copy
 import glob
 import importlib
 import json
@@ -133,6 +134,22 @@ def test_groups_are_contiguous_and_balanced_and_group_j_starts_at_step_j_times_s
     assert ppo.stagger_start_steps(1, 8) == [0]
 
 
+def test_reset_gates_are_every_s_steps_in_group_order_and_reset_the_waiting_and_the_just_terminated():
+    # N_B = 3, S = 2, H = 6: groups start at advance steps 4, 2, 0 and every H steps after: a gate at every even step
+    starts = ppo.stagger_start_steps(3, 2)
+    assert [clock for clock in range(13) if ppo.is_reset_gate(clock, starts, 6)] == [0, 2, 4, 6, 8, 10, 12]
+    # H = 100, K = S = 8, N_B = 13: group 0 starts at 96, so the gate after it comes 4 steps later (at 100 = 0 mod H)
+    starts = ppo.stagger_start_steps(13, 8)
+    gates = [clock for clock in range(90, 210) if ppo.is_reset_gate(clock, starts, 100)]
+    assert gates == [96, *range(100, 200, 8), 200, 208]
+    resets = ppo.ResetState(4, "cpu", next_step_mode=False)
+    no = torch.zeros(4, dtype=torch.bool)
+    resets.step(torch.tensor([True, False, False, False]), no, no)  # env 0 terminates: it waits
+    assert resets.waiting.tolist() == [True, False, False, False]
+    terminated = torch.tensor([False, True, True, False])  # env 1 terminates now; env 2 too, and its env reset it
+    assert resets.gated(terminated, torch.tensor([False, False, True, False])).tolist() == [True, True, False, False]
+
+
 def test_batch_temporal_stats_coverage():
     steps = torch.tensor([[0, 5, 10, 15], [1, 6, 11, 16]])
     valid = torch.ones(2, 4, dtype=torch.bool)
@@ -158,6 +175,32 @@ def test_running_mean_std_matches_numpy():
     np.testing.assert_allclose(rms.var.numpy(), data.var(0), rtol=1e-9)
 
 
+def test_running_mean_std_adds_the_masked_rows_and_an_empty_batch_changes_nothing():
+    rms = ppo.RunningMeanStd((2,), "cpu")
+    rms.update(torch.tensor([[1.0, 2.0], [100.0, 100.0], [3.0, 4.0]]), torch.tensor([True, False, True]))
+    torch.testing.assert_close(rms.mean, torch.tensor([2.0, 3.0]), rtol=1e-3, atol=1e-3)  # (the prior: count 1e-4)
+    torch.testing.assert_close(rms.var, torch.tensor([1.0, 1.0]), rtol=1e-3, atol=1e-3)
+    state = (rms.mean.clone(), rms.var.clone(), rms.count.clone())
+    rms.update(torch.zeros(0, 2))  # an empty batch: its mean and variance would be NaN
+    rms.update(torch.ones(3, 2), torch.zeros(3, dtype=torch.bool))  # every env waits
+    for before, after in zip(state, (rms.mean, rms.var, rms.count)):
+        assert torch.equal(before, after)
+    reward_rms = ppo.RunningMeanStd((), "cpu")
+    reward_rms.update(torch.tensor([]))
+    assert torch.isfinite(reward_rms.scale(torch.tensor([1.0, -2.0]))).all()
+
+
+def test_discounted_returns_of_reward_scaling_restart_after_an_episode_end_and_skip_waiting_steps():
+    """One env, gamma 0.5: rewards 1, 2 (the episode ends), 4, a waiting step (its reward 100 not trained on), 8;
+    the rollout starts with G = 2 carried over from the one before."""
+    rewards = col(1.0, 2.0, 4.0, 100.0, 8.0)
+    valid = col(1, 1, 1, 0, 1, dtype=torch.bool)
+    dones = col(0, 1, 0, 0, 0, dtype=torch.bool)
+    returns, carried = ppo.discounted_returns(rewards, valid, dones, 0.5, torch.tensor([2.0]))
+    # 2 * .5 + 1 = 2 | 2 * .5 + 2 = 3 (the end) | restarted: 4 | 4 * .5 = 2 (waiting: no reward) | 2 * .5 + 8 = 9
+    assert returns.view(-1).tolist() == [2.0, 3.0, 4.0, 2.0, 9.0] and carried.tolist() == [9.0]
+
+
 def test_reward_scaling_matches_gymnasium_normalize_reward():
     """--normalize-reward on one env without episode ends: the discounted returns the loop accumulates, their running
     statistics (one update per rollout) and the scaled rewards are those of Gymnasium's NormalizeReward (per step)."""
@@ -170,17 +213,33 @@ def test_reward_scaling_matches_gymnasium_normalize_reward():
         reference.append(reward / np.sqrt(wrapped.return_rms.var + wrapped.epsilon))
     rms = ppo.RunningMeanStd((), "cpu")
     discounted = torch.zeros(1, dtype=torch.float64)
-    for rollout in np.split(rewards, 5):  # K = 8
-        returns = []
-        for reward in rollout:
-            discounted = discounted * 0.9 + reward  # the loop's recursion (no episode end, every step trained on)
-            returns.append(discounted)
-        rms.update(torch.cat(returns))
+    for rollout in np.split(rewards, 5):  # K = 8, no episode end, every step trained on
+        valid, dones = torch.ones(8, 1, dtype=torch.bool), torch.zeros(8, 1, dtype=torch.bool)
+        returns, discounted = ppo.discounted_returns(torch.as_tensor(rollout).view(8, 1), valid, dones, 0.9, discounted)
+        rms.update(returns, valid)
     np.testing.assert_allclose(rms.var.item(), wrapped.return_rms.var.item(), rtol=1e-6)  # (float32 start)
     scaled = rms.scale(torch.as_tensor(rewards, dtype=torch.float64))
     assert scaled[-1].item() == pytest.approx(reference[-1], rel=1e-6)  # the same statistics at the last step
     np.testing.assert_allclose(rms.scale(torch.tensor([1e6, -1e6])).numpy(), [10.0, -10.0])  # clipped to +-10
     assert ppo.RunningMeanStd((), "cpu", enabled=False).scale(torch.tensor([5.0])).item() == 5.0
+
+
+def advantage_batch():
+    """64 advantages, a mean far from 0 (so that sqrt(E[A^2]) is not the std), about 70% of them valid; and their
+    normalization computed here with torch's own mean and (population) std over the valid ones."""
+    generator = torch.Generator().manual_seed(0)
+    advantages = 5.0 + 2.0 * torch.randn(64, generator=generator)
+    valid = torch.rand(64, generator=generator) > 0.3
+    valid_advantages = advantages[valid].double()
+    expected = (advantages - valid_advantages.mean()) / (valid_advantages.std(unbiased=False) + 1e-8)
+    return advantages, valid, expected.float()
+
+
+def test_advantages_are_normalized_with_the_mean_and_std_of_the_valid_entries():
+    advantages, valid, expected = advantage_batch()
+    normalized, count = ppo.normalize_advantages(advantages, valid)
+    torch.testing.assert_close(normalized[valid], expected[valid], rtol=1e-5, atol=1e-5)
+    assert count.item() == valid.sum().item()
 
 
 def test_masked_mean():
@@ -367,11 +426,12 @@ RESETS = []  # (env instance, its steps so far, episode step at which it was res
 
 
 class SuccessEnv(gym.Env):
-    """ManiSkill in miniature: a constant observation, reward 1 per step, a success termination at episode step
+    """ManiSkill in miniature: a constant observation (ones), reward 1 per step, a success termination at episode step
     `terminate_at` (0: never), the time limit H from gym.make. Like ManiSkill, it keeps running after a success, and
-    then pays `reward_after_success` per step: steps a correct run never trains on (they wait for a reset gate)."""
+    then pays `reward_after_success` per step and observes 1000s: steps a correct run never trains on, nor normalizes
+    (they wait for a reset gate)."""
 
-    observation_space = gym.spaces.Box(-1.0, 1.0, (2,))
+    observation_space = gym.spaces.Box(-np.inf, np.inf, (2,))
     action_space = gym.spaces.Box(-1.0, 1.0, (1,))
     instances = 0
 
@@ -392,7 +452,7 @@ class SuccessEnv(gym.Env):
         after_success = 0 < self.terminate_at < self.t
         reward = self.reward_after_success if after_success else 1.0
         return (
-            np.ones(2, dtype=np.float32),
+            np.full(2, 1000.0 if after_success else 1.0, dtype=np.float32),
             reward,
             self.t == self.terminate_at,
             False,
@@ -402,6 +462,7 @@ class SuccessEnv(gym.Env):
 
 gym.register("SuccessAt3-v0", entry_point=SuccessEnv, kwargs=dict(terminate_at=3))
 gym.register("NeverTerminates-v0", entry_point=SuccessEnv, kwargs=dict(terminate_at=0))
+gym.register("SuccessAt1-v0", entry_point=SuccessEnv, kwargs=dict(terminate_at=1))
 
 
 def train_in_process(tmp_path, **kwargs):
@@ -446,6 +507,168 @@ def test_an_early_success_waits_masked_for_the_next_gate_or_resets_at_once(tmp_p
     assert valid[-1] == pytest.approx(0.6 if stagger else 1.0)
     assert summary["charts/episodic_length"] == 3 and summary["charts/episodic_return"] == 3
     assert summary["losses/value_loss"] < 20 and abs(summary["losses/policy_loss"]) < 1
+
+
+@pytest.mark.parametrize("stagger", [True, False])
+def test_the_observation_normalizer_learns_from_the_observations_trained_on_only(tmp_path, stagger):
+    """The run of the test above: the observations are ones, except the 1000s of an env that runs on after its success
+    (waiting for a gate, or in the advance). The normalizer holds ones only: the 96 trained-on observations of the
+    staggered run (0.6 of 160) and the last one of each env (all four just reset at a gate); the naive run's 160 and
+    its first 4."""
+    summary = train_in_process(
+        tmp_path,
+        env_id="SuccessAt3-v0",
+        horizon=10,
+        num_envs=4,
+        num_steps=5,
+        num_minibatches=2,
+        total_timesteps=4 * 5 * 8,
+        stagger=stagger,
+        save_model=True,
+    )
+    obs_rms = torch.load(os.path.join(summary["run_dir"], "final_ckpt.pt"), weights_only=True)["obs_rms"]
+    assert obs_rms["count"].item() == pytest.approx((100 if stagger else 164) + 1e-4)
+    torch.testing.assert_close(obs_rms["mean"], torch.ones(2), rtol=1e-5, atol=1e-5)
+    assert obs_rms["var"].max().item() < 1e-5
+
+
+def test_a_rollout_in_which_every_env_waits_trains_on_nothing_and_leaves_no_nan(tmp_path):
+    """2 envs, H = 40, K = 4: 2 groups S = 20 steps apart, every episode ends at its first step, so each env waits
+    19 steps for the next gate and 4 of the 10 rollouts hold no trained-on step. Reward scaling (on) and the
+    observation normalizer then get empty batches; they skip them, and every loss stays finite."""
+    summary = train_in_process(
+        tmp_path,
+        env_id="SuccessAt1-v0",
+        horizon=40,
+        num_envs=2,
+        num_steps=4,
+        num_minibatches=2,
+        total_timesteps=2 * 4 * 10,
+        save_model=True,
+    )
+    s = scalars(summary["run_dir"])
+    assert [value for _, value in s["stagger/valid_fraction"]] == [0.25, 0, 0, 0, 0, 0.25, 0, 0, 0, 0]
+    for name in ("losses/value_loss", "losses/policy_loss", "losses/approx_kl", "losses/explained_variance"):
+        assert all(math.isfinite(value) for _, value in s[name]), name
+    checkpoint = torch.load(os.path.join(summary["run_dir"], "final_ckpt.pt"), weights_only=True)
+    assert all(torch.isfinite(weight).all() for weight in checkpoint["model"].values())
+    for name in ("obs_rms", "reward_rms"):
+        assert all(torch.isfinite(checkpoint[name][key]).all() for key in ("mean", "var")), name
+
+
+@pytest.mark.parametrize("advance_actions", ["random", "policy"])
+def test_the_advance_steps_with_its_actions(tmp_path, monkeypatch, advance_actions):
+    """The actions the staggered advance steps the envs with (4 envs, H = 10, K = 5: 5 advance steps): uniform
+    samples of the action space seeded with --seed (the same draws as a space seeded here), or the initial policy's
+    mean action on the (not yet normalized) observation, the initial agent's (copied before training)."""
+    stepped = []
+    vec_step = ppo.PartialResetVecEnv.step
+    monkeypatch.setattr(
+        ppo.PartialResetVecEnv, "step", lambda self, actions: stepped.append(actions.clone()) or vec_step(self, actions)
+    )
+    original_agent = []
+    monkeypatch.setattr(ppo, "stagger_advance", partial(copy_agent_then_advance, ppo.stagger_advance, original_agent))
+    train_in_process(
+        tmp_path,
+        env_id="NeverTerminates-v0",
+        horizon=10,
+        num_envs=4,
+        num_steps=5,
+        num_minibatches=2,
+        total_timesteps=4 * 5,
+        advance_actions=advance_actions,
+    )
+    advance = torch.stack(stepped[:5])  # (5 steps, 4 envs, 1)
+    if advance_actions == "random":
+        space = gym.vector.utils.batch_space(gym.spaces.Box(-1.0, 1.0, (1,)), 4)
+        space.seed(1)  # --seed 1 (+ global step 0)
+        expected = torch.as_tensor(np.stack([space.sample() for _ in range(5)]))
+        assert advance.abs().max() <= 1.0 and advance.std() > 0.3  # (uniform in [-1, 1]: std 0.58)
+    else:
+        with torch.no_grad():
+            expected = original_agent[0].deterministic_action(torch.ones(4, 2)).expand(5, 4, 1)
+        assert expected.abs().min() > 0  # (small, but not zero)
+    torch.testing.assert_close(advance, expected)
+
+
+def copy_agent_then_advance(advance, copies, envs, resets, agent, *rest):
+    copies.append(copy.deepcopy(agent))
+    return advance(envs, resets, agent, *rest)
+
+
+class ScheduledSuccessEnv(SuccessEnv):
+    """SuccessEnv whose instance i (the training envs are built first) succeeds at its episode step TERMINATE_AT[i]."""
+
+    TERMINATE_AT = {0: 1, 2: 3, 4: 5, 5: 4}
+
+    def __init__(self):
+        super().__init__(terminate_at=0)
+        self.terminate_at = self.TERMINATE_AT.get(self.index, 0)
+
+
+gym.register("ScheduledSuccess-v0", entry_point=ScheduledSuccessEnv)
+
+
+def test_a_hand_worked_schedule_of_reset_gates(tmp_path, monkeypatch):
+    """N = 6 envs in N_B = 3 groups ({0, 1}, {2, 3}, {4, 5}), H = 6, K = S = 2: groups start at advance steps 4, 2, 0
+    and reach H every 6 steps after, so some group's gate comes at every even clock (env steps since the first reset).
+    Env i succeeds (terminates) at its episode step 1, never, 3, never, 5, 4. Worked by hand:
+      advance  clock 1: env 0 terminates, waits. 2: group 1 starts; env 0 resets with it. 3: env 0 terminates again.
+               4: group 0 starts with env 0; env 5 terminates at this gate and resets at once (its wait: 0 steps).
+               Training starts at episode steps 0, 0, 2, 2, 4, 0.
+      training clock 5: envs 0, 2, 4 terminate. 6: group 2's gate (env 4's time limit) resets 0 and 2 too.
+               7: env 0 terminates. 8: group 1's gate (env 3's time limit): env 0 resets, env 5 terminates there and
+               resets. 9: envs 0 and 2 terminate. 10: group 0's gate (env 1's time limit) resets them.
+    A terminated env is masked from the step after its termination to its reset: never more than one step here.
+    Waiting for its own group's gate (the old rule) would keep env 0 masked from clock 6 to 10; resetting at once
+    would mask nothing."""
+    episode_steps = []
+
+    class RecordingResetState(ppo.ResetState):
+        def step(self, terminated, truncated, reset_mask):
+            result = super().step(terminated, truncated, reset_mask)
+            episode_steps.append(self.episode_step.tolist())
+            return result
+
+    batches = []
+    ppo_update = ppo.ppo_update
+    monkeypatch.setattr(ppo, "ResetState", RecordingResetState)
+    monkeypatch.setattr(
+        ppo, "ppo_update", lambda *a: batches.append(a[2]["valid"].view(2, 6).clone()) or ppo_update(*a)
+    )
+    summary = train_in_process(
+        tmp_path,
+        env_id="ScheduledSuccess-v0",
+        horizon=6,
+        num_envs=6,
+        num_steps=2,
+        num_minibatches=2,
+        total_timesteps=6 * 2 * 3,
+    )
+    assert summary["advance_env_steps"] == 4 * 6
+    assert episode_steps[3] == [0, 0, 2, 2, 4, 0]  # when training starts (after the 4 advance steps)
+    valid = torch.cat(batches).int().tolist()  # training steps (clock 5 to 10) x envs
+    assert valid == [
+        [1, 1, 1, 1, 1, 1],
+        [0, 1, 0, 1, 0, 1],  # clock 6: envs 0, 2 and 4 wait (terminated at clock 5)
+        [1, 1, 1, 1, 1, 1],
+        [0, 1, 1, 1, 1, 1],  # clock 8: env 0 waits (terminated at 7); env 5 terminates at this gate: no wait
+        [1, 1, 1, 1, 1, 1],
+        [0, 1, 0, 1, 1, 1],  # clock 10: envs 0 and 2 wait (terminated at 9)
+    ]
+    assert episode_steps[4:] == [
+        [1, 1, 3, 3, 5, 1],
+        [0, 2, 0, 4, 0, 2],  # gate at clock 6: envs 0 and 2 reset, env 4 by its time limit (it terminated at 5)
+        [1, 3, 1, 5, 1, 3],
+        [0, 4, 2, 0, 2, 0],  # gate at clock 8: envs 0 and 5 reset, env 3 by its time limit
+        [1, 5, 3, 1, 3, 1],
+        [0, 0, 0, 2, 4, 2],  # gate at clock 10: envs 0 and 2 reset, env 1 by its time limit
+    ]
+    # (env, clock, its episode step when reset, whether the episode had terminated) of every reset after the first
+    expected = [(0, 2, 2, True), (2, 2, 2, False), (3, 2, 2, False), (0, 4, 2, True), (1, 4, 4, False)]
+    expected += [(5, 4, 4, True), (0, 6, 2, True), (2, 6, 4, True), (4, 6, 6, True), (0, 8, 2, True)]
+    expected += [(3, 8, 6, False), (5, 8, 4, True), (0, 10, 2, True), (1, 10, 6, False), (2, 10, 4, True)]
+    assert sorted((index, steps, t, ended) for index, steps, t, ended in RESETS if index < 6) == sorted(expected)
 
 
 @pytest.mark.parametrize(
@@ -1225,6 +1448,85 @@ def test_two_gloo_ranks_of_64_envs_take_the_update_of_one_rank_of_128_envs(tmp_p
         torch.testing.assert_close(two["grads"], one["grads"], rtol=1e-6, atol=1e-7)
         torch.testing.assert_close(two["params"], one["params"], rtol=1e-6, atol=1e-7)
         torch.testing.assert_close(two["losses"], one["losses"], rtol=1e-6, atol=1e-7)
+
+
+def advantages_of_rank(rank, world_size, port, out_dir):
+    """normalize_advantages on rank `rank`'s half of advantage_batch()."""
+    join_gloo_group(rank, world_size, port)
+    advantages, valid, _ = advantage_batch()
+    half = slice(32 * rank, 32 * (rank + 1))
+    normalized, count = ppo.normalize_advantages(advantages[half], valid[half])
+    torch.save({"normalized": normalized, "count": count}, os.path.join(out_dir, f"advantages_{rank}.pt"))
+    torch.distributed.destroy_process_group()
+
+
+def test_two_gloo_ranks_normalize_advantages_with_the_mean_and_std_of_the_valid_entries_of_both(tmp_path):
+    mp.spawn(advantages_of_rank, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
+    ranks = [torch.load(tmp_path / f"advantages_{rank}.pt") for rank in (0, 1)]
+    _, valid, expected = advantage_batch()
+    normalized = torch.cat([rank["normalized"] for rank in ranks])
+    torch.testing.assert_close(normalized[valid], expected[valid], rtol=1e-5, atol=1e-5)
+    assert ranks[0]["count"].item() == ranks[1]["count"].item() == valid.sum().item()
+
+
+class SeedClockEnv(gym.Env):
+    """Observes [the seed of its first reset, its episode step] and is paid that seed each step: what an env sees and
+    earns depends on which env it is, never on the actions, so 2 ranks of N envs see what 1 rank of 2N envs sees."""
+
+    observation_space = gym.spaces.Box(-np.inf, np.inf, (2,))
+    action_space = gym.spaces.Box(-1.0, 1.0, (1,))
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        self.first_seed = seed if seed is not None else self.first_seed
+        self.t = 0
+        return np.array([self.first_seed, 0.0], dtype=np.float32), {}
+
+    def step(self, action):
+        self.t += 1
+        return np.array([self.first_seed, self.t], dtype=np.float32), float(self.first_seed), False, False, {}
+
+
+gym.register("SeedClock-v0", entry_point=SeedClockEnv)
+
+
+def normalizers_of_rank(rank, world_size, port, out_dir):
+    """ppo_staggered's main as rank `rank` of `world_size` (gloo; one process alone if 1) on SeedClock-v0, 8 envs in
+    all (naive resets, H = 5, 2 updates); saves this rank's observation and reward normalizers at the end."""
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size))
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    made = []
+
+    class RecordedRunningMeanStd(ppo.RunningMeanStd):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            made.append(self)
+
+    ppo.RunningMeanStd = RecordedRunningMeanStd
+    num_envs = 8 // world_size
+    args = ppo.Args(env_id="SeedClock-v0", cuda=False, output_dir=os.path.join(out_dir, str(world_size)), horizon=5)
+    args = replace(args, num_envs=num_envs, num_steps=5, num_minibatches=2, total_timesteps=80, stagger=False)
+    ppo.main(replace(args, num_eval_envs=1, eval_freq=0))
+    obs_rms, reward_rms = made  # (in the order main makes them)
+    state = {
+        "obs_rms": {"mean": obs_rms.mean, "var": obs_rms.var, "count": obs_rms.count},
+        "reward_rms": {"mean": reward_rms.mean, "var": reward_rms.var, "count": reward_rms.count},
+    }
+    torch.save(state, os.path.join(out_dir, f"normalizers_{world_size}_{rank}.pt"))
+
+
+def test_two_gloo_ranks_of_4_envs_normalize_as_one_rank_of_8(tmp_path):
+    """After every update the ranks merge what their normalizers learned: both end with the statistics of the
+    observations (and discounted returns) of all 8 envs, those of one process stepping all 8."""
+    mp.spawn(normalizers_of_rank, args=(1, free_port(), str(tmp_path)), nprocs=1, join=True)
+    mp.spawn(normalizers_of_rank, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
+    one = torch.load(tmp_path / "normalizers_1_0.pt")
+    two = [torch.load(tmp_path / f"normalizers_2_{rank}.pt") for rank in (0, 1)]
+    assert one["obs_rms"]["count"].item() == pytest.approx(8 * 11 + 1e-4)  # the first observations, 10 steps' after
+    for name in ("obs_rms", "reward_rms"):
+        for key in ("mean", "var", "count"):
+            assert torch.equal(two[0][name][key], two[1][name][key]), (name, key)
+            torch.testing.assert_close(two[0][name][key], one[name][key], rtol=1e-5, atol=1e-5)
 
 
 def merge_of_rank(rank, world_size, port, out_dir):
