@@ -12,18 +12,21 @@ for the next gate of any group, and resets there with that group. --no-stagger i
 immediate partial resets. --reset-scheme random-start (legged_gym's init_at_random_ep_len, Sec. 5.3): first episodes
 last U[1, H] steps.
 
-This is ManiSkill's PPO baseline (examples/baselines/ppo/ppo.py) with three changes, each marked "STAGGER": the advance
-before training, the reset gates with their loss mask, and the masked PPO losses. Under torchrun ("DDP") each rank steps
-and staggers its own --num-envs envs on its own GPU; losses and gradients are taken over the trained-on steps of all
-ranks, so G ranks of N envs train as one rank of G x N (Sec. 5.4).
+This is ManiSkill's PPO baseline (examples/baselines/ppo/ppo.py) with the paper's changes, each marked "STAGGER": the
+advance before training, the reset gates with their loss mask, and the masked PPO losses. Its other departures from
+ppo.py are listed in the map: PartialResetVecEnv (the same partial resets for Gymnasium vector envs), observation
+normalization, the target-KL check once per epoch (ppo.py: per minibatch), evaluate (one deterministic episode per env),
+random start, MuJoCo and DDP: under torchrun each rank steps and staggers its own --num-envs envs on its own GPU; losses
+and gradients are taken over the trained-on steps of all ranks, so G ranks of N envs train as one rank of G x N.
 
 Map from the paper to this file
   Sec. 3.3, App. B.1  stagger_groups, stagger_start_steps, stagger_advance         (groups, offsets j*S, their actions)
   Sec. 3.3 resets     ResetState, is_reset_gate, PartialResetVecEnv                (gates, loss masks, autoreset modes)
   Sec. 2, 5.3 [21]    random_start_lengths, "RANDOM START"                         (--reset-scheme random-start)
   App. B.2, Table 2   toy_chain_env.TABLE2_PPO, toy_chain_env.ChainAgent           (PPO's settings and network)
-  App. B.3, Table 3   PRESETS[ManiSkill task ids], MANISKILL_COMMON, GaussianAgent
+  App. B.3, Table 3   PRESETS[ManiSkill task ids], MANISKILL_COMMON, GaussianAgent, RunningMeanStd (obs. normalized)
   (not in the paper)  MUJOCO_PRESET, RunningMeanStd.scale                          (MuJoCo: CPU envs, reward scaling)
+  (not in ppo.py)     PartialResetVecEnv, ppo_update (target KL), evaluate          (Gymnasium envs, protocol)
   App. C, Fig. 6      batch_temporal_stats, toy_diagnostics.npz                    (figures: benchmarks/toy_sweeps.py)
   App. E.0.1          stagger/value_mse, stagger/policy_kl, toy/forgetting_mean    (toy_chain_env.ToyChainDiagnostics)
   Sec. 5.4 (large N)  all_reduce_sum, RunningMeanStd.merge_ranks, "DDP"            (torchrun: ranks x N envs)
@@ -236,8 +239,9 @@ def resolve_args(args: Args) -> Args:
     for flag, value, in_domain, domain in domains:
         if not in_domain:
             raise ArgsError(f"{flag} {value}: must be {domain}")
-    if args.checkpoint and not os.path.isfile(args.checkpoint):
-        raise ArgsError(f"--checkpoint {args.checkpoint}: no such file")
+    stored_env_id = checkpoint_env_id(args.checkpoint) if args.checkpoint else None  # (its shapes: at the build)
+    if stored_env_id not in (None, args.env_id):
+        raise ArgsError(f"--checkpoint {args.checkpoint}: a checkpoint of {stored_env_id}, not of {args.env_id}")
     if kind == "toy":
         try:
             args.toy.validate()  # its numeric flags' domains, H a multiple of the block length L, ...
@@ -281,10 +285,23 @@ def resolve_args(args: Args) -> Args:
     return args
 
 
-def format_settings(args: Args) -> str:
-    """The resolved settings as `name=value` pairs (the toy chain's as toy.horizon=200), wrapped at 120 characters."""
-    pairs = [f"{name}={value}" for name, value in asdict(args).items() if name != "toy"]
-    pairs += [f"toy.{name}={value}" for name, value in asdict(args.toy).items()]
+def checkpoint_env_id(path: str) -> Optional[str]:
+    """The task a checkpoint was written for, read before any env starts (None: from before checkpoints named it)."""
+    if not os.path.isfile(path):
+        raise ArgsError(f"--checkpoint {path}: no such file")
+    try:
+        checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+    except (RuntimeError, ValueError, pickle.UnpicklingError) as error:
+        raise ArgsError(f"--checkpoint {path}: not a checkpoint of this task ({str(error).splitlines()[0]})") from error
+    return checkpoint.get("env_id") if isinstance(checkpoint, dict) else None
+
+
+def format_settings(args: Args, device: torch.device) -> str:
+    """The resolved settings as `name=value` pairs (toy.horizon=200 on the toy chain only) and the device in use."""
+    pairs = [f"{name}={value}" for name, value in asdict(args).items() if name not in ("toy", "cuda")]
+    if args.env_id == TOY_ENV_ID:
+        pairs += [f"toy.{name}={value}" for name, value in asdict(args.toy).items()]
+    pairs.append(f"device={device}")
     return "settings:\n" + textwrap.fill(" ".join(pairs), 120, initial_indent="  ", subsequent_indent="  ")
 
 
@@ -296,9 +313,11 @@ def make_maniskill_env(args: Args, num_envs: int, evaluation: bool, video_dir: O
     from mani_skill.utils.wrappers.gymnasium import CPUGymWrapper
     from mani_skill.utils.wrappers.record import RecordEpisode
 
-    # physx_cuda:i renders on GPU i, not ManiSkill's GPU 0 (not "none": PushT-v1 reads render shapes as it builds)
+    # physx_cuda:i renders on GPU i, not ManiSkill's GPU 0 (not "none": PushT-v1 reads render shapes as it builds);
+    # without CUDA, on the CPU (asked for the GPU, every env process would warn that it falls back to the CPU)
     gpu_simulation = args.resolved_sim_backend.startswith("physx_cuda")
-    render_backend = args.resolved_sim_backend.replace("physx_", "") if gpu_simulation else "gpu"
+    cpu_render = "gpu" if torch.cuda.is_available() else "cpu"
+    render_backend = args.resolved_sim_backend.replace("physx_", "") if gpu_simulation else cpu_render
     env = gym.make(
         args.env_id,
         num_envs=num_envs,
@@ -393,10 +412,24 @@ class PartialResetVecEnv(gym.vector.VectorEnv):
         self.env.close()
 
 
+def drop_mujoco_settotalmass_warning() -> None:
+    """MuJoCo 4 warns, once per model built, that Gymnasium's MuJoCo models use the deprecated 'settotalmass' (264
+    lines before training starts with 256 envs): this drops that one warning and prints MuJoCo's others as it does."""
+    import mujoco
+
+    def print_warning(message: str) -> None:
+        if "settotalmass" not in message:
+            print(f"WARNING: {message}", file=sys.stderr)
+
+    mujoco.set_mju_user_warning(print_warning)
+
+
 def make_env(args: Args, num_envs: int, device: torch.device, evaluation: bool, video_dir: Optional[str] = None):
     """ToyChain-v0 (torch, on `device`), or a ManiSkill3 / Gymnasium task behind PartialResetVecEnv."""
     if args.env_id == TOY_ENV_ID:
         return gym.make_vec(TOY_ENV_ID, num_envs=num_envs, config=args.toy, device=device)
+    if args.resolved_sim_backend == "cpu":  # a Gymnasium task (MuJoCo's come with gymnasium[mujoco])
+        drop_mujoco_settotalmass_warning()
     if args.resolved_sim_backend.startswith("physx_cuda"):
         env = make_maniskill_env(args, num_envs, evaluation, video_dir)
     else:
@@ -661,6 +694,7 @@ def clock(device: torch.device) -> float:
 def save_checkpoint(path: Path, agent, optimizer, normalizers: dict, global_step: int, args: Args) -> None:
     """Enough to resume or evaluate; a temporary file renamed, never half-written."""
     state = {
+        "env_id": args.env_id,
         "model": agent.state_dict(),
         "optimizer": optimizer.state_dict(),
         "global_step": global_step,
@@ -739,14 +773,14 @@ def minibatch_gradients(agent: nn.Module, optimizer, args: Args, minibatch: dict
     return stats
 
 
-def ppo_update(gradients, optimizer, batch: dict, args: Args) -> dict:
+def ppo_update(compute_gradients, optimizer, batch: dict, args: Args) -> dict:
     """Epochs of shuffled minibatches, an Adam step each; the mean of each statistic, on the device (of all ranks)."""
     totals = {}  # sums of the minibatch statistics
     for epoch in range(args.update_epochs):
         permutation = torch.randperm(args.batch_size, device=batch["obs"].device)
         for start in range(0, args.batch_size, args.minibatch_size):
             indices = permutation[start : start + args.minibatch_size]
-            stats = gradients({key: values[indices] for key, values in batch.items()})
+            stats = compute_gradients({key: values[indices] for key, values in batch.items()})
             optimizer.step()
             totals = {name: totals.get(name, 0.0) + value for name, value in stats.items()}
         # Table 3's target-KL stop, once per epoch as CleanRL (ManiSkill's ppo.py: every minibatch). DDP: all ranks'.
@@ -758,16 +792,9 @@ def ppo_update(gradients, optimizer, batch: dict, args: Args) -> dict:
 
 
 @torch.no_grad()
-def advance_actions(kind: str, envs, agent: nn.Module, obs_rms: RunningMeanStd, raw_obs: torch.Tensor) -> torch.Tensor:
-    """The stagger advance's actions (App. B.1): the initial policy's mean action, or uniform in the action bounds."""
-    if kind == "random":
-        return torch.as_tensor(envs.action_space.sample(), device=raw_obs.device)
-    return agent.deterministic_action(obs_rms.normalize(raw_obs))
-
-
 def stagger_advance(envs, resets: ResetState, agent: nn.Module, obs_rms: RunningMeanStd, args: Args, seed: int):
     """STAGGER (App. B.1): from a reset of every env, advances group j by j * S steps with --advance-actions, none
-    trained on. Group j starts its first episode (a partial reset) at step (N_B - 1 - j) * S; group N_B - 1 at the
+    trained on (N_B = args.num_stagger_groups = ceil(H / K) and S = args.stagger_step = K: resolve_args). Group j starts its first episode (a partial reset) at step (N_B - 1 - j) * S; group N_B - 1 at the
     reset itself. Each start is a reset gate: the envs waiting since a termination start with that group (Sec. 3.3).
     Returns the observations that training starts from."""
     starts = stagger_start_steps(args.num_stagger_groups, args.stagger_step)
@@ -776,7 +803,10 @@ def stagger_advance(envs, resets: ResetState, agent: nn.Module, obs_rms: Running
     env_starts = torch.tensor(starts, device=raw_obs.device)[groups]
     envs.action_space.seed(seed)  # (random advance actions: reproducible)
     for advance_step in range(starts[0]):  # (group 0 starts last, at (N_B - 1) * S)
-        actions = advance_actions(args.advance_actions, envs, agent, obs_rms, raw_obs)
+        if args.advance_actions == "random":  # uniform in the action bounds
+            actions = torch.as_tensor(envs.action_space.sample(), device=raw_obs.device)
+        else:  # the initial policy's mean action
+            actions = agent.deterministic_action(obs_rms.normalize(raw_obs))
         raw_obs, _, terminated, truncated, info = envs.step(actions)
         final_mask = info.get("_final_obs", torch.zeros_like(terminated, dtype=torch.bool))
         if advance_step + 1 in starts:  # (the schedule is known on the host: no device sync)
@@ -824,7 +854,7 @@ def main(args: Args) -> dict:
     run_name = f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}"
     run_dir = Path(args.output_dir) / run_name
     if rank == 0:
-        print(format_settings(args))
+        print(format_settings(args, device))
         run_dir.mkdir(parents=True)
         (run_dir / "config.json").write_text(json.dumps(asdict(args), indent=2))
     if args.track and rank == 0:
@@ -858,7 +888,8 @@ def main(args: Args) -> dict:
     try:
         # ---- build: envs, agent, optimizer, observation normalizer (and the checkpoint to resume or evaluate) ------
         envs = None if args.evaluate else make_env(args, N, device, evaluation=False)
-        video_dir = str(run_dir / "videos") if args.capture_video and rank == 0 else None
+        video_root = Path(args.checkpoint).parent if args.evaluate else run_dir  # --evaluate: beside the checkpoint
+        video_dir = str(video_root / "videos") if args.capture_video and rank == 0 else None
         if rank == 0 or envs is None:  # DDP: rank 0 alone evaluates
             eval_envs = make_env(args, args.num_eval_envs, device, evaluation=True, video_dir=video_dir)
         spaces = envs if envs is not None else eval_envs
@@ -891,6 +922,8 @@ def main(args: Args) -> dict:
 
         if args.evaluate:
             log_evaluation(None)
+            if video_dir:
+                print(f"videos: {video_dir}")
             return summary
         dtype = torch.long if is_toy else torch.float32  # rollout storage (K, N, ...): the chain's are indices
         obs_buf = torch.zeros((K, N, *envs.single_observation_space.shape), dtype=dtype, device=device)
@@ -906,11 +939,11 @@ def main(args: Args) -> dict:
         correct_buf = torch.zeros((K, N), dtype=torch.bool, device=device)
         episode_step_buf = torch.zeros((K, N), dtype=torch.long, device=device)
         act = partial(policy_step, agent)
-        gradients = partial(minibatch_gradients, agent, optimizer, args)
+        compute_gradients = partial(minibatch_gradients, agent, optimizer, args)  # of a minibatch, left in .grad
         if args.cudagraphs:  # as ppo_fast.py: the policy step and the minibatch gradients replayed as CUDA graphs
             from tensordict.nn import CudaGraphModule
 
-            act, gradients = CudaGraphModule(act), CudaGraphModule(gradients)
+            act, compute_gradients = CudaGraphModule(act), CudaGraphModule(compute_gradients)
 
         # ---- STAGGER: advance group j by j * S steps before training (App. B.1) --------------------------------------
         resets = ResetState(N, device, envs.metadata["autoreset_mode"] == gym.vector.AutoresetMode.NEXT_STEP)
@@ -1017,7 +1050,7 @@ def main(args: Args) -> dict:
                 "advantages": advantages.flatten(0, 1),
                 "returns": returns.flatten(0, 1),
             }
-            losses = ppo_update(gradients, optimizer, batch, args)
+            losses = ppo_update(compute_gradients, optimizer, batch, args)
             ended = {key: all_reduce_sum(total) for key, total in ended.items()}  # DDP: the episodes of all ranks
             if rank > 0:  # DDP: rank 0 alone logs (the losses and episodes of all ranks, the rest of its own batch)
                 continue

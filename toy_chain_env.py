@@ -31,7 +31,7 @@ Vector-env API (Gymnasium 1.x VectorEnv)
 ----------------------------------------
 Observations, rewards and flags are torch tensors on the env's device (as ManiSkill3 returns them):
   obs (N,) int64 block index, reward (N,) float32, terminated / truncated (N,) bool.
-Both of Gymnasium's autoreset modes are implemented (see autoreset_modes.txt):
+Both of Gymnasium's autoreset modes are implemented (Gymnasium's documentation: "Vector Environments", autoreset modes):
   * "next_step": the step that ends an episode returns the true last observation; the *next* call to step()
     resets that env, ignores its action and returns the reset observation with reward 0 and no flags.
   * "same_step": the step that ends an episode resets at once and returns the reset observation; the true last
@@ -52,7 +52,8 @@ episode start, lognormal with sigma step_time_spread and mean 1) makes some epis
 stragglers) and step_factor (drawn every step, lognormal with sigma step_time_jitter and mean 1) makes single actions
 slow (action-level stragglers); a step of N chains sleeps for the sum of their times (simulated one after another).
 These draws use their own random stream, so the task's dynamics are the same with or without delays.
-crash_at_step > 0 raises an error in that step() call (a test option for scripts' crash handling).
+crash_at_step > 0 raises an error in that step() call: a hook for the tests of the scripts' crash handling, set in code,
+not a command-line flag (tyro.conf.Suppress keeps it out of every script's --help).
 
 Registered with Gymnasium as "ToyChain-v0" (vector entry point):
     envs = gymnasium.make_vec("ToyChain-v0", num_envs=512, config=ToyChainConfig(horizon=200), device="cpu")
@@ -69,6 +70,7 @@ import gymnasium as gym
 import numpy as np
 import torch
 import torch.nn as nn
+import tyro
 from gymnasium.vector import AutoresetMode, VectorEnv
 
 
@@ -100,8 +102,8 @@ class ToyChainConfig:
     """lognormal sigma of a per-episode speed factor (mean 1): episode-level stragglers (with --toy.step-time-mean)"""
     step_time_jitter: float = 0.3
     """lognormal sigma of a per-step speed factor (mean 1): action-level stragglers (with --toy.step-time-mean)"""
-    crash_at_step: int = 0
-    """raise an error in this step() call of the env (0 = never): a test option for crash handling"""
+    crash_at_step: tyro.conf.Suppress[int] = 0
+    """raise an error in this step() call of the env (0 = never): a hook for tests of crash handling, not a flag"""
 
     @property
     def num_blocks(self) -> int:
@@ -132,7 +134,7 @@ class ToyChainConfig:
             if not getattr(self, name) >= 0.0:
                 raise ValueError(f"--toy.{name.replace('_', '-')} {getattr(self, name)}: must be >= 0")
         if self.crash_at_step < 0:
-            raise ValueError(f"--toy.crash-at-step {self.crash_at_step}: must be >= 0 (0 = never)")
+            raise ValueError(f"toy.crash_at_step {self.crash_at_step}: must be >= 0 (0 = never; a test hook)")
 
 
 def draw_target_actions(config: ToyChainConfig) -> torch.Tensor:
@@ -238,7 +240,7 @@ class ToyChainVectorEnv(VectorEnv):
         if self.config.crash_at_step and self._num_step_calls == self.config.crash_at_step:
             raise RuntimeError(
                 f"ToyChain: deliberate crash in step() call {self._num_step_calls} "
-                f"(--toy.crash-at-step {self.config.crash_at_step}, a test option)"
+                f"(toy.crash_at_step {self.config.crash_at_step}, a test hook)"
             )
         if self.config.step_time_mean > 0.0:
             time.sleep(self._simulation_time())  # simulation time, spent in the process that steps the env

@@ -60,13 +60,6 @@ class Options:
     """where the md and json go"""
 
 
-def sampled_actions(kind, envs, agent, obs_rms, raw_obs):
-    """The initial policy's sampled actions (the third kind, measured here only)."""
-    with torch.no_grad():
-        action, _, _, _ = agent.get_action_and_value(obs_rms.normalize(raw_obs))
-    return action
-
-
 def measure(task: str, kind: str, seed: int, options: Options) -> dict:
     """One staggered advance from a fresh agent, seeded as a training run seeds it; what it left when training starts."""
     flags = dict(env_id=task, cuda=False, seed=seed, num_envs=16 if options.quick else options.num_envs)
@@ -104,15 +97,13 @@ def measure(task: str, kind: str, seed: int, options: Options) -> dict:
         return raw_obs, info
 
     envs.step, envs.reset = recorded_step, recorded_reset
-    original_actions = ppo_staggered.advance_actions
-    if kind == "policy sample":
-        ppo_staggered.advance_actions = sampled_actions
+    if kind == "policy sample":  # the third kind, measured here only: the policy samples where it takes its mean
+        agent.deterministic_action = lambda obs: agent.get_action_and_value(obs)[0]
     try:
         start = time.time()
         raw_obs = ppo_staggered.stagger_advance(envs, resets, agent, obs_rms, args, seed)
         wall = time.time() - start
     finally:
-        ppo_staggered.advance_actions = original_actions
         envs.close()
     obs_rms.update(raw_obs, resets.trained_on())  # what training's normalizer starts from
     return {

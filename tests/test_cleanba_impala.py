@@ -388,7 +388,6 @@ OUT_OF_DOMAIN = [
     ("--toy.step-time-mean", dict(toy=toy_config(step_time_mean=-0.1))),
     ("--toy.step-time-spread", dict(toy=toy_config(step_time_spread=-0.1))),
     ("--toy.step-time-jitter", dict(toy=toy_config(step_time_jitter=-0.1))),
-    ("--toy.crash-at-step", dict(toy=toy_config(crash_at_step=-1))),
     ("--checkpoint", dict(checkpoint="no/such/ckpt.pt")),
 ]
 

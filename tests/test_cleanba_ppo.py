@@ -344,7 +344,6 @@ OUT_OF_DOMAIN = [
     ("toy.step_time_mean", -1.0, ">= 0"),
     ("toy.step_time_spread", -1.0, ">= 0"),
     ("toy.step_time_jitter", -1.0, ">= 0"),
-    ("toy.crash_at_step", -1, ">= 0"),
 ]
 
 

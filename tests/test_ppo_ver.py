@@ -930,7 +930,6 @@ OUT_OF_DOMAIN = [  # (flag, a value outside its domain): every numeric flag of t
     ("--toy.step-time-mean", -0.1),
     ("--toy.step-time-spread", -1.0),
     ("--toy.step-time-jitter", -1.0),
-    ("--toy.crash-at-step", -1),
     ("--toy.slow-rank-factor", 0.0),
     ("--toy.slow-env-factor", -2.0),
 ]
@@ -958,7 +957,7 @@ def test_the_out_of_domain_table_covers_every_numeric_flag():
             if isinstance(value, (int, float)) and not isinstance(value, bool) or value is None:
                 numeric.add(prefix + name.replace("_", "-"))
     numeric -= {"--wandb-entity", "--checkpoint", "--bootstrap-at-done", "--batch-size", "--world-size"}
-    numeric -= {"--toy.task-seed"}  # any integer
+    numeric -= {"--toy.task-seed", "--toy.crash-at-step"}  # any integer; a test hook, not a flag
     assert numeric == {flag for flag, _ in OUT_OF_DOMAIN}
 
 
@@ -1336,8 +1335,23 @@ class Watched:
         assert self.seen and not [p for p in self.seen if alive(p)]
 
 
+# The script run unmodified, with its toy chain's test hook set: env workers crash in their 40th step() call.
+CRASH_AT_STEP_40 = """
+import runpy, sys, tyro
+cli = tyro.cli
+def cli_with_a_crash(cls, **kwargs):
+    args = cli(cls, **kwargs)
+    args.toy.crash_at_step = 40
+    return args
+tyro.cli = cli_with_a_crash
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
 def test_a_crashing_worker_ends_the_run_with_its_traceback(tmp_path):
-    run = Watched(HETEROGENEOUS_TOY + ["--total-timesteps", "1000000", "--toy.crash-at-step", "40"], tmp_path)
+    launcher = [sys.executable, "-c", CRASH_AT_STEP_40]
+    run = Watched(HETEROGENEOUS_TOY + ["--total-timesteps", "1000000"], tmp_path, launcher=launcher)
     code, _, err, _ = run.wait(timeout=120)  # a hang would be killed there (exit code -9)
     assert code == 1, err[-3000:]
     assert "an env worker failed" in err and "Traceback" in err and "deliberate crash in step() call 40" in err

@@ -574,7 +574,6 @@ OUT_OF_DOMAIN = [  # (the flag, Args fields that put it outside its domain): eve
     ("--toy.step-time-mean", dict(toy=toy(step_time_mean=-1.0))),
     ("--toy.step-time-spread", dict(toy=toy(step_time_spread=-1.0))),
     ("--toy.step-time-jitter", dict(toy=toy(step_time_jitter=-1.0))),
-    ("--toy.crash-at-step", dict(toy=toy(crash_at_step=-1))),
     ("--toy.action-dim", dict(toy=toy(action_dim=0))),
     ("--toy.target-radius", dict(toy=toy(target_radius=0.0))),
 ]

@@ -344,7 +344,7 @@ def test_crash_at_step_raises_in_that_call():
         (dict(step_time_mean=-0.1), "--toy.step-time-mean"),
         (dict(step_time_spread=-1.0), "--toy.step-time-spread"),
         (dict(step_time_jitter=float("nan")), "--toy.step-time-jitter"),
-        (dict(crash_at_step=-1), "--toy.crash-at-step"),
+        (dict(crash_at_step=-1), "toy.crash_at_step"),
     ],
 )
 def test_bad_timing_settings_name_the_flag(overrides, flag):
