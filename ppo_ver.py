@@ -21,7 +21,7 @@ Map from the paper to this file
   Sec. 2.3           allreduce_gradients, optimal_preemption_time (argmax_S S/(Time(S)+LT)), ver_stop_rule,
                      fill_from_previous; ddppo_stop_rule (--sync under torchrun, --sync-frac)
   Not in VER         RunningMeanStd (obs_rms): observation normalization as ppo_staggered.py, Box observations only
-Autoreset (autoreset_modes.txt): none in the collector. Each env worker resets its own env in the step that ends an
+Autoreset (Gymnasium's vector autoreset modes): none in the collector. Each env worker resets its own env in the step that ends an
 episode and reports the true last observation with the reset one (ToyChain runs in same_step mode for that).
 
 Examples
@@ -1066,7 +1066,8 @@ def ppo_update(
 
 # ---- Checkpoints, evaluation -----------------------------------------------------------------------------------------
 def save_checkpoint(path: Path, agent, optimizer, obs_rms: RunningMeanStd, global_step: int, iteration: int) -> None:
-    """CONVENTIONS.md's layout, written to a temporary file and renamed: Ctrl-C never leaves half a checkpoint."""
+    """{model, optimizer, global_step, iteration, obs_rms: {mean, var, count}}, written to a temporary file and renamed:
+    Ctrl-C never leaves half a checkpoint."""
     state = {
         "model": agent.state_dict(),
         "optimizer": optimizer.state_dict(),

@@ -28,7 +28,7 @@ Departures from the original code: Adam as App. B.1 says (the original uses Adam
 discount comes from --gamma (the original hard-codes 0.99; ManiSkill: 0.8, see README.md); episode ends follow
 --bootstrap-at-done (truncated: a time limit bootstraps Q'(true final observation) and a termination bootstraps 0;
 always: both bootstrap, ManiSkill's default, whose successes terminate with positive reward); the original treats
-time-outs as terminal. Autoreset (autoreset_modes.txt): same-step only, as ManiSkill; the true last observation is
+time-outs as terminal. Autoreset (Gymnasium's vector autoreset modes): same-step only, as ManiSkill; the true last observation is
 info["final_obs"]. Evaluation runs in the Actor, the learners soon wait for it (summary.json: eval_time_s).
 Examples: README.md.
 """
@@ -920,7 +920,8 @@ def evaluate(policy: Policy, eval_envs, obs_rms: RunningMeanStd, bounds, horizon
 
 
 def save_checkpoint(path: Path, args, supervisor, counters, serial, obs_rms, global_step, iteration) -> None:
-    """CONVENTIONS.md's checkpoint, no replay buffers (a resumed run refills them); learner processes write theirs."""
+    """{model, optimizer, global_step, iteration, obs_rms, args}: no replay buffers (a resumed run refills them); the
+    learner processes write their parts."""
     if serial is None:
         counters.checkpoint_requests += 1
         request = counters.checkpoint_requests

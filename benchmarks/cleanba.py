@@ -37,8 +37,8 @@ ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 SCRIPTS = {"ppo": ROOT / "cleanba_ppo.py", "impala": ROOT / "cleanba_impala.py"}
 
-# Paper numbers (runtimes of static/cleanba/*_runtimes.csv converted to steps/s = 50M / minutes / 60, see
-# ../shared/reference/cleanba.md Sec. 5.2): mean over 57 Atari games.
+# Paper numbers (Cleanba's published runtimes, static/cleanba/*_runtimes.csv in its repository, converted to steps/s
+# = 50M / minutes / 60; the paper's Sec. 5.2): mean over 57 Atari games.
 PAPER = {
     ("ppo", "concurrent"): ("8 A100, 46 CPU", 29_000),
     ("ppo", "synchronous"): ("8 A100, 46 CPU", 22_700),

@@ -4,8 +4,9 @@
 #   bash benchmarks/gpu_checks.sh pack   # here, on the machine with network: writes .whl/site.tar.xz (about 40 MB)
 #   bash benchmarks/gpu_checks.sh run    # there, with .whl carried: unpacks, then runs the checks into $OUT
 #
-# pack: wheels for Python 3.12 of what the scripts import beside torch (../shared/gpu/wheelhouse.py picks them),
-# installed into one folder and cut down to what importing them needs. Left out: ManiSkill's meshes and textures
+# pack: what the project imports and the GPU machine lacks (benchmarks/wheelhouse.py: for its Python 3.12, less the
+# packages its image holds, benchmarks/gpu_image_packages.txt), installed into one folder and cut down to what importing
+# them needs. Left out: ManiSkill's meshes and textures
 # (its asset metadata stays: mani_skill reads it on import), SAPIEN's C++ headers and sensor patterns, jedi's typeshed
 # copy, and the motion-planning and git packages nothing imports. No ManiSkill scene can be built from it; the
 # PhysX GPU library (physx_cuda) is not in any wheel: SAPIEN downloads it from GitHub on first use.
@@ -21,30 +22,20 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 
 pack() {
-  local house site
-  house=$(mktemp -d) site=$(mktemp -d)
-  python3 ../shared/gpu/wheelhouse.py --out "$house" || return 1
-  mkdir -p "$house/all" .whl
-  cp "$house"/part*/* "$house/all/"
-  (cd "$house/all" && for first in *.whl.piece-00; do
-    [ -e "$first" ] || continue
-    cat "${first%.piece-00}".piece-* >"${first%.piece-00}" && rm -f "${first%.piece-00}".piece-*
-  done && rm -f gitpython-* gitdb-* smmap-* mplib-* toppra-*)
-  if ! ls "$house"/all/pexpect-*.whl >/dev/null 2>&1; then  # the wheelhouse may already hold them
-    python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-      --platform any -d "$house/all" pexpect ptyprocess || return 1
-  fi
-  python3 -m pip install -q --no-deps --no-compile --target "$site" --python-version 3.12 --implementation cp \
-    --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform any --only-binary=:all: \
-    "$house"/all/*.whl || return 1
+  local site
+  site=$(mktemp -d)
+  mkdir -p .whl
+  python3 benchmarks/wheelhouse.py --site "$site" --python-version 3.12 || return 1
   find "$site/mani_skill/assets" -type f -size +300k -delete
   find "$site/mani_skill/assets" -type f \( -name '*.glb' -o -name '*.obj' -o -name '*.stl' -o -name '*.STL' \
     -o -name '*.dae' -o -name '*.png' -o -name '*.ply' \) -delete
   find "$site/mani_skill/utils/scene_builder" -type f ! -name '*.py' -size +200k -delete
   rm -rf "$site/jedi/third_party" "$site/sapien/include" "$site/sapien/sensor/assets"
   tar -C "$site" -cf - . | xz -T0 -3 >.whl/site.tar.xz
-  rm -rf "$house" "$site"
-  grep -qx '/.whl/' .git/info/exclude || echo /.whl/ >>.git/info/exclude
+  rm -rf "$site"
+  local exclude
+  exclude=$(git rev-parse --git-path info/exclude) && mkdir -p "$(dirname "$exclude")"
+  grep -qsx '/.whl/' "$exclude" || echo /.whl/ >>"$exclude"
   ls -la .whl/site.tar.xz
 }
 
@@ -56,6 +47,7 @@ run() {
     date -u
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
     python3 -c "import torch, tensordict, mani_skill.envs; print(torch.__version__, torch.cuda.get_device_name(0))"
+    PYTHONPATH= python3 -m pip freeze  # what the image holds: benchmarks/gpu_image_packages.txt
   } 2>&1 | tee "$OUT/env.log"
   timeout "${T_GRAPHS:-120}" python3 -m pytest tests/test_ppo_staggered.py -q -rs -p no:cacheprovider --durations=0 \
     -k "cudagraphs" 2>&1 | tee -a "$OUT/cuda_tests.log"

@@ -1101,7 +1101,7 @@ def test_save_model_then_resume_continues_the_global_step_then_evaluate(tmp_path
     assert ckpts == ["ckpt_0.pt", "ckpt_640.pt", "final_ckpt.pt"]
     ckpt = torch.load(os.path.join(run_dir, "final_ckpt.pt"), weights_only=True)
     assert ckpt["global_step"] == 1280 and ckpt["iteration"] == 4 and ckpt["optimizer"]["state"]
-    assert set(ckpt) == {"model", "optimizer", "global_step", "iteration", "obs_rms", "reward_rms"}  # CONVENTIONS.md's
+    assert set(ckpt) == {"env_id", "model", "optimizer", "global_step", "iteration", "obs_rms", "reward_rms"}
     assert set(ckpt["obs_rms"]) == set(ckpt["reward_rms"]) == {"mean", "var", "count"}
 
     second = tmp_path / "second"

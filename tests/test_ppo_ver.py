@@ -785,7 +785,7 @@ class BoxEnv:
 
 
 def normalized(raw, mean, var):
-    """The normalization of CONVENTIONS.md, written out: ((x - mean) / sqrt(var + 1e-8)) clipped to +-10."""
+    """The observation normalization, written out: ((x - mean) / sqrt(var + 1e-8)) clipped to +-10."""
     return ((raw - mean) / torch.sqrt(var + 1e-8)).clamp(-10.0, 10.0)
 
 
@@ -1109,7 +1109,7 @@ def test_recurrent_save_resume_and_evaluate(tmp_path, device):
     ckpt = torch.load(os.path.join(run_dir, "final_ckpt.pt"), weights_only=False)
     assert ckpt["global_step"] == 256 and ckpt["iteration"] == 4
     assert any(k.startswith("lstm.") for k in ckpt["model"]) and ckpt["optimizer"]["state"]
-    assert set(ckpt["obs_rms"]) == {"mean", "var", "count"}  # CONVENTIONS.md's layout; ToyChain's block index is
+    assert set(ckpt["obs_rms"]) == {"mean", "var", "count"}  # the checkpoint's layout; ToyChain's block index is
     assert float(ckpt["obs_rms"]["count"]) == pytest.approx(1e-4)  # not normalized: obs_rms was never updated
 
     second = tmp_path / "second"

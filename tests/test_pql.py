@@ -1050,7 +1050,7 @@ def test_maniskill_cpu_simulation_smoke(tmp_path):
     assert "charts/episodic_return" in summary  # episodes of 20 steps ended during training
     config = json.load(open(os.path.join(run_dir, "config.json")))
     assert config["sim_backend"] == "physx_cpu" and config["norm_obs"] is True and config["gamma"] == 0.8
-    assert config["bootstrap_at_done"] == "always"  # ManiSkill's default (CONVENTIONS.md)
+    assert config["bootstrap_at_done"] == "always"  # ManiSkill's default (its own PPO and SAC bootstrap every end)
 
 
 def test_save_model_then_evaluate_then_resume(tmp_path):
@@ -1060,7 +1060,7 @@ def test_save_model_then_evaluate_then_resume(tmp_path):
     ckpts = sorted(os.path.basename(p) for p in glob.glob(os.path.join(run_dir, "*.pt")))
     assert ckpts == ["ckpt_640.pt", "final_ckpt.pt"]
     ckpt = torch.load(os.path.join(run_dir, "final_ckpt.pt"), weights_only=True)
-    assert set(ckpt) == {"model", "optimizer", "global_step", "iteration", "obs_rms", "args"}  # CONVENTIONS.md
+    assert set(ckpt) == {"model", "optimizer", "global_step", "iteration", "obs_rms", "args"}  # the layout resumed
     assert set(ckpt["model"]) == {"policy", "critic", "critic_target"} and set(ckpt["optimizer"]) == {
         "policy",
         "critic",
