@@ -227,7 +227,6 @@ def resolve_args(args: Args, world_size: Optional[int] = None) -> Args:
         resolved.inference_min_batch = max(1, int(resolved.num_envs / 1.5))  # habitat-lab's default
     check_domains(resolved)
     if resolved.env_kind == "toy":
-        resolved.toy.autoreset_mode = "same_step"  # the worker resets its chain and reports the true last observation
         try:
             resolved.toy.validate()  # "--toy.horizon must be >= 1, got 0", ...
         except ValueError as error:
@@ -250,13 +249,10 @@ def resolve_args(args: Args, world_size: Optional[int] = None) -> Args:
 
 
 def format_settings(args: Args) -> str:
-    """The resolved settings as `name=value` pairs in field order (nested ones as toy.horizon=200), 120 chars a line."""
-    pairs = []
-    for name, value in asdict(args).items():
-        if isinstance(value, dict):
-            pairs += [f"{name}.{inner_name}={inner_value}" for inner_name, inner_value in value.items()]
-        else:
-            pairs.append(f"{name}={value}")
+    """The resolved settings as `name=value` pairs in field order (toy.horizon=200 on the toy chain only), 120 a line."""
+    pairs = [f"{name}={value}" for name, value in asdict(args).items() if name != "toy"]
+    if args.env_kind == "toy":
+        pairs += [f"toy.{name}={value}" for name, value in asdict(args.toy).items()]
     lines = textwrap.wrap(" ".join(pairs), width=120, break_long_words=False, break_on_hyphens=False)
     return "\n".join(["settings:", *lines])
 
@@ -280,7 +276,7 @@ class ManiSkillEnv(gym.Wrapper):
 
 def make_env(args: Args, evaluation: bool = False, rank: int = 0, env_index: int = 0):
     """Env `env_index` of `rank`; evaluation: ToyChain without delays or crashes, ManiSkill a new scene per reset."""
-    if args.env_kind == "toy":  # same_step autoreset (resolve_args)
+    if args.env_kind == "toy":  # same_step autoreset (ToyChainWorkerConfig has no other)
         step_time = 0.0 if evaluation else args.toy.step_time_of(rank, args.world_size, env_index)
         config = replace(args.toy, step_time_mean=step_time, crash_at_step=0 if evaluation else args.toy.crash_at_step)
         return ToyChainWorkerEnv(config)
@@ -288,7 +284,8 @@ def make_env(args: Args, evaluation: bool = False, rank: int = 0, env_index: int
     from mani_skill.utils.wrappers.gymnasium import CPUGymWrapper
 
     sim = dict(obs_mode="state", sim_backend="physx_cpu", reconfiguration_freq=int(evaluation))
-    env = gym.make(args.env_id, num_envs=1, **sim)
+    render_backend = "gpu" if torch.cuda.is_available() else "cpu"  # (asked for a GPU, each worker would warn: none)
+    env = gym.make(args.env_id, num_envs=1, render_backend=render_backend, **sim)
     return ManiSkillEnv(CPUGymWrapper(env, ignore_terminations=evaluation))
 
 

@@ -520,6 +520,8 @@ class ToyChainWorkerConfig(ToyChainConfig):
     """ToyChain settings plus deliberate stragglers, for studying VER (Wijmans et al. 2022) with one chain per env
     worker: --toy.slow-rank-factor (a straggling machine, Sec. 2.3) and --toy.slow-env-factor (a straggling env)."""
 
+    autoreset_mode: Literal["same_step"] = "same_step"
+    """same_step only: an env worker resets its chain in the step that ends an episode, and reports the last observation"""
     slow_rank_factor: float = 1.0
     """with >= 2 ranks (torchrun), every chain of rank 0 steps this many times slower (with --toy.step-time-mean)"""
     slow_env_factor: float = 1.0
@@ -527,6 +529,10 @@ class ToyChainWorkerConfig(ToyChainConfig):
 
     def validate(self) -> None:
         super().validate()
+        if self.autoreset_mode != "same_step":
+            raise ValueError(
+                f"--toy.autoreset-mode {self.autoreset_mode}: env workers run their chain in same_step mode"
+            )
         for name in ("slow_rank_factor", "slow_env_factor"):
             if not getattr(self, name) > 0.0:
                 raise ValueError(f"--toy.{name.replace('_', '-')} {getattr(self, name)}: must be > 0")

@@ -973,7 +973,19 @@ def test_other_bad_values_are_refused_naming_the_flag(kwargs, message):
         ver.resolve_args(ver.Args(cuda=False, **kwargs), world_size=1)
 
 
-def test_the_settings_block_lists_every_resolved_field_in_order_within_120_columns():
+def test_the_toy_chain_runs_in_same_step_mode_only_and_another_mode_is_refused_not_replaced():
+    """An env worker resets its chain in the step that ends an episode: --toy.autoreset-mode offers same_step alone,
+    and a config that asks for next_step is refused naming the flag."""
+    config = replace(ToyChainWorkerConfig(), autoreset_mode="next_step")
+    with pytest.raises(
+        ver.ArgsError, match="^--toy.autoreset-mode next_step: env workers run their chain in same_step"
+    ):
+        ver.resolve_args(ver.Args(cuda=False, toy=config), world_size=1)
+    proc = subprocess.run([sys.executable, SCRIPT, "--toy.autoreset-mode", "next_step"], capture_output=True, text=True)
+    assert proc.returncode == 2 and "--toy.autoreset-mode" in proc.stderr
+
+
+def test_the_settings_block_lists_every_resolved_field_in_order_within_120_columns_the_toy_chains_last():
     args = ver.resolve_args(ver.Args(cuda=False, num_envs=4), world_size=1)
     text = ver.format_settings(args)
     lines = text.splitlines()
@@ -981,8 +993,10 @@ def test_the_settings_block_lists_every_resolved_field_in_order_within_120_colum
     pairs = " ".join(lines[1:]).split(" ")
     assert pairs[:3] == [f"exp_name={args.exp_name}", "seed=1", "torch_deterministic=True"]
     assert "num_envs=4" in pairs and "toy.horizon=200" in pairs and "toy.autoreset_mode=same_step" in pairs
-    assert pairs.index("num_envs=4") < pairs.index("toy.horizon=200") < pairs.index("bootstrap_at_done=truncated")
+    assert pairs.index("num_envs=4") < pairs.index("bootstrap_at_done=truncated") < pairs.index("toy.horizon=200")
     assert len(pairs) == len(vars(args)) - 1 + len(vars(args.toy))
+    maniskill = ver.format_settings(ver.resolve_args(ver.Args(env_id="PushCube-v1", cuda=False), world_size=1))
+    assert "env_id=PushCube-v1" in maniskill and "toy." not in maniskill  # the toy chain's settings on it only
 
 
 # ----------------------------------------------------------------------------------------------------------------------
