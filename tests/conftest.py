@@ -17,6 +17,13 @@ import torch  # noqa: E402
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "slow: runs a script for real (training, processes, simulators); `-m 'not slow'` leaves it out"
+    )
+
+
 # Tests run on the CPU always and on CUDA when a GPU is present.
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU"))]
 

@@ -413,6 +413,7 @@ def test_every_numeric_flag_is_in_the_domain_table():
     assert flags - any_integer == {flag for flag, _ in OUT_OF_DOMAIN} - {"--checkpoint"}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "flags, name",
     [
@@ -487,6 +488,7 @@ def learner_step(rank, world_size, port, out_dir):
     save_step(learner, stats, out_dir, world_size, rank)
 
 
+@pytest.mark.slow
 def test_two_gloo_learners_on_the_halves_make_the_step_of_one_learner_on_the_whole_minibatch(tmp_path):
     """App. A: the gradients of the learners are summed, so the step does not depend on how the envs are split."""
     check_one_and_two_learners_make_the_same_step(tmp_path, learner_step)
@@ -533,6 +535,7 @@ def test_toy_chain_run_trains_on_the_data_version_of_table_1(tmp_path, concurren
     assert abs(rows[0]["cleanba/rho_mean"] - 1.0) < 1e-2
 
 
+@pytest.mark.slow
 def test_a_slower_learner_gives_bit_identical_losses_and_returns(tmp_path):
     """Sec. 3-4: the learner sleeping after each update changes the wall clock only (Cleanba's architecture; the
     synchronous one is covered in test_cleanba_ppo.py on the same code)."""
@@ -559,6 +562,7 @@ def test_a_slower_learner_gives_bit_identical_losses_and_returns(tmp_path):
     assert runs["0.25"][0]["wall_time_s"] >= 10 * 0.25  # the delay took effect: 10 updates, 0.25 s after each
 
 
+@pytest.mark.slow
 def test_logged_returns_are_raw_game_scores(tmp_path):
     """SpaceInvaders pays 5 to 30 points per invader: the learner sees clipped rewards, charts/episodic_return and
     eval/return must be the raw score. Measured for seeds 1-5: charts/episodic_return 40-87.5 (4 episodes of 200
@@ -604,6 +608,7 @@ def test_envpool_atari_protocol():
         pool.close()
 
 
+@pytest.mark.slow
 def test_learns_cartpole_and_holds_it_to_the_end(tmp_path):
     """The final return of every seed, not a median: a policy learned and then lost shows (the lost runs ended at
     167-343). Asserted: each of seeds 1-5 ends with eval/return >= 475 (the task's threshold), the mean of 100
@@ -615,6 +620,7 @@ def test_learns_cartpole_and_holds_it_to_the_end(tmp_path):
     assert min(finals.values()) >= 475, finals
 
 
+@pytest.mark.slow
 def test_torchrun_two_learners_with_gloo(tmp_path):
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
     proc = run_script(
@@ -629,6 +635,7 @@ def test_torchrun_two_learners_with_gloo(tmp_path):
     assert [r["cleanba/data_policy_version"] for r in rows] == [1, 1, 2, 3, 4, 5, 6, 7, 8, 9]
 
 
+@pytest.mark.slow
 def test_save_model_then_evaluate_then_resume(tmp_path):
     run_script(
         TOY + ["--total-timesteps", "400", "--save-model", "--checkpoint-freq", "5", "--no-cuda"], tmp_path / "first"

@@ -654,6 +654,7 @@ def check_one_and_two_learners_make_the_same_step(tmp_path, learner_step):
         torch.testing.assert_close(two["stats"], one["stats"], rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.slow
 def test_two_gloo_learners_on_the_halves_make_the_step_of_one_learner_on_the_whole_minibatch(tmp_path):
     """App. A: the gradients of the learners are summed, so the step does not depend on how the minibatch is split."""
     check_one_and_two_learners_make_the_same_step(tmp_path, learner_step)
@@ -722,6 +723,7 @@ def test_toy_chain_run_trains_on_the_data_version_of_table_1(tmp_path, concurren
     assert (config["batch_size"], config["envs_per_thread"], config["bootstrap_at_done"]) == (40, 4, "truncated")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("concurrency", [False, True])
 def test_a_slower_learner_gives_bit_identical_losses_and_returns(tmp_path, concurrency):
     """Sec. 3-4: the learner sleeping after each update changes the wall clock only, in both architectures."""
@@ -750,6 +752,7 @@ def test_a_slower_learner_gives_bit_identical_losses_and_returns(tmp_path, concu
     assert runs["0.25"][0]["wall_time_s"] >= 10 * 0.25
 
 
+@pytest.mark.slow
 def test_logged_returns_are_raw_game_scores(tmp_path):
     """SpaceInvaders pays 5 to 30 points per invader: the learner sees clipped rewards, charts/episodic_return and
     eval/return must be the raw score. Over 250 steps random play scores 10-80 per episode, a mean of 50-78 over 8
@@ -800,6 +803,7 @@ def final_returns_on_cartpole(tmp_path, script) -> dict:
     return {seed: value for seed, value in zip(seeds, returns)}
 
 
+@pytest.mark.slow
 def test_learns_cartpole_and_holds_it_to_the_end(tmp_path):
     """The final return of every seed, not a median: a policy learned and then lost shows (the lost runs ended at
     223-428). Asserted: each of seeds 1-5 ends with eval/return >= 475 (the task's threshold), the mean of 100
@@ -811,6 +815,7 @@ def test_learns_cartpole_and_holds_it_to_the_end(tmp_path):
     assert min(finals.values()) >= 475, finals
 
 
+@pytest.mark.slow
 def test_torchrun_two_learners_with_gloo(tmp_path):
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
     run_script(TOY + ["--total-timesteps", "800", "--no-cuda", "--concurrency"], tmp_path, launcher=launcher)
@@ -822,6 +827,7 @@ def test_torchrun_two_learners_with_gloo(tmp_path):
     assert [r["cleanba/data_policy_version"] for r in rows] == [1, 1, 2, 3, 4, 5, 6, 7, 8, 9]
 
 
+@pytest.mark.slow
 def test_save_model_then_evaluate_then_resume(tmp_path):
     run_script(
         TOY + ["--total-timesteps", "400", "--save-model", "--checkpoint-freq", "5", "--no-cuda"], tmp_path / "first"
@@ -865,6 +871,7 @@ def test_bad_flag_exits_early_with_a_message_and_writes_nothing(tmp_path):
     assert os.listdir(tmp_path) == []
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "flags, message",
     [
@@ -914,6 +921,7 @@ def check_a_failing_actor_ends_the_run_with_its_error(tmp_path, monkeypatch, scr
     assert json.load(open(os.path.join(only_run_dir(tmp_path), "summary.json")))["iteration"] >= 1
 
 
+@pytest.mark.slow
 def test_a_failing_actor_ends_the_run_with_its_error(tmp_path, monkeypatch):
     check_a_failing_actor_ends_the_run_with_its_error(tmp_path, monkeypatch, cp)
 
@@ -968,5 +976,6 @@ def check_ctrl_c_writes_the_summary_and_a_checkpoint(tmp_path, script_path, toy_
     assert not glob.glob(os.path.join(run_dir, "*.tmp"))
 
 
+@pytest.mark.slow
 def test_ctrl_c_writes_the_summary_and_a_checkpoint(tmp_path):
     check_ctrl_c_writes_the_summary_and_a_checkpoint(tmp_path, SCRIPT, TOY)

@@ -670,6 +670,7 @@ def test_a_hand_worked_schedule_of_reset_gates(tmp_path, monkeypatch):
     assert sorted((index, steps, t, ended) for index, steps, t, ended in RESETS if index < 6) == sorted(expected)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "env_id, horizon, bootstrap, expected",
     [
@@ -951,6 +952,7 @@ def only_run_dir(tmp_path, pattern="*"):
 MUJOCO_SMALL = ["--num-envs", "8", "--num-minibatches", "2", "--num-eval-envs", "1", "--eval-freq", "2", "--no-cuda"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "scheme, advance, step_min, windows",
     [("staggered", 7 * 12 * 8, 0, 11), ("naive", 0, 16, 1), ("random-start", 0, 2, 3)],
@@ -997,6 +999,7 @@ def test_mujoco_advance_actions_are_uniform_in_the_bounds_and_the_env_clips_the_
         envs.close()
 
 
+@pytest.mark.slow
 def test_mujoco_evaluation_is_one_episode_to_its_fall_and_returns_the_sum_of_its_rewards(tmp_path):
     """Hopper-v5: eval/return and eval/episode_len are those of one episode of the final checkpoint's deterministic
     policy stepped here with Gymnasium itself, to the fall (a termination ends it) or the 1000-step limit."""
@@ -1027,6 +1030,7 @@ def test_mujoco_evaluation_is_one_episode_to_its_fall_and_returns_the_sum_of_its
     assert summary["eval/return"] == pytest.approx(episode_return, rel=1e-4)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stagger, mode", [(True, "next_step"), (False, "same_step")])
 @pytest.mark.parametrize("device", DEVICES)
 def test_toy_chain_smoke(tmp_path, stagger, mode, device):
@@ -1066,6 +1070,7 @@ def test_toy_chain_smoke(tmp_path, stagger, mode, device):
     np.testing.assert_allclose(diag["occupancy"].sum(1), 64, rtol=1e-5)  # every env is in some block at every step
 
 
+@pytest.mark.slow
 def test_toy_chain_learns_and_staggering_helps(tmp_path):
     """Fig. 2a at H = 300 (Table 2: N = 512, K = 5, 150 updates, p_prog = 0.5): staggered PPO solves the chain,
     naive PPO does not (the paper: 0.95 vs 0.14 at H = 300). Seeds 1-5, one torch thread (conftest.py): eval success
@@ -1093,6 +1098,7 @@ def test_toy_chain_learns_and_staggering_helps(tmp_path):
     assert results["stag"]["toy/forgetting_mean_overall"] < 0.3 * results["naive"]["toy/forgetting_mean_overall"]
 
 
+@pytest.mark.slow
 def test_save_model_then_resume_continues_the_global_step_then_evaluate(tmp_path):
     first = tmp_path / "first"
     run_script(TOY_SMALL + ["--total-timesteps", "1280", "--save-model", "--no-cuda"], first)
@@ -1121,6 +1127,7 @@ def test_save_model_then_resume_continues_the_global_step_then_evaluate(tmp_path
     assert "charts/SPS" not in evaluated and "eval/return" in evaluated
 
 
+@pytest.mark.slow
 def test_same_seed_gives_the_same_run(tmp_path):
     args = TOY_SMALL + ["--total-timesteps", "960", "--no-cuda"]
     for name, extra in (("a", []), ("b", []), ("c", ["--seed", "2"])):
@@ -1131,6 +1138,7 @@ def test_same_seed_gives_the_same_run(tmp_path):
     assert c["losses/value_loss"] != a["losses/value_loss"]
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU")
 def test_cudagraphs_replays_the_eager_computation_on_a_gpu(tmp_path):
     """--cudagraphs replays the policy step and the minibatch gradients as CUDA graphs (tensordict's CudaGraphModule):
@@ -1146,6 +1154,7 @@ def test_cudagraphs_replays_the_eager_computation_on_a_gpu(tmp_path):
         assert graphs[key] == pytest.approx(eager[key], rel=1e-4, abs=1e-6), key
 
 
+@pytest.mark.slow
 def test_track_mirrors_to_wandb_offline(tmp_path):
     env = dict(os.environ, WANDB_MODE="offline", WANDB_DIR=str(tmp_path), WANDB_SILENT="true")
     proc = subprocess.run(
@@ -1171,6 +1180,7 @@ def test_track_mirrors_to_wandb_offline(tmp_path):
     assert json.load(open(os.path.join(only_run_dir(tmp_path / "runs"), "summary.json")))["global_step"] == 640
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "argv, message",
     [
@@ -1206,6 +1216,7 @@ def test_a_file_that_is_no_checkpoint_exits_with_a_message_and_no_traceback(tmp_
     assert proc.stderr.startswith(f"error: --checkpoint {not_a_checkpoint}: not a checkpoint of this task")
 
 
+@pytest.mark.slow
 def test_eval_freq_0_evaluates_only_at_the_end_and_the_settings_are_printed_first(tmp_path):
     proc = run_script(TOY_SMALL + ["--total-timesteps", "960", "--eval-freq", "0", "--no-cuda"], tmp_path)
     assert [step for step, _ in scalars(only_run_dir(tmp_path))["eval/return"]] == [960]
@@ -1284,6 +1295,7 @@ def interrupt_when(ready, args, tmp_path, frozen=False):
         proc.wait()
 
 
+@pytest.mark.slow
 def test_ctrl_c_writes_the_summary_and_a_checkpoint(tmp_path):
     trained = lambda proc: [
         p
@@ -1299,6 +1311,7 @@ def test_ctrl_c_writes_the_summary_and_a_checkpoint(tmp_path):
     assert not glob.glob(os.path.join(run_dir, "*.tmp"))
 
 
+@pytest.mark.slow
 def test_ctrl_c_while_the_envs_start_writes_the_summary_and_leaves_no_process(tmp_path):
     """SIGINT while ManiSkill's CPU-simulation worker processes start (the run has child processes, training has not
     begun): summary.json says interrupted, no checkpoint, and the workers end with the run. The state is checked
@@ -1330,6 +1343,7 @@ def test_ctrl_c_while_the_envs_start_writes_the_summary_and_leaves_no_process(tm
     assert not glob.glob(os.path.join(run_dir, "*.pt"))
 
 
+@pytest.mark.slow
 def test_stackcube_cpu_simulation_smoke_then_an_evaluation_with_videos_beside_the_checkpoint(tmp_path):
     """StackCube-v1 on CPU simulation (physx_cpu, 2 worker processes), staggered; then --evaluate of its final
     checkpoint with --capture-video, whose videos go beside the checkpoint (the path printed). Without CUDA no env
@@ -1367,6 +1381,7 @@ def test_stackcube_cpu_simulation_smoke_then_an_evaluation_with_videos_beside_th
     assert "Requested to use render device" not in trained.stderr + evaluated.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "env_id", ["PushT-v1", "MS-HumanoidWalk-v1", "TwoRobotPickCube-v1", "UnitreeG1TransportBox-v1"]
 )
@@ -1454,6 +1469,7 @@ def update_of_rank(rank, world_size, port, out_dir):
     torch.distributed.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_two_gloo_ranks_of_64_envs_take_the_update_of_one_rank_of_128_envs(tmp_path):
     """The loss means are over the trained-on steps of all ranks and the gradients are SUMMED over the ranks (not
     averaged), and the target-KL stop is decided on the KL of all ranks: the same Adam steps, gradients and losses."""
@@ -1479,6 +1495,7 @@ def advantages_of_rank(rank, world_size, port, out_dir):
     torch.distributed.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_two_gloo_ranks_normalize_advantages_with_the_mean_and_std_of_the_valid_entries_of_both(tmp_path):
     mp.spawn(advantages_of_rank, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
     ranks = [torch.load(tmp_path / f"advantages_{rank}.pt") for rank in (0, 1)]
@@ -1534,6 +1551,7 @@ def normalizers_of_rank(rank, world_size, port, out_dir):
     torch.save(state, os.path.join(out_dir, f"normalizers_{world_size}_{rank}.pt"))
 
 
+@pytest.mark.slow
 def test_two_gloo_ranks_of_4_envs_normalize_as_one_rank_of_8(tmp_path):
     """After every update the ranks merge what their normalizers learned: both end with the statistics of the
     observations (and discounted returns) of all 8 envs, those of one process stepping all 8."""
@@ -1565,6 +1583,7 @@ def observation_batches(rank, rollout):
     return [rng.normal(3.0 + rank, 2.0 + rollout, size=(n, 3)).astype(np.float32) for n in (7, 50, 13)]
 
 
+@pytest.mark.slow
 def test_observation_statistics_merged_across_ranks_are_those_of_all_observations(tmp_path):
     """After each merge every rank holds the mean and variance of the observations of all ranks (each counted once,
     though the ranks share the statistics of the merge before) against numpy's over all of them."""
@@ -1652,6 +1671,7 @@ def alive(pid):
         return False
 
 
+@pytest.mark.slow
 def test_torchrun_resumes_a_one_process_checkpoint_on_two_ranks(tmp_path):
     """A checkpoint of one process resumes under torchrun with 2 ranks of 64 envs: every update counts the env steps
     of both ranks (2 x 64 x 5) and only rank 0 writes."""
@@ -1669,6 +1689,7 @@ def test_torchrun_resumes_a_one_process_checkpoint_on_two_ranks(tmp_path):
     assert torch.load(os.path.join(run_dir, "final_ckpt.pt"), weights_only=True)["iteration"] == 6
 
 
+@pytest.mark.slow
 def test_a_killed_rank_ends_the_torchrun_run_non_zero_and_leaves_no_process(tmp_path):
     """Rank 1 is killed (SIGKILL) in the middle of training: rank 0, in or entering a collective, fails or is ended
     by torchrun, writes its summary.json, and torchrun exits non-zero naming the killed rank; nothing is left."""
@@ -1684,6 +1705,7 @@ def test_a_killed_rank_ends_the_torchrun_run_non_zero_and_leaves_no_process(tmp_
     assert summary["global_step"] > 0
 
 
+@pytest.mark.slow
 def test_ctrl_c_under_torchrun_ends_every_rank_and_rank_0_writes_the_summary_and_a_checkpoint(tmp_path):
     """Ctrl-C in a terminal reaches torchrun and both ranks (one process group), and torchrun passes it on to the
     ranks once more: the ranks stop together before an iteration, rank 0 writes summary.json and final_ckpt.pt."""
@@ -1774,6 +1796,7 @@ def counted_update_of_rank(rank, world_size, port, out_dir):
     json.dump(calls, open(os.path.join(out_dir, f"all_reduces_{rank}.json"), "w"))
 
 
+@pytest.mark.slow
 def test_an_update_under_torchrun_makes_two_all_reduces_per_minibatch(tmp_path):
     """The 2-rank update of the test above (2 minibatches, stopped by the KL after epoch 1): per minibatch one
     all-reduce of the loss's three scalar shares and one of all gradients, flat; then the KL and the statistics."""
@@ -1805,6 +1828,7 @@ def main_of_rank(rank, world_size, port, out_dir):
     json.dump({"built": built, "summary": summary}, open(os.path.join(out_dir, f"main_{rank}.json"), "w"))
 
 
+@pytest.mark.slow
 def test_under_torchrun_rank_0_alone_builds_an_evaluation_env_and_the_ranks_end_with_the_same_weights(tmp_path):
     """Rank 0 alone evaluates; the ranks start from rank 0's weights (their seeds differ) and take the same updates."""
     mp.spawn(main_of_rank, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
@@ -1815,6 +1839,7 @@ def test_under_torchrun_rank_0_alone_builds_an_evaluation_env_and_the_ranks_end_
     assert all(torch.equal(weight_0, weight_1) for weight_0, weight_1 in zip(*weights))
 
 
+@pytest.mark.slow
 def test_ranks_whose_torchrun_is_killed_stop_and_rank_0_writes_the_summary(tmp_path):
     """kill -9 of torchrun leaves its ranks (sessions of their own) as orphans: each sees its parent change and
     stops at the next iteration, as at Ctrl-C; rank 0 writes summary.json. Whatever happens, nothing is left."""
@@ -1843,6 +1868,7 @@ def test_ranks_whose_torchrun_is_killed_stop_and_rank_0_writes_the_summary(tmp_p
     assert summary["interrupted"] is True and summary["global_step"] > 0, out[-3000:] + err[-3000:]
 
 
+@pytest.mark.slow
 def test_the_gpu_simulation_branch_trains_with_cpu_simulation(tmp_path, monkeypatch):
     """The branch a GPU run takes (one batched ManiSkill env in this process, PartialResetVecEnv resetting by env_idx),
     with gym.make given physx_cpu instead of physx_cuda:0 and one env. PushCube-v1, H = 6, K = 4, 3 iterations: the

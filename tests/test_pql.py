@@ -588,6 +588,7 @@ def test_every_numeric_flag_outside_its_domain_is_an_error_naming_it(flag, field
     assert re.match(re.escape(flag) + r"[ :]", str(error.value)) and "must be" in str(error.value), str(error.value)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "flags, message",
     [
@@ -713,7 +714,10 @@ def pid_alive(pid):
         return False
 
 
-@pytest.mark.parametrize("mode", ["parallel", "sequential", "ddpg_n"])
+@pytest.mark.parametrize(  # the fast tier runs PQL's three processes; its two other modes run with the slow tests
+    "mode",
+    ["parallel", pytest.param("sequential", marks=pytest.mark.slow), pytest.param("ddpg_n", marks=pytest.mark.slow)],
+)
 @pytest.mark.parametrize("device", DEVICES)
 def test_toy_chain_smoke(tmp_path, mode, device):
     args = TOY_SMALL + ["--total-timesteps", str(32 * 60)]
@@ -745,6 +749,7 @@ def test_toy_chain_smoke(tmp_path, mode, device):
     assert ("started: pid" in proc.stdout) == (mode == "parallel")
 
 
+@pytest.mark.slow
 def test_eval_freq_0_evaluates_only_at_the_end_and_the_settings_are_printed_first(tmp_path):
     proc = run_script(TOY_SMALL + ["--total-timesteps", str(32 * 20), "--sequential", "--eval-freq", "0"], tmp_path)
     run_dir = only_run_dir(tmp_path)
@@ -752,6 +757,7 @@ def test_eval_freq_0_evaluates_only_at_the_end_and_the_settings_are_printed_firs
     assert proc.stdout.startswith("settings:\n") and "eval_freq=0" in proc.stdout and "toy.horizon=50" in proc.stdout
 
 
+@pytest.mark.slow
 def test_ratio_control_holds_on_a_short_run(tmp_path):
     """Non-default ratios beta_a:v = 1:4, beta_p:v = 1:1, three processes: every ratio logged from 25 learning steps
     on (Actor step 33 = 8 warm-up + 25) is within 10% of its target, and the run ends exactly on it. This holds by
@@ -850,6 +856,7 @@ def actor_run(tmp_path_factory):
     return pql.resolve_args(args), summary, recorded[0].steps
 
 
+@pytest.mark.slow
 def test_the_actor_loop_makes_no_host_sync_per_env_step(actor_run):
     """Issue 25: the Actor must not wait for the GPU at every env step (a sync also waits for PhysX's streams). Between
     two env steps pql.py's lines make no host sync, except where the loop logs (every LOG_EVERY steps: it reads the
@@ -862,6 +869,7 @@ def test_the_actor_loop_makes_no_host_sync_per_env_step(actor_run):
     assert sum(count for _, count in gaps) > 0  # the counting works: logging reads the episode statistics
 
 
+@pytest.mark.slow
 def test_the_actor_explores_each_env_with_its_own_sigma(actor_run):
     """Sec. 3.3 mixed exploration in the Actor loop as it runs: env i's noise (the action it gets minus pi(s), the
     initial policy, which a learning rate of 1e-30 keeps) has the std sigma_i of linspace(0.02, 0.2) over the 16 envs:
@@ -951,6 +959,7 @@ def learned_and_true_q(run_dir, gamma, bootstrap_last):
     return np.array(learned), closed_form_q(np.array(rewards), gamma, bootstrap_last)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "episode_end, bootstrap_last",
     [
@@ -990,6 +999,7 @@ def test_v_learner_finds_the_closed_form_q_of_a_fixed_policy(tmp_path, episode_e
     assert np.abs(learned - true).max() <= 0.06 * np.abs(true).max(), (learned, true)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["parallel", "ddpg_n"])
 def test_learning_on_the_deterministic_chain_with_the_q_of_the_learned_policy(tmp_path, mode):
     """The 10-block deterministic chain, gamma 0.8, 1-step targets (n-step returns of exploratory actions would bias
@@ -1020,6 +1030,7 @@ def test_learning_on_the_deterministic_chain_with_the_q_of_the_learned_policy(tm
     assert np.abs(learned - true).max() <= 0.3 * np.abs(true).max(), (learned, true)
 
 
+@pytest.mark.slow
 def test_maniskill_cpu_simulation_smoke(tmp_path):
     """PickCube-v1 on CPU simulation (physx_cpu, 2 env worker processes) with the three processes."""
     args = [
@@ -1053,6 +1064,7 @@ def test_maniskill_cpu_simulation_smoke(tmp_path):
     assert config["bootstrap_at_done"] == "always"  # ManiSkill's default (its own PPO and SAC bootstrap every end)
 
 
+@pytest.mark.slow
 def test_save_model_then_evaluate_then_resume(tmp_path):
     first = tmp_path / "first"
     run_script(TOY_SMALL + ["--total-timesteps", str(32 * 40), "--save-model", "--distributional"], first)
@@ -1135,6 +1147,7 @@ if __name__ == "__main__":
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("role", ["v_learner", "p_learner"])
 def test_a_crashing_learner_ends_the_run_with_its_traceback(tmp_path, role):
     cls = {"v_learner": "VLearner", "p_learner": "PLearner"}[role]
@@ -1172,6 +1185,7 @@ def wait_for_file(tmp_path, pattern, timeout=300):
         time.sleep(0.1)
 
 
+@pytest.mark.slow
 def test_a_killed_learner_ends_the_run_within_seconds(tmp_path):
     proc, pids = start_long_run(tmp_path, ["--save-model"])
     wait_for_file(tmp_path, "ckpt_*.pt")
@@ -1182,6 +1196,7 @@ def test_a_killed_learner_ends_the_run_within_seconds(tmp_path):
     assert not pid_alive(pids["V-learner"])
 
 
+@pytest.mark.slow
 def test_killing_the_actor_leaves_no_orphans(tmp_path):
     proc, pids = start_long_run(tmp_path, ["--save-model"])
     wait_for_file(tmp_path, "ckpt_*.pt")
@@ -1212,6 +1227,7 @@ CTRL_C_MOMENTS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("moment", list(CTRL_C_MOMENTS))
 def test_ctrl_c_at_any_moment_ends_the_run_with_summary_checkpoint_and_no_process_left(tmp_path, moment):
     """SIGINT to the process group (learners included) at four moments: exit code 130, summary.json marked
