@@ -9,17 +9,23 @@
                                 (App. B.2.1's wording, --toy.terminal-horizon), which is what makes the value spikes
   schemes  Fig. 2a's horizons   staggered vs naive vs random-start (legged_gym's init_at_random_ep_len: each env's
                                 first episode cut after U[1, H] steps), which the paper cites but does not compare
+  scaling  Sec. 5.4, Fig. 5     App. C's setting (H = 200, p_prog = 0.5) at N = 128 ... 32,768: updates, env steps and
+                                seconds to eval success 0.9, staggered vs naive (does naive stop improving with N?)
 All with Table 2's PPO (N = 512, K = 5, L = 5, A_c = 20, k_mastery = 3, 150 updates) and several seeds; each point
 is one call of ppo_staggered.main, on the CPU, one thread per worker process. Identical settings are run once.
 
 Outputs (benchmarks/results/): toy_sweeps.md (tables, with the paper's findings beside ours), toy_sweeps.json
 (every run's numbers), toy_fig2.png, toy_fig6.png, toy_appE.png, toy_appE_terminal.png. The quick comparison
 (--experiment compare) writes toy_compare.md and its figures to runs/toy_compare/ instead; --experiment schemes
-writes toy_schemes.md, toy_schemes.json and toy_schemes.png to benchmarks/results/.
+writes toy_schemes.md, toy_schemes.json and toy_schemes.png to benchmarks/results/; --experiment scaling writes
+toy_scaling.md, .json and .png (with --device cuda: toy_scaling_{GPU}_{date}.*).
 
   python benchmarks/toy_sweeps.py                        # everything, 3 seeds (about 35 minutes on 2 cores)
   python benchmarks/toy_sweeps.py --experiment compare   # App. C/E setting only, 1 seed (about a minute)
   python benchmarks/toy_sweeps.py --experiment schemes   # the three reset schemes at Fig. 2a's horizons, 3 seeds
+  python benchmarks/toy_sweeps.py --experiment scaling   # N = 128 ... 32,768, 5 seeds (about 50 minutes on 2 cores)
+  python benchmarks/toy_sweeps.py --experiment scaling --device cuda --cudagraphs --workers 1 \
+      --num-envs 128 512 2048 8192 32768 131072                        # on a GPU: the paper's own axis, seconds
 """
 
 from __future__ import annotations
@@ -27,7 +33,9 @@ from __future__ import annotations
 import json
 import multiprocessing as mp
 import os
+import platform
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -45,7 +53,7 @@ RESULTS = ROOT / "benchmarks" / "results"
 @dataclass
 class Options:
     experiment: str = "all"
-    """all | compare (App. C/E setting only) | fig2a | fig2b | fig2c | schemes (the three reset schemes, Fig. 2a)"""
+    """all | compare (App. C/E setting only) | fig2a | fig2b | fig2c | schemes (three reset schemes, Fig. 2a) | scaling"""
     seeds: int = 3
     """seeds per setting and method (default 3; compare: 1 unless given)"""
     workers: int = 2
@@ -54,6 +62,16 @@ class Options:
     """redraw toy_fig2.png and rewrite the report from the saved toy_sweeps.json, without running anything"""
     output: str = ""
     """where the markdown, JSON and PNGs go (default: benchmarks/results; compare: runs/toy_compare)"""
+    num_envs: tuple[int, ...] = (128, 512, 2048, 8192, 32768)
+    """scaling: the numbers N of parallel envs"""
+    updates: int = 400
+    """scaling: PPO updates of every run (N x K x updates env steps; chosen so that the best arm converges at every N)"""
+    threshold: float = 0.9
+    """scaling: the eval success (eval/success_at_end) that counts as converged, fixed before running"""
+    device: str = "cpu"
+    """scaling: cpu or cuda"""
+    cudagraphs: bool = False
+    """scaling: ppo_staggered's --cudagraphs (with --device cuda)"""
 
 
 # App. B.2.2 / Table 2 / App. C / App. E settings: (horizon, progression_prob, reset_lambda, terminal_horizon).
@@ -66,6 +84,9 @@ APPE_TERMINAL = (200, 0.1, 0.0, True)
 
 
 SCHEMES = ("staggered", "naive", "random-start")  # ppo_staggered.py --reset-scheme
+SCALING = APPC  # the scaling sweep's task: App. C's setting (H = 200, K = 5, p_prog = 0.5, lambda_R = 0)
+K = 5  # Table 2's rollout length
+EVAL_EVERY = 5  # scaling: updates between evaluations (the resolution of "updates to the threshold")
 
 
 def settings_for(experiment: str) -> list[tuple]:
@@ -121,6 +142,218 @@ def run_one(job: dict) -> dict:
         "occupancy": diag["occupancy"].tolist(),
         "accuracy_matrix": diag["accuracy"].tolist(),
     }
+
+
+def run_scaling(job: dict) -> dict:
+    """One ppo_staggered.py run of the scaling sweep: N envs, a fixed number of updates, an evaluation every
+    EVAL_EVERY updates; when it first reached the threshold (updates, env steps, seconds from the start of main:
+    building the envs and the stagger advance included), and App. E's diagnostics over the run."""
+    import torch
+
+    torch.set_num_threads(1)
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    import ppo_staggered as ppo
+    from toy_chain_env import ToyChainConfig
+
+    horizon, p_prog, lam, terminal = SCALING
+    n = job["num_envs"]
+    args = ppo.Args(
+        env_id="ToyChain-v0",
+        seed=job["seed"],
+        reset_scheme=job["scheme"],
+        cuda=job["device"] == "cuda",
+        cudagraphs=job["cudagraphs"],
+        output_dir=job["tmp"],
+        num_envs=n,
+        total_timesteps=job["updates"] * n * K,
+        eval_freq=EVAL_EVERY,
+        num_eval_envs=256,
+        exp_name=f"scaling_N{n}_{job['scheme']}",
+        toy=ToyChainConfig(horizon=horizon, progression_prob=p_prog, reset_lambda=lam, terminal_horizon=terminal),
+    )
+    start = time.time()
+    summary = ppo.main(args)
+    wall = time.time() - start
+    accumulator = EventAccumulator(summary["run_dir"], size_guidance={"scalars": 0})
+    accumulator.Reload()
+    evals = [
+        {
+            "updates": event.step // (n * K),
+            "env_steps": event.step,
+            "success": event.value,
+            "seconds": event.wall_time - start,
+        }
+        for event in accumulator.Scalars("eval/success_at_end")
+    ]
+    reached = next((row for row in evals if row["success"] >= job["threshold"]), None)
+    shutil.rmtree(summary["run_dir"], ignore_errors=True)
+    return {
+        **{key: job[key] for key in ("num_envs", "seed", "scheme", "updates", "threshold", "device", "cudagraphs")},
+        "evals": evals,
+        "final_success": evals[-1]["success"],
+        "updates_to_threshold": reached["updates"] if reached else None,
+        "env_steps_to_threshold": reached["env_steps"] if reached else None,
+        "seconds_to_threshold": reached["seconds"] if reached else None,
+        "wall_s": wall,
+        "policy_kl_mean": float(np.mean([event.value for event in accumulator.Scalars("stagger/policy_kl")])),
+        "value_mse_mean": float(np.mean([event.value for event in accumulator.Scalars("stagger/value_mse")])),
+    }
+
+
+def median_and_seeds(values: list, digits: int = 0) -> str:
+    """The median over the seeds that reached the threshold, how many did, and each seed's value."""
+    reached = [value for value in values if value is not None]
+    cells = ", ".join("-" if value is None else f"{value:,.{digits}f}" for value in values)
+    if not reached:
+        return f"not reached (0/{len(values)})"
+    return f"{np.median(reached):,.{digits}f} ({len(reached)}/{len(values)}: {cells})"
+
+
+def provenance(command: str) -> list[str]:
+    """The opening lines of a results file: its command, machine, date and commit."""
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout
+    changed = subprocess.run(["git", "status", "--porcelain", "--", "*.py"], capture_output=True, text=True, cwd=ROOT)
+    commit = head.strip() + (" + changes" if changed.stdout.strip() else "")
+    load = os.getloadavg()[0]
+    machine = f"{platform.node()} ({platform.machine()}, {os.cpu_count()} CPUs, load {load:.1f} at the start)"
+    return [f"- Command: `{command}`", f"- Machine: {machine}", f"- Date: {time.strftime('%Y-%m-%d')}; commit {commit}"]
+
+
+def scaling_report(results: list[dict], options: Options, wall: float, out: Path, stem: str, header: list[str]) -> None:
+    """toy_scaling.md: per N and arm, updates, env steps and seconds to the threshold, the final success, minutes
+    and App. E's diagnostics; toy_scaling.png: Fig. 5's shape (to the threshold against N) and success curves."""
+    arms = SCHEMES[:2]
+    lines = [
+        f"# ToyChain at scale: staggered vs naive resets from N = {min(options.num_envs):,} to {max(options.num_envs):,}"
+        " (Sec. 5.4, Fig. 5)",
+        "",
+        *header,
+        "",
+        f"App. C's task (H = 200, L = 5, p_prog = 0.5, lambda_R = 0, A_c = 20, k_mastery = 3) with Table 2's PPO "
+        f"(K = 5, 4 minibatches, 4 epochs, lr 3e-4, entropy 0.01) at every N, {options.updates} updates a run "
+        f"(N x 5 x {options.updates} env steps), {options.seeds} seeds per N and arm, on {options.device}"
+        f"{' with --cudagraphs' if options.cudagraphs else ''}, {options.workers} run(s) at a time, "
+        f"{wall / 60:.0f} minutes in all. An evaluation (256 envs, deterministic, one episode each) every "
+        f"{EVAL_EVERY} updates. Threshold, fixed before running: eval success (eval/success_at_end) >= "
+        f"{options.threshold}. To the threshold: at the first evaluation that reached it; median over the seeds "
+        "that did (how many, each seed's). Seconds: from the start of the run (envs built, the stagger advance "
+        "included) to that evaluation. Final: the last evaluation's success. Policy KL and value MSE: App. E's "
+        "stagger/policy_kl and stagger/value_mse, means over the run's updates, then over seeds.",
+        "",
+        "| N | arm | updates to threshold | env steps to threshold | seconds to threshold | final success (mean, per seed) "
+        "| minutes / run | policy KL | value MSE |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for n in options.num_envs:
+        for arm in arms:
+            runs = sorted((r for r in results if r["num_envs"] == n and r["scheme"] == arm), key=lambda r: r["seed"])
+            if not runs:
+                continue
+            finals = [r["final_success"] for r in runs]
+            lines.append(
+                f"| {n:,} | {arm} | {median_and_seeds([r['updates_to_threshold'] for r in runs])} "
+                f"| {median_and_seeds([r['env_steps_to_threshold'] for r in runs])} "
+                f"| {median_and_seeds([r['seconds_to_threshold'] for r in runs], 1)} "
+                f"| {np.mean(finals):.2f} ({', '.join(f'{value:.2f}' for value in finals)}) "
+                f"| {np.mean([r['wall_s'] for r in runs]) / 60:.1f} "
+                f"| {np.mean([r['policy_kl_mean'] for r in runs]):.3g} | {np.mean([r['value_mse_mean'] for r in runs]):.3g} |"
+            )
+    lines += ["", "## What the numbers say", "", "(written from the numbers above)", ""]
+    lines += [f"Figures: `{stem}.png` (to the threshold against N, Fig. 5's shape; success against updates per N)."]
+    (out / f"{stem}.md").write_text("\n".join(lines) + "\n")
+    plot_scaling(results, options, out / f"{stem}.png")
+
+
+def plot_scaling(results: list[dict], options: Options, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    colors = {"staggered": "tab:red", "naive": "tab:blue"}
+    columns = max(3, len(options.num_envs))
+    fig, axes = plt.subplots(2, columns, figsize=(4.5 * columns, 8), squeeze=False)
+    for axis, key, label in (
+        (axes[0, 0], "updates_to_threshold", "updates to the threshold"),
+        (axes[0, 1], "seconds_to_threshold", "seconds to the threshold"),
+        (axes[0, 2], "env_steps_to_threshold", "env steps to the threshold"),
+    ):
+        for arm, color in colors.items():
+            ns, medians = [], []
+            for n in options.num_envs:
+                values = [r[key] for r in results if r["num_envs"] == n and r["scheme"] == arm]
+                reached = [value for value in values if value is not None]
+                axis.scatter([n] * len(reached), reached, color=color, alpha=0.35, s=14)
+                if reached:
+                    ns.append(n)
+                    medians.append(np.median(reached))
+            axis.plot(ns, medians, "o-", color=color, label=f"{arm} (median; dots: seeds)")
+        if any(r[key] for r in results):  # (log scales need values above 0)
+            axis.set_xscale("log", base=2)
+            axis.set_yscale("log")
+        axis.set_xlabel("parallel envs N")
+        axis.set_ylabel(label)
+        axis.set_title(f"{label} (eval success >= {options.threshold})")
+        axis.legend(fontsize=8)
+    for column in range(3, columns):
+        axes[0, column].axis("off")
+    for axis, n in zip(axes[1], options.num_envs):  # success against updates, one panel per N
+        for arm, color in colors.items():
+            for index, run in enumerate(r for r in results if r["num_envs"] == n and r["scheme"] == arm):
+                updates = [row["updates"] for row in run["evals"]]
+                success = [row["success"] for row in run["evals"]]
+                axis.plot(updates, success, color=color, alpha=0.6, label=arm if index == 0 else None)
+        axis.axhline(options.threshold, color="gray", linestyle="--", linewidth=1)
+        axis.set_title(f"N = {n:,}")
+        axis.set_xlabel("PPO updates")
+        axis.set_ylabel("eval success")
+        axis.set_ylim(-0.05, 1.05)
+        axis.legend(fontsize=8)
+    for column in range(len(options.num_envs), columns):
+        axes[1, column].axis("off")
+    fig.suptitle(f"ToyChain (App. C setting), staggered vs naive resets against N, on {options.device}; cf. Fig. 5")
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+
+def run_scaling_sweep(options: Options) -> None:
+    """--experiment scaling: every N, arm and seed; the md, json and png (the json after every run)."""
+    out = Path(options.output) if options.output else RESULTS
+    out.mkdir(parents=True, exist_ok=True)
+    stem = "toy_scaling"
+    if options.device == "cuda":
+        import torch
+
+        stem += f"_{torch.cuda.get_device_name(0).replace(' ', '_')}_{time.strftime('%Y-%m-%d')}"
+    header = provenance("python benchmarks/toy_sweeps.py " + " ".join(sys.argv[1:]))
+    tmp = tempfile.mkdtemp(prefix="toy_scaling_")
+    jobs = [
+        {"num_envs": n, "seed": seed, "scheme": scheme, "tmp": tmp, "updates": options.updates}
+        | {"threshold": options.threshold, "device": options.device, "cudagraphs": options.cudagraphs}
+        for n in options.num_envs
+        for seed in range(1, options.seeds + 1)
+        for scheme in SCHEMES[:2]
+    ]
+    jobs.sort(key=lambda job: -job["num_envs"])  # the longest first: the pool ends together
+    start = time.time()
+    print(f"{len(jobs)} runs on {options.workers} worker(s)", flush=True)
+    results = []
+    with mp.get_context("spawn").Pool(options.workers) as pool:
+        for index, result in enumerate(pool.imap_unordered(run_scaling, jobs), 1):
+            results.append(result)
+            record = {"header": header, "wall_s": time.time() - start, "options": vars(options), "runs": results}
+            (out / f"{stem}.json").write_text(json.dumps(record, indent=1))
+            print(
+                f"[{index}/{len(jobs)} {time.time() - start:.0f}s] N={result['num_envs']} {result['scheme']:9} "
+                f"seed={result['seed']} final={result['final_success']:.2f} "
+                f"updates to threshold={result['updates_to_threshold']} ({result['wall_s']:.0f} s)",
+                flush=True,
+            )
+    shutil.rmtree(tmp, ignore_errors=True)
+    scaling_report(results, options, time.time() - start, out, stem, header)
+    print((out / f"{stem}.md").read_text())
 
 
 def mean_std(values) -> str:
@@ -391,6 +624,8 @@ def write_schemes_report(results, options, wall, out: Path) -> None:
 
 
 def main(options: Options):
+    if options.experiment == "scaling":
+        return run_scaling_sweep(options)
     default_out = ROOT / "runs" / "toy_compare" if options.experiment == "compare" else RESULTS
     out = Path(options.output) if options.output else default_out
     out.mkdir(parents=True, exist_ok=True)
