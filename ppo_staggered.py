@@ -453,7 +453,7 @@ def stagger_start_steps(num_groups: int, stagger_step: int) -> list[int]:
 
 
 class ResetState:
-    """The reset bookkeeping of N envs (Sec. 3.3): which transitions are trained on, which envs wait for a reset gate."""
+    """The reset bookkeeping of N envs (Sec. 3.3): which transitions are trained on, which envs wait for a gate."""
 
     def __init__(self, num_envs: int, device, next_step_mode: bool):
         self.stale = torch.zeros(num_envs, dtype=torch.bool, device=device)  # next-step mode: the next step only resets
@@ -520,7 +520,7 @@ def compute_gae(rewards, values, next_values, no_bootstrap, dones, gamma: float,
 
 def discounted_returns(rewards, valid, dones, gamma: float, carried: torch.Tensor):
     """Reward scaling's discounted returns (CleanRL's NormalizeReward) over a (K, N) rollout: G_t = gamma G_{t-1} + r_t
-    of the trained-on rewards, restarted after an episode end. carried: G before the rollout. Returns (G, G after it)."""
+    of the trained-on rewards, restarted after an episode end. carried: G before the rollout. Returns (G, G after)."""
     returns = torch.zeros_like(rewards)
     for step in range(rewards.shape[0]):
         carried = carried * gamma + rewards[step] * valid[step]
@@ -794,9 +794,10 @@ def ppo_update(compute_gradients, optimizer, batch: dict, args: Args) -> dict:
 @torch.no_grad()
 def stagger_advance(envs, resets: ResetState, agent: nn.Module, obs_rms: RunningMeanStd, args: Args, seed: int):
     """STAGGER (App. B.1): from a reset of every env, advances group j by j * S steps with --advance-actions, none
-    trained on (N_B = args.num_stagger_groups = ceil(H / K) and S = args.stagger_step = K: resolve_args). Group j starts its first episode (a partial reset) at step (N_B - 1 - j) * S; group N_B - 1 at the
-    reset itself. Each start is a reset gate: the envs waiting since a termination start with that group (Sec. 3.3).
-    Returns the observations that training starts from."""
+    trained on (N_B = args.num_stagger_groups = ceil(H / K), S = args.stagger_step = K: see resolve_args). Group j
+    starts its first episode (a partial reset) at step (N_B - 1 - j) * S; group N_B - 1 at the reset itself. Each
+    start is a reset gate: the envs waiting since a termination start with that group (Sec. 3.3). Returns the
+    observations that training starts from."""
     starts = stagger_start_steps(args.num_stagger_groups, args.stagger_step)
     raw_obs, _ = envs.reset(seed=seed)
     groups = stagger_groups(args.num_envs, args.num_stagger_groups, raw_obs.device)

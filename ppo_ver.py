@@ -21,8 +21,8 @@ Map from the paper to this file
   Sec. 2.3           allreduce_gradients, optimal_preemption_time (argmax_S S/(Time(S)+LT)), ver_stop_rule,
                      fill_from_previous; ddppo_stop_rule (--sync under torchrun, --sync-frac)
   Not in VER         RunningMeanStd (obs_rms): observation normalization as ppo_staggered.py, Box observations only
-Autoreset (Gymnasium's vector autoreset modes): none in the collector. Each env worker resets its own env in the step that ends an
-episode and reports the true last observation with the reset one (ToyChain runs in same_step mode for that).
+Autoreset (Gymnasium's vector autoreset modes): none in the collector. Each env worker resets its own env in the step
+that ends an episode and reports the true last observation with the reset one (ToyChain in same_step mode for that).
 
 Examples
   python ppo_ver.py --toy.step-time-mean 0.004 --toy.step-time-spread 1  # VER, heterogeneous simulation time
@@ -249,7 +249,7 @@ def resolve_args(args: Args, world_size: Optional[int] = None) -> Args:
 
 
 def format_settings(args: Args) -> str:
-    """The resolved settings as `name=value` pairs in field order (toy.horizon=200 on the toy chain only), 120 a line."""
+    """The resolved settings as `name=value` pairs in field order (toy.horizon=200 on the toy chain only)."""
     pairs = [f"{name}={value}" for name, value in asdict(args).items() if name != "toy"]
     if args.env_kind == "toy":
         pairs += [f"toy.{name}={value}" for name, value in asdict(args.toy).items()]
@@ -783,6 +783,10 @@ class Collector:
         self.storage = RolloutStorage((args.num_steps + 2) * num_envs, slots, agent.lstm_shape, device)
         self.recurrent_state = agent.initial_state(num_envs, device)  # after each env's last action
         self.env_state = np.full(num_envs, STEPPING)  # the workers start by resetting their envs
+        # One step of env e to its V(s_t+1): the policy acts on s_t, stored as row r (inflight_row[e] = r); the worker
+        # steps; s_t+1 arrives (arrival_time[e] orders arrivals) and completes row r with its reward; row r then waits
+        # (awaiting_row[e] = r) until the policy acts on s_t+1, whose value becomes next_values[r] (or, at the end of
+        # the rollout, bootstrap() computes V of the observations that still wait).
         self.inflight_row = np.full(num_envs, -1)  # stepping or arrived: the row of the step whose result is unread
         self.awaiting_row = np.full(num_envs, -1)  # row of the env's last completed step that needs V(next obs)
         self.arrival_time = np.full(num_envs, -math.inf)  # the env's last arrival: first come, first completed

@@ -28,8 +28,8 @@ Departures from the original code: Adam as App. B.1 says (the original uses Adam
 discount comes from --gamma (the original hard-codes 0.99; ManiSkill: 0.8, see README.md); episode ends follow
 --bootstrap-at-done (truncated: a time limit bootstraps Q'(true final observation) and a termination bootstraps 0;
 always: both bootstrap, ManiSkill's default, whose successes terminate with positive reward); the original treats
-time-outs as terminal. Autoreset (Gymnasium's vector autoreset modes): same-step only, as ManiSkill; the true last observation is
-info["final_obs"]. Evaluation runs in the Actor, the learners soon wait for it (summary.json: eval_time_s).
+time-outs as terminal. Autoreset (Gymnasium's vector autoreset modes): same-step only, as ManiSkill; the true last
+observation is info["final_obs"]. Evaluation runs in the Actor; the learners soon wait for it (summary: eval_time_s).
 Examples: README.md.
 """
 
@@ -438,9 +438,9 @@ def soft_update_(target: nn.Module, source: nn.Module, tau: float) -> None:
 
 
 # Speed-ratio control (Sec. 3.2), k_v = 1 / beta_a:v V-updates per Actor step, k_p = 1 / beta_p:v per P-update: the
-# process ahead waits. The Actor may be two steps ahead of the V-learner (it simulates step A + 1 while the V-learner
-# trains on step A); the V-learner may use the data's budget k_v * A and be two P-updates ahead of the P-learner, which
-# never gets ahead of it. This never deadlocks; the measured ratios stay near their targets.
+# process ahead waits. The Actor may be two steps ahead of the V-learner (slack 2 * max(k_v, 1) V-updates: it simulates
+# step A + 1 while the V-learner trains on step A); the V-learner may use the data's budget k_v * A and be two
+# P-updates ahead of the P-learner, which never gets ahead of it. This never deadlocks; the ratios stay near target.
 def actor_may_step(actor_steps: int, v_updates: int, beta_a_v: float) -> bool:
     """May the Actor take learning step A + 1 (A = actor_steps taken since learning started)?"""
     k_v = 1.0 / beta_a_v

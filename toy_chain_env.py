@@ -521,7 +521,7 @@ class ToyChainWorkerConfig(ToyChainConfig):
     worker: --toy.slow-rank-factor (a straggling machine, Sec. 2.3) and --toy.slow-env-factor (a straggling env)."""
 
     autoreset_mode: Literal["same_step"] = "same_step"
-    """same_step only: an env worker resets its chain in the step that ends an episode, and reports the last observation"""
+    """same_step only: a worker resets its chain in the step that ends an episode, and reports the last observation"""
     slow_rank_factor: float = 1.0
     """with >= 2 ranks (torchrun), every chain of rank 0 steps this many times slower (with --toy.step-time-mean)"""
     slow_env_factor: float = 1.0
