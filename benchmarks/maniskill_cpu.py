@@ -145,6 +145,7 @@ def run_one(env_id: str, script: str, flags: list[str], seed: int, total_timeste
         for tag in CURVES
     }
     utilization = [value for _, _, value in scalars.get("ver/env_utilization", [])]
+    trained_on = [value for _, _, value in scalars.get("stagger/valid_fraction", [])]  # ppo_staggered.py
     return {
         "command": "python " + " ".join(command),
         "seed": seed,
@@ -153,6 +154,7 @@ def run_one(env_id: str, script: str, flags: list[str], seed: int, total_timeste
         "sps": summary.get("sps"),
         "global_step": summary.get("global_step"),
         "env_utilization": float(np.mean(utilization)) if utilization else None,
+        "trained_on_fraction": float(np.mean(trained_on)) if trained_on else None,
     }
 
 
@@ -263,12 +265,13 @@ def report(results: dict, options: Options, wall_s: float, suffix: str) -> str:
         f">= {THRESHOLD}, minutes from launching the process (start-up and evaluations included); median over the "
         "seeds that reached it, and how many did. Final: the last evaluation; best: the highest; last quarter: the "
         "mean of the last quarter of the evaluations. Minutes depend on what else ran on the machine; env steps do "
-        "not.",
+        "not. Trained-on fraction (ppo_staggered.py): the share of env steps not masked out of the loss (an env "
+        "waiting for a reset gate), mean over the run's updates (-: a run recorded before this column).",
         "",
         "| script | arm | seeds reached 0.9 | env steps to 0.9: median (per seed) | minutes to 0.9: median "
         "| final success_once (per seed) | final success_at_end (per seed) | best success_once (per seed) "
-        "| success_once, mean of the last quarter (per seed) | steps/s | env utilization |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| success_once, mean of the last quarter (per seed) | steps/s | env utilization | trained-on fraction |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for script, arms in results.items():
         for arm, runs in arms.items():
@@ -280,6 +283,7 @@ def report(results: dict, options: Options, wall_s: float, suffix: str) -> str:
             best = [max(run["curves"][CURVES[0]]["values"]) for run in runs]
             late = [late_mean(run) for run in runs]
             utilization = [run["env_utilization"] for run in runs if run["env_utilization"] is not None]
+            trained_on = [run.get("trained_on_fraction") for run in runs]
             lines.append(
                 f"| {script}.py | {arm} | {hits.sum()}/{len(runs)} | "
                 f"{fmt(np.median(steps[hits]) if hits.any() else np.nan)} ({', '.join(fmt(s) for s in steps)}) | "
@@ -289,7 +293,8 @@ def report(results: dict, options: Options, wall_s: float, suffix: str) -> str:
                 f"{np.median(best):.2f} ({', '.join(f'{v:.2f}' for v in best)}) | "
                 f"{np.median(late):.2f} ({', '.join(f'{v:.2f}' for v in late)}) | "
                 f"{np.median([run['sps'] or np.nan for run in runs]):.0f} | "
-                f"{f'{np.mean(utilization):.2f}' if utilization else '-'} |"
+                f"{f'{np.mean(utilization):.2f}' if utilization else '-'} | "
+                f"{', '.join('-' if value is None else f'{value:.2f}' for value in trained_on)} |"
             )
     lines += ["", "Commands (each run adds `--seed S --output-dir DIR`):", ""]
     for script, arms in results.items():
