@@ -6,9 +6,8 @@
 #
 # pack: what the project imports and the GPU machine lacks (benchmarks/wheelhouse.py: for its Python 3.12, less the
 # packages its image holds, benchmarks/gpu_image_packages.txt), installed into one folder and cut down to what importing
-# them needs. Left out: ManiSkill's meshes and textures
-# (its asset metadata stays: mani_skill reads it on import), SAPIEN's C++ headers and sensor patterns, jedi's typeshed
-# copy, and the motion-planning and git packages nothing imports. No ManiSkill scene can be built from it; the
+# them needs. Left out: ManiSkill's meshes and textures (its asset metadata stays: mani_skill reads it on import),
+# SAPIEN's C++ headers and sensor patterns, and jedi's typeshed copy. No ManiSkill scene can be built from it; the
 # PhysX GPU library (physx_cuda) is not in any wheel: SAPIEN downloads it from GitHub on first use.
 #
 # run: in one call of at most 9 minutes, each step under its own time limit (seconds, env vars):
@@ -16,8 +15,10 @@
 #   T_TESTS (180)  every other CUDA test case (pytest -k cuda) except those that simulate ManiSkill on the GPU
 #   T_SCALE (180)  benchmarks/speed.py --scaling 512 4096 32768: ppo_staggered on ToyChain (K = 5), training steps/s
 #                  on the CPU vs eager CUDA vs --cudagraphs, side by side (speed_scaling_{gpu}_{date}.md/json)
-#   then, with what is left of BUDGET (520): benchmarks/ver_throughput.py --experiment gpu at one spread level
-# Logs and results go to $OUT (at most 8 files come back from there).
+#   T_VER (90)     benchmarks/ver_throughput.py --experiment gpu at one spread level
+#   then, with what is left of BUDGET (520): benchmarks/toy_sweeps.py --experiment scaling on CUDA with --cudagraphs
+#                  up to N = 131,072, 2 seeds, seed by seed (toy_scaling_{gpu}_{date}.md/json/png; a stop keeps what ran)
+# Logs go to $OUT (env.log, cuda_tests.log, benchmarks.log) and results to $OUT/bench.tar: at most 8 files come back.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -55,18 +56,25 @@ run() {
   timeout "${T_TESTS:-180}" python3 -m pytest tests -q -rs -p no:cacheprovider --durations=0 \
     -k "cuda and not cudagraphs and not stackcube_preset and not simulation_runs_on" 2>&1 | tee -a "$OUT/cuda_tests.log"
   echo "tests done at $((SECONDS - t0)) s"
-  mkdir -p "$OUT/bench"
+  local bench=/tmp/bench log="$OUT/benchmarks.log"
+  mkdir -p "$bench"
   timeout "${T_SCALE:-180}" python3 benchmarks/speed.py --scaling 512 4096 32768 --iterations 12 \
-    --output "$OUT/bench" 2>&1 | tee "$OUT/speed.log"
-  echo "speed done at $((SECONDS - t0)) s"
+    --output "$bench" 2>&1 | tee "$log"
+  tar -C /tmp -cf "$OUT/bench.tar" bench
+  echo "speed done at $((SECONDS - t0)) s" | tee -a "$log"
+  timeout "${T_VER:-90}" python3 benchmarks/ver_throughput.py --experiment gpu --spreads 1.5 --repeats 1 \
+    --gpu-ranks 2 --output "$bench" 2>&1 | tee -a "$log"
+  tar -C /tmp -cf "$OUT/bench.tar" bench
+  echo "ver_throughput done at $((SECONDS - t0)) s" | tee -a "$log"
   local left=$((${BUDGET:-520} - (SECONDS - t0)))
   if [ "$left" -ge 60 ]; then
-    timeout "$left" python3 benchmarks/ver_throughput.py --experiment gpu --spreads 1.5 --repeats 1 \
-      --gpu-ranks 2 --output "$OUT/bench" 2>&1 | tee "$OUT/ver.log"
+    timeout "$left" python3 benchmarks/toy_sweeps.py --experiment scaling --device cuda --cudagraphs --workers 1 \
+      --seeds 2 --num-envs 131072 32768 8192 2048 512 --output "$bench" 2>&1 | tee -a "$log"
   else
-    echo "ver_throughput skipped: ${left} s left" | tee "$OUT/ver.log"
+    echo "toy scaling sweep skipped: ${left} s left" | tee -a "$log"
   fi
-  echo "all done at $((SECONDS - t0)) s"
+  tar -C /tmp -cf "$OUT/bench.tar" bench
+  echo "all done at $((SECONDS - t0)) s" | tee -a "$log"
 }
 
 case "${1:-}" in

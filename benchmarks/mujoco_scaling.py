@@ -258,7 +258,7 @@ def sizes(options: Options) -> tuple[tuple[int, ...], int, int, int]:
 
 
 def planned_run(task: str, scheme: str, n: int, k: int, seed: int, steps: int, options: Options) -> dict:
-    """One ppo_staggered.py run of the plan: its flags, and its key in the json (K only where it is not the preset's)."""
+    """One ppo_staggered.py run of the plan: its flags, and its key in the json (with K where not the preset's)."""
     eval_freq = max(1, round((1024 if options.quick else options.eval_every) / (n * k)))
     flags = ["--env-id", task, "--reset-scheme", scheme, "--num-envs", str(n), "--no-cuda"]
     flags += ["--total-timesteps", str(steps), "--eval-freq", str(eval_freq)]
@@ -457,7 +457,8 @@ def report(record: dict, options: Options, suffix: str) -> None:
         "",
         "| arm | task | scheme | N | K | seeds | final eval return (per seed) | final training return (per seed) "
         "| seeds reached | env steps to threshold (per seed) | updates to threshold (per seed) | advance env steps "
-        "| minutes / run | steps/s | stage coverage | value MSE | policy KL | trained-on fraction | time on back (per seed) |",
+        "| minutes / run | steps/s | stage coverage | value MSE | policy KL | trained-on fraction "
+        "| time on back (per seed) |",
         "|" + "---|" * 19,
     ]
     for n in scaling_n:

@@ -61,7 +61,7 @@ class Options:
 
 
 def measure(task: str, kind: str, seed: int, options: Options) -> dict:
-    """One staggered advance from a fresh agent, seeded as a training run seeds it; what it left when training starts."""
+    """One staggered advance from a fresh agent, seeded as a training run is; what it left when training starts."""
     flags = dict(env_id=task, cuda=False, seed=seed, num_envs=16 if options.quick else options.num_envs)
     flags["advance_actions"] = "random" if kind == "random" else "policy"
     if options.quick:
@@ -154,7 +154,8 @@ def main(options: Options) -> None:
         f"- Machine: {header['machine']}; {header['minutes']:.0f} minutes",
         f"- Date: {header['date']}; commit {header['commit']}",
         "",
-        f"ppo_staggered.stagger_advance from a fresh agent (MuJoCo preset, N = {16 if options.quick else options.num_envs},"
+        "ppo_staggered.stagger_advance from a fresh agent (MuJoCo preset, "
+        f"N = {16 if options.quick else options.num_envs},"
         f" seeds {', '.join(map(str, seeds))}), mean (per seed). See the script's docstring for each column.",
         "",
         "| task | advance actions | advance steps | on back at start | ever flipped | fell | waiting at start "

@@ -53,13 +53,13 @@ RESULTS = ROOT / "benchmarks" / "results"
 @dataclass
 class Options:
     experiment: str = "all"
-    """all | compare (App. C/E setting only) | fig2a | fig2b | fig2c | schemes (three reset schemes, Fig. 2a) | scaling"""
+    """all | compare (App. C/E only) | fig2a | fig2b | fig2c | schemes (three reset schemes, Fig. 2a) | scaling"""
     seeds: int = 3
     """seeds per setting and method (default 3; compare: 1 unless given)"""
     workers: int = 2
     """worker processes (one torch thread each)"""
     replot: bool = False
-    """redraw toy_fig2.png and rewrite the report from the saved toy_sweeps.json, without running anything"""
+    """redraw the figures and rewrite the report from the saved json (toy_sweeps.json; scaling: its own), running nothing"""
     output: str = ""
     """where the markdown, JSON and PNGs go (default: benchmarks/results; compare: runs/toy_compare)"""
     num_envs: tuple[int, ...] = (128, 512, 2048, 8192, 32768)
@@ -327,6 +327,9 @@ def run_scaling_sweep(options: Options) -> None:
         import torch
 
         stem += f"_{torch.cuda.get_device_name(0).replace(' ', '_')}_{time.strftime('%Y-%m-%d')}"
+    if options.replot:  # (the md and png of a saved json: a sweep stopped by a time limit keeps its runs there)
+        record = json.loads((out / f"{stem}.json").read_text())
+        return scaling_report(record["runs"], options, record["wall_s"], out, stem, record["header"])
     header = provenance("python benchmarks/toy_sweeps.py " + " ".join(sys.argv[1:]))
     tmp = tempfile.mkdtemp(prefix="toy_scaling_")
     jobs = [
@@ -336,7 +339,7 @@ def run_scaling_sweep(options: Options) -> None:
         for seed in range(1, options.seeds + 1)
         for scheme in SCHEMES[:2]
     ]
-    jobs.sort(key=lambda job: -job["num_envs"])  # the longest first: the pool ends together
+    jobs.sort(key=lambda job: (job["seed"], -job["num_envs"]))  # seed by seed, the longest first: a stop keeps seeds
     start = time.time()
     print(f"{len(jobs)} runs on {options.workers} worker(s)", flush=True)
     results = []
