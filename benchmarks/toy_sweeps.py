@@ -59,13 +59,13 @@ class Options:
     workers: int = 2
     """worker processes (one torch thread each)"""
     replot: bool = False
-    """redraw the figures and rewrite the report from the saved json (toy_sweeps.json; scaling: its own), running nothing"""
+    """redraw the figures, rewrite the report from the saved json (toy_sweeps.json; scaling: its own); run nothing"""
     output: str = ""
     """where the markdown, JSON and PNGs go (default: benchmarks/results; compare: runs/toy_compare)"""
     num_envs: tuple[int, ...] = (128, 512, 2048, 8192, 32768)
     """scaling: the numbers N of parallel envs"""
     updates: int = 400
-    """scaling: PPO updates of every run (N x K x updates env steps; chosen so that the best arm converges at every N)"""
+    """scaling: PPO updates of every run (N x K x updates env steps), enough that the best arm converges at every N"""
     threshold: float = 0.9
     """scaling: the eval success (eval/success_at_end) that counts as converged, fixed before running"""
     device: str = "cpu"
@@ -225,8 +225,8 @@ def scaling_report(results: list[dict], options: Options, wall: float, out: Path
     and App. E's diagnostics; toy_scaling.png: Fig. 5's shape (to the threshold against N) and success curves."""
     arms = SCHEMES[:2]
     lines = [
-        f"# ToyChain at scale: staggered vs naive resets from N = {min(options.num_envs):,} to {max(options.num_envs):,}"
-        " (Sec. 5.4, Fig. 5)",
+        "# ToyChain at scale: staggered vs naive resets from "
+        f"N = {min(options.num_envs):,} to {max(options.num_envs):,} (Sec. 5.4, Fig. 5)",
         "",
         *header,
         "",
@@ -241,8 +241,8 @@ def scaling_report(results: list[dict], options: Options, wall: float, out: Path
         "included) to that evaluation. Final: the last evaluation's success. Policy KL and value MSE: App. E's "
         "stagger/policy_kl and stagger/value_mse, means over the run's updates, then over seeds.",
         "",
-        "| N | arm | updates to threshold | env steps to threshold | seconds to threshold | final success (mean, per seed) "
-        "| minutes / run | policy KL | value MSE |",
+        "| N | arm | updates to threshold | env steps to threshold | seconds to threshold "
+        "| final success (mean, per seed) | minutes / run | policy KL | value MSE |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for n in options.num_envs:
@@ -257,7 +257,8 @@ def scaling_report(results: list[dict], options: Options, wall: float, out: Path
                 f"| {median_and_seeds([r['seconds_to_threshold'] for r in runs], 1)} "
                 f"| {np.mean(finals):.2f} ({', '.join(f'{value:.2f}' for value in finals)}) "
                 f"| {np.mean([r['wall_s'] for r in runs]) / 60:.1f} "
-                f"| {np.mean([r['policy_kl_mean'] for r in runs]):.3g} | {np.mean([r['value_mse_mean'] for r in runs]):.3g} |"
+                f"| {np.mean([r['policy_kl_mean'] for r in runs]):.3g} "
+                f"| {np.mean([r['value_mse_mean'] for r in runs]):.3g} |"
             )
     lines += ["", "## What the numbers say", "", "(written from the numbers above)", ""]
     lines += [f"Figures: `{stem}.png` (to the threshold against N, Fig. 5's shape; success against updates per N)."]
