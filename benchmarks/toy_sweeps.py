@@ -483,9 +483,11 @@ def plot_runs(results, setting, path, kind):
     plt.close(fig)
 
 
-def write_report(results, options, wall, out: Path, figures: list[str]):
+def write_report(results, options, wall, out: Path, figures: list[str], header: list[str]):
     lines = [
         "# ToyChain: staggered vs naive resets (paper Sec. 4, App. C, App. E)",
+        "",
+        *header,
         "",
         f"Produced by `python benchmarks/toy_sweeps.py --experiment {options.experiment}` "
         f"({options.seeds} seed(s) per point, {len(results)} runs, {wall / 60:.1f} min on "
@@ -576,7 +578,8 @@ def replot(options: Options, out: Path) -> None:
     results = saved["runs"]
     options.seeds = max(r["seed"] for r in results)
     plot_fig2(results, out / "toy_fig2.png")
-    write_report(results, options, saved["wall_s"], out, [name for name in FIGURE_CAPTIONS if (out / name).exists()])
+    figures = [name for name in FIGURE_CAPTIONS if (out / name).exists()]
+    write_report(results, options, saved["wall_s"], out, figures, saved.get("header", []))
     print((out / "toy_sweeps.md").read_text())
 
 
@@ -646,6 +649,7 @@ def main(options: Options):
         for scheme in schemes
     ]
     start = time.time()
+    header = provenance("python benchmarks/toy_sweeps.py " + " ".join(sys.argv[1:]))
     print(f"{len(jobs)} runs on {options.workers} worker(s)", flush=True)
     results = []
     with mp.get_context("spawn").Pool(options.workers) as pool:
@@ -661,7 +665,7 @@ def main(options: Options):
     shutil.rmtree(tmp, ignore_errors=True)
     stem = {"compare": "toy_compare", "schemes": "toy_schemes"}.get(options.experiment, "toy_sweeps")
     slim = [{k: v for k, v in r.items() if k not in ("occupancy", "accuracy_matrix", "tmp")} for r in results]
-    (out / f"{stem}.json").write_text(json.dumps({"wall_s": wall, "runs": slim}, indent=1))
+    (out / f"{stem}.json").write_text(json.dumps({"header": header, "wall_s": wall, "runs": slim}, indent=1))
     if options.experiment == "schemes":
         write_schemes_report(results, options, wall, out)
         print((out / "toy_schemes.md").read_text())
@@ -679,7 +683,7 @@ def main(options: Options):
         if group(results, setting, True):
             plot_runs(results, setting, out / name, kind)
             figures.append(name)
-    write_report(results, options, wall, out, figures)
+    write_report(results, options, wall, out, figures, header)
     if stem != "toy_sweeps":
         os.replace(out / "toy_sweeps.md", out / f"{stem}.md")
     print((out / f"{stem}.md").read_text())
