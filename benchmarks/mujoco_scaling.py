@@ -11,6 +11,7 @@ normalization and reward scaling; the same --total-timesteps for every arm; noth
   scaling     HalfCheetah-v5 (no early terminations: naive envs stay in lockstep), staggered vs naive, N = 64, 256, 1024
   schemes     N = 256: random-start (legged_gym's init_at_random_ep_len) beside the two, on HalfCheetah-v5 and Hopper-v5
               (a fallen Hopper terminates: early terminations desynchronize naive envs by themselves)
+  regime      HalfCheetah-v5, N = 256, staggered vs naive with K = 64 (Table 3's MS-HumanoidWalk rollout: 16 groups)
   reference   CleanRL's own ppo_continuous_action.py (vwxyzjn/cleanrl at fe8d8a03; N = 1, K = 2048, its defaults) on
               HalfCheetah-v5, 1M steps: what users would run instead. A git-ignored copy at
               .cleanrl/ppo_continuous_action.py (`git show fe8d8a03:cleanrl/ppo_continuous_action.py` in a clone of
@@ -26,11 +27,11 @@ is about 1000 x the mean forward speed (m/s) plus, on Hopper, 1 a step for stayi
 in 2M steps, so that env steps to it separate the arms (gymnasium's reward_threshold, 4,800, is a "solved" level
 beyond this budget). Hopper 2,000: standing still for 1000 steps earns 1,000, so 2,000 needs hopping forward (1 m/s).
 Updates to the threshold: PPO iterations (one N x K batch each) before the evaluation that reached it. The staggered
-advance (random actions before training, (N_B - 1) x S x N env steps: 60k at N = 64, 254k at 256, 1.0M at 1024) is not
-in the budget (ppo_staggered.py's global_step); the table gives it beside.
+advance (the initial policy's mean action before training, (N_B - 1) x S x N env steps: 60k at N = 64, 254k at 256,
+1.0M at 1024) is not in the budget (ppo_staggered.py's global_step); the table gives it beside.
 
-Posture: a HalfCheetah can learn to run on its back (a local optimum near 2,000), and the staggered advance's random
-actions flip some cheetahs before training. Each HalfCheetah run's final policy (--save-model's final_ckpt.pt) is run
+Posture: a HalfCheetah can learn to run on its back (a local optimum near 2,000), and a staggered advance with random
+actions flips some cheetahs before training (benchmarks/stagger_advance.py). Each HalfCheetah run's final policy (--save-model's final_ckpt.pt) is run
 deterministically for 1000 steps in 8 envs: "time on back" is the fraction of steps with |rooty| > pi/2.
 
 Writes benchmarks/results/mujoco_scaling.md, .json (every run's per-evaluation rows, its training-return curve and its
@@ -40,8 +41,8 @@ The json is rewritten after every run; --resume keeps the runs it holds (same co
 seeds. --quick runs every arm once (seed 1, N = 8/16/32, 4,096 steps, H = 100, evaluations every ~1k steps) into *_quick.* files: a check of the
 benchmark itself, not a result.
 
-  python benchmarks/mujoco_scaling.py              # 33 runs, 2M steps each (CleanRL 1M): 11-17 min a run, two at
-                                                   # a time: about 4 hours on 2 cores (--resume goes on after a stop)
+  python benchmarks/mujoco_scaling.py              # 39 runs, 2M steps each (CleanRL 1M): 9-22 min a run, two at
+                                                   # a time: about 4.5 hours on 2 cores (--resume goes on after a stop)
   python benchmarks/mujoco_scaling.py --quick      # every code path, a few minutes
   python benchmarks/mujoco_scaling.py --resume     # after a stop: keeps the runs the json has, runs the rest
 """
