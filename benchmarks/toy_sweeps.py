@@ -54,8 +54,8 @@ RESULTS = ROOT / "benchmarks" / "results"
 class Options:
     experiment: str = "all"
     """all | compare (App. C/E only) | fig2a | fig2b | fig2c | schemes (three reset schemes, Fig. 2a) | scaling"""
-    seeds: int = 3
-    """seeds per setting and method (default 3; compare: 1 unless given)"""
+    seeds: int | None = None
+    """seeds per setting and method (default: 3; compare: 1; scaling: 5)"""
     workers: int = 2
     """worker processes (one torch thread each)"""
     replot: bool = False
@@ -631,6 +631,8 @@ def write_schemes_report(results, options, wall, out: Path) -> None:
 
 
 def main(options: Options):
+    if options.seeds is None:
+        options.seeds = {"compare": 1, "scaling": 5}.get(options.experiment, 3)
     if options.experiment == "scaling":
         return run_scaling_sweep(options)
     default_out = ROOT / "runs" / "toy_compare" if options.experiment == "compare" else RESULTS
@@ -638,8 +640,7 @@ def main(options: Options):
     out.mkdir(parents=True, exist_ok=True)
     if options.replot:
         return replot(options, out)
-    seeds = options.seeds if options.experiment != "compare" or "--seeds" in sys.argv else 1
-    options.seeds = seeds
+    seeds = options.seeds
     tmp = tempfile.mkdtemp(prefix="toy_sweeps_")
     schemes = SCHEMES if options.experiment == "schemes" else SCHEMES[:2]
     jobs = [
