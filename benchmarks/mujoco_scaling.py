@@ -31,8 +31,9 @@ advance (the initial policy's mean action before training, (N_B - 1) x S x N env
 1.0M at 1024) is not in the budget (ppo_staggered.py's global_step); the table gives it beside.
 
 Posture: a HalfCheetah can learn to run on its back (a local optimum near 2,000), and a staggered advance with random
-actions flips some cheetahs before training (benchmarks/stagger_advance.py). Each HalfCheetah run's final policy (--save-model's final_ckpt.pt) is run
-deterministically for 1000 steps in 8 envs: "time on back" is the fraction of steps with |rooty| > pi/2.
+actions flips some cheetahs before training (benchmarks/stagger_advance.py). Each HalfCheetah run's final policy
+(--save-model's final_ckpt.pt) is run deterministically for 1000 steps in 8 envs: "time on back" is the fraction of
+steps with |rooty| > pi/2.
 
 Writes benchmarks/results/mujoco_scaling.md, .json (every run's per-evaluation rows, its training-return curve and its
 diagnostics' means) and .png (return against env steps per N; final return against N per scheme, Fig. 5's shape).

@@ -640,13 +640,12 @@ def main(options: Options):
     out.mkdir(parents=True, exist_ok=True)
     if options.replot:
         return replot(options, out)
-    seeds = options.seeds
     tmp = tempfile.mkdtemp(prefix="toy_sweeps_")
     schemes = SCHEMES if options.experiment == "schemes" else SCHEMES[:2]
     jobs = [
         {"setting": s, "seed": seed, "scheme": scheme, "stagger": scheme == "staggered", "tmp": tmp}
         for s in settings_for(options.experiment)
-        for seed in range(1, seeds + 1)
+        for seed in range(1, options.seeds + 1)
         for scheme in schemes
     ]
     start = time.time()
