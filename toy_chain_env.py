@@ -44,6 +44,8 @@ steps taken in the current episode; info["correct"] says whether each env's acti
 on the ignored action of a next-step reset); `target_actions` (B,) holds a*_b. ToyChainDiagnostics records a policy's
 block occupancy and per-block accuracy over training (App. C), and forgetting_matrix its forgetting (App. E.0.1).
 ChainAgent and TABLE2_PPO are Table 2's PPO network and settings for the chain (ppo_staggered.py's).
+state_dict() and load_state_dict() save and restore the chains and their random streams, so that a run
+resumed from a checkpoint continues as if it had not stopped (each wrapper below has them too).
 
 Simulation time (for VER, Wijmans et al. 2022, Sec. 2: heterogeneous environments). With step_time_mean > 0 every
 step() spends time.sleep() inside the call, as a CPU simulator would spend simulation time in the process that steps
@@ -293,6 +295,35 @@ class ToyChainVectorEnv(VectorEnv):
             )
         return obs, reward.float(), terminated, truncated, info
 
+    def state_dict(self) -> dict:
+        """Everything the chains' future depends on (their state and both random streams), for a checkpoint that
+        resumes a run as if it had not stopped; torch.load(..., weights_only=True) reads it back."""
+        return {
+            "block": self.block.clone(),
+            "episode_step": self.episode_step.clone(),
+            "steps_in_block": self.steps_in_block.clone(),
+            "correct_in_block": self.correct_in_block.clone(),
+            "pending_reset": self._pending_reset.clone(),
+            "generator": self._generator.get_state(),
+            "time_rng": self._time_rng.bit_generator.state,
+            "episode_speed": torch.from_numpy(self._episode_speed.copy()),
+            "num_step_calls": self._num_step_calls,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restores what state_dict returned (of chains with the same config and number of envs)."""
+        if state["block"].shape != (self.num_envs,):
+            raise ValueError(f"a state of {state['block'].shape[0]} chains, not of {self.num_envs}")
+        self.block = state["block"].to(self.device)
+        self.episode_step = state["episode_step"].to(self.device)
+        self.steps_in_block = state["steps_in_block"].to(self.device)
+        self.correct_in_block = state["correct_in_block"].to(self.device)
+        self._pending_reset = state["pending_reset"].to(self.device)
+        self._generator.set_state(state["generator"])
+        self._time_rng.bit_generator.state = state["time_rng"]
+        self._episode_speed = state["episode_speed"].numpy().copy()
+        self._num_step_calls = state["num_step_calls"]
+
     def close_extras(self, **kwargs: Any) -> None:
         pass
 
@@ -413,6 +444,14 @@ class ToyChainPool:
             obs, reward, terminated, truncated, info = self.env.step(torch.as_tensor(self.actions))
         info = {"reward": reward.numpy(), "success": info["success"].numpy()}
         return obs.numpy(), reward.numpy(), terminated.numpy(), truncated.numpy(), info
+
+    def state_dict(self) -> dict:
+        """The chains' state (ToyChainVectorEnv.state_dict) and whether the next recv() resets them."""
+        return {"env": self.env.state_dict(), "reset_pending": self.actions is None}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.env.load_state_dict(state["env"])
+        self.actions = None if state["reset_pending"] else np.zeros(self.env.num_envs, dtype=np.int64)
 
     def close(self) -> None:
         self.env.close()
@@ -566,6 +605,12 @@ class ToyChainWorkerEnv:
         final_obs = info["final_obs"].numpy()[0] if bool(info["_final_obs"][0]) else None
         success = bool(info["success"][0])
         return obs.numpy()[0], float(reward[0]), bool(terminated[0]), bool(truncated[0]), final_obs, success
+
+    def state_dict(self) -> dict:
+        return self.env.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.env.load_state_dict(state)
 
     def close(self) -> None:
         self.env.close()

@@ -350,3 +350,39 @@ def test_crash_at_step_raises_in_that_call():
 def test_bad_timing_settings_name_the_flag(overrides, flag):
     with pytest.raises(ValueError, match=flag):
         ToyChainVectorEnv(2, ToyChainConfig(**overrides))
+
+
+def run_random_steps(env, num_steps: int, seed: int) -> list:
+    """num_steps of random actions; every output and the time draws' per-chain speed factors, for comparison."""
+    generator = torch.Generator().manual_seed(seed)
+    trace = []
+    for _ in range(num_steps):
+        actions = torch.randint(0, env.config.num_actions, (env.num_envs,), generator=generator)
+        obs, reward, terminated, truncated, info = env.step(actions)
+        trace.append((obs.tolist(), reward.tolist(), terminated.tolist(), truncated.tolist(), info["success"].tolist()))
+        trace.append(env._episode_speed.tolist())
+    return trace
+
+
+@pytest.mark.parametrize("mode", ["next_step", "same_step"])
+def test_a_restored_state_continues_exactly_as_the_original(mode, tmp_path):
+    """state_dict() through torch.save and a weights_only load, into a new env: the same future (outputs, gating
+    draws, Poisson starts, episode speed factors), and none of it from the new env's own seed."""
+    config = dict(horizon=20, block_length=2, progression_prob=0.5, reset_lambda=1.5, autoreset_mode=mode)
+    config.update(step_time_spread=0.5)  # (speed factors are drawn without sleeping: step_time_mean stays 0)
+    original = make(num_envs=6, **config)
+    original.config = ToyChainConfig(**{**config, "step_time_mean": 1e-9})  # draw speed factors, sleep ~0
+    run_random_steps(original, 33, seed=1)
+    original.reset(options={"reset_mask": torch.tensor([True, False, True, False, False, False])})
+    run_random_steps(original, 8, seed=3)  # next-step: four chains at H, their resets pending
+    torch.save({"env": original.state_dict()}, tmp_path / "state.pt")
+    restored = make(num_envs=6, **config)
+    restored.config = original.config
+    restored.reset(seed=99)
+    restored.load_state_dict(torch.load(tmp_path / "state.pt", weights_only=True)["env"])
+    assert run_random_steps(restored, 50, seed=2) == run_random_steps(original, 50, seed=2)
+
+
+def test_a_state_of_another_number_of_chains_is_refused():
+    with pytest.raises(ValueError, match="a state of 4 chains, not of 3"):
+        make(num_envs=3).load_state_dict(make(num_envs=4).state_dict())
