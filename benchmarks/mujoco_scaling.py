@@ -60,6 +60,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
 import numpy as np
 import tyro
@@ -90,6 +91,9 @@ class Options:
     regime_num_steps: int = 64
     """K of the regime arm: HalfCheetah-v5 at the schemes arm's N, staggered vs naive, with Table 3's MS-HumanoidWalk
     rollout (K = 64, H = 1000: 16 groups); 0: no such arm"""
+    ablation_num_envs: int = 256
+    """N of the ablation arm: HalfCheetah-v5, staggered, the advance's actions and the normalizer's data changed one
+    at a time (ABLATION); 0: no such arm"""
     eval_every: int = 50_000
     """env steps between evaluations (--eval-freq is this over N x K, at least 1)"""
     cleanrl: str = str(ROOT / ".cleanrl" / "ppo_continuous_action.py")
@@ -146,6 +150,61 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 """
 
 
+# The ablation arm splits what changed together in the staggered rows (the gates cannot matter on HalfCheetah-v5, which
+# never terminates): the advance's actions (--advance-actions policy: the initial policy's mean; random: uniform in the
+# bounds) and the data the observation normalizer learns from before training (the observations trained on, as
+# ppo_staggered.py does; or every observation of the advance, as it did before). Variant: (advance actions, normalizer).
+ABLATION = {
+    "advance only": ("policy", "every observation"),
+    "normalizer only": ("random", "trained-on only"),
+    "neither": ("random", "every observation"),
+}
+# Runs ppo_staggered.py's main with the normalizer of the earlier code: it also learns from the first reset's
+# observations and from those of every advance step (partial resets included), once per step, as that code did. The
+# observations the advance ends on are left to main, which adds them as the earlier code's last advance step did.
+EVERY_OBSERVATION_LAUNCHER = """
+import sys
+import tyro
+
+sys.path.insert(0, sys.argv[1])
+import ppo_staggered
+
+advance = ppo_staggered.stagger_advance
+
+
+class EveryObservation:
+    def __init__(self, envs, obs_rms):
+        self.envs, self.obs_rms, self.pending = envs, obs_rms, None
+
+    def __getattr__(self, name):
+        return getattr(self.envs, name)
+
+    def reset(self, *, seed=None, options=None):
+        obs, info = self.envs.reset(seed=seed, options=options)
+        if options is None:
+            self.obs_rms.update(obs)
+        else:
+            self.pending = obs
+        return obs, info
+
+    def step(self, actions):
+        if self.pending is not None:
+            self.obs_rms.update(self.pending)
+        result = self.envs.step(actions)
+        self.pending = result[0]
+        return result
+
+
+def advance_feeding_every_observation(envs, resets, agent, obs_rms, args, seed):
+    return advance(EveryObservation(envs, obs_rms), resets, agent, obs_rms, args, seed)
+
+
+ppo_staggered.stagger_advance = advance_feeding_every_observation
+sys.argv = sys.argv[2:]
+ppo_staggered.main(tyro.cli(ppo_staggered.Args))
+"""
+
+
 def read_scalars(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
     """{tag: [(step, value), ...]} of a run's TensorBoard events."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -171,11 +230,15 @@ def thinned(points: list[tuple[int, float]], count: int = 200) -> list[list[floa
     return [[float(chunk[-1, 0]), float(chunk[:, 1].mean())] for chunk in chunks]
 
 
-def run_ours(flags: list[str], seed: int) -> dict:
-    """One run of ppo_staggered.py as a user runs it: its evaluations, training-return curve, diagnostics' means."""
+def run_ours(flags: list[str], seed: int, every_observation: bool = False) -> dict:
+    """One run of ppo_staggered.py as a user runs it: its evaluations, training-return curve, diagnostics' means.
+    every_observation: through EVERY_OBSERVATION_LAUNCHER (the ablation's earlier normalizer)."""
     with tempfile.TemporaryDirectory() as out:
         start = time.time()
-        command = [sys.executable, str(SCRIPT), *flags, "--seed", str(seed), "--output-dir", out, "--save-model"]
+        script = (
+            [sys.executable, "-c", EVERY_OBSERVATION_LAUNCHER, str(ROOT)] if every_observation else [sys.executable]
+        )
+        command = [*script, str(SCRIPT), *flags, "--seed", str(seed), "--output-dir", out, "--save-model"]
         launch(command, out)  # (cwd: MuJoCo writes MUJOCO_LOG.TXT there)
         wall = time.time() - start
         run_dir = next(path for path in Path(out).iterdir() if path.is_dir())
@@ -288,6 +351,13 @@ def plan(options: Options) -> list[dict]:
                     chosen.append(
                         planned_run(SCALING_TASK, scheme, schemes_n, options.regime_num_steps, seed, steps, options)
                     )
+        if seed <= options.seeds and options.ablation_num_envs:
+            ablation_n = 16 if options.quick else options.ablation_num_envs
+            for variant, (actions, _) in ABLATION.items():
+                run = planned_run(SCALING_TASK, "staggered", ablation_n, K, seed, steps, options)
+                run["flags"] += ["--advance-actions", actions]
+                run["key"] = f"{SCALING_TASK}|staggered|{ablation_n}|{variant}|{seed}"
+                chosen.append({**run, "variant": variant})
         if seed <= (1 if options.quick else options.cleanrl_seeds) and Path(options.cleanrl).exists():
             flags = ["--env-id", SCALING_TASK, "--total-timesteps", str(cleanrl_steps)]
             key = f"{SCALING_TASK}|cleanrl|1|{seed}"
@@ -310,7 +380,8 @@ def run_all(options: Options, saved: Path) -> dict:
     def one(item: dict) -> dict:
         if item["scheme"] == "cleanrl":
             return run_cleanrl(Path(options.cleanrl), item["seed"], cleanrl_steps)
-        return run_ours(item["flags"], item["seed"])
+        every_observation = ABLATION.get(item.get("variant"), ("", ""))[1] == "every observation"
+        return run_ours(item["flags"], item["seed"], every_observation)
 
     print(f"{len(todo)} runs to go, {options.jobs} at a time", flush=True)
     with ThreadPoolExecutor(max_workers=options.jobs) as pool:
@@ -419,12 +490,16 @@ def on_back_cell(runs: list[dict]) -> str:
     return f"{np.mean(known):.2f} ({', '.join('?' if value is None else f'{value:.2f}' for value in values)})"
 
 
-def group(record: dict, task: str, scheme: str, num_envs: int, num_steps: int = K) -> list[dict]:
-    """The runs of one configuration, by seed (the runs before K was recorded had the preset's)."""
+def group(
+    record: dict, task: str, scheme: str, num_envs: int, num_steps: int = K, variant: Optional[str] = None
+) -> list[dict]:
+    """The runs of one configuration, by seed (the runs before K was recorded had the preset's); variant: the ablation
+    arm's (None: the runs of the other arms)."""
+    configuration = (task, scheme, num_envs, num_steps, variant)
     chosen = [
         run
         for run in record["runs"].values()
-        if (run["task"], run["scheme"], run["num_envs"], run.get("num_steps", K)) == (task, scheme, num_envs, num_steps)
+        if (run["task"], run["scheme"], run["num_envs"], run.get("num_steps", K), run.get("variant")) == configuration
     ]
     return sorted(chosen, key=lambda run: run["seed"])
 
