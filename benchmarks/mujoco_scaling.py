@@ -12,6 +12,8 @@ normalization and reward scaling; the same --total-timesteps for every arm; noth
   schemes     N = 256: random-start (legged_gym's init_at_random_ep_len) beside the two, on HalfCheetah-v5 and Hopper-v5
               (a fallen Hopper terminates: early terminations desynchronize naive envs by themselves)
   regime      HalfCheetah-v5, N = 256, staggered vs naive with K = 64 (Table 3's MS-HumanoidWalk rollout: 16 groups)
+  ablation    HalfCheetah-v5, N = 256, staggered: the advance's actions and the normalizer's data changed one at a time
+              (ABLATION: the gates cannot matter on a task that never terminates)
   reference   CleanRL's own ppo_continuous_action.py (vwxyzjn/cleanrl at fe8d8a03; N = 1, K = 2048, its defaults) on
               HalfCheetah-v5, 1M steps: what users would run instead. A git-ignored copy at
               .cleanrl/ppo_continuous_action.py (`git show fe8d8a03:cleanrl/ppo_continuous_action.py` in a clone of
@@ -27,8 +29,11 @@ is about 1000 x the mean forward speed (m/s) plus, on Hopper, 1 a step for stayi
 in 2M steps, so that env steps to it separate the arms (gymnasium's reward_threshold, 4,800, is a "solved" level
 beyond this budget). Hopper 2,000: standing still for 1000 steps earns 1,000, so 2,000 needs hopping forward (1 m/s).
 Updates to the threshold: PPO iterations (one N x K batch each) before the evaluation that reached it. The staggered
-advance (the initial policy's mean action before training, (N_B - 1) x S x N env steps: 60k at N = 64, 254k at 256,
-1.0M at 1024) is not in the budget (ppo_staggered.py's global_step); the table gives it beside.
+advance ((N_B - 1) x S x N env steps before training, none trained on: 60k at N = 64, 254k at 256, 1.0M at 1024) is not
+in the training budget (ppo_staggered.py's global_step), but the simulator takes those steps: the table counts them in
+"env steps to threshold, advance included" and "env steps simulated". Training return: charts/episodic_return at one
+step common to the arms it compares (a naive HalfCheetah episode ends only at multiples of H x N env steps, so a naive
+run's last training return can be from mid-run).
 
 Posture: a HalfCheetah can learn to run on its back (a local optimum near 2,000), and a staggered advance with random
 actions flips some cheetahs before training (benchmarks/stagger_advance.py). Each HalfCheetah run's final policy
@@ -414,10 +419,21 @@ def final_return(run: dict) -> float:
     return float(np.mean(values[-max(1, len(values) // 10) :]))
 
 
-def final_training_return(run: dict) -> float:
-    """Mean training episodic return over the last 10% of the run's curve points."""
-    values = [value for _, value in run["episodic_return"]]
-    return float(np.mean(values[-max(1, len(values) // 10) :])) if values else float("nan")
+def training_return_at(run: dict, step: float) -> float:
+    """charts/episodic_return at the run's last curve point at or before `step` (a point is the mean of the episodes
+    of a stretch of the run when the curve was thinned); nan if none."""
+    values = [value for point_step, value in run["episodic_return"] if point_step <= step]
+    return float(values[-1]) if values else float("nan")
+
+
+def last_training_step(runs: list[dict]) -> float:
+    """The step of the last training return that every run of `runs` logged (the common step of their comparison)."""
+    return min((run["episodic_return"][-1][0] if run["episodic_return"] else 0.0) for run in runs)
+
+
+def advance_steps(run: dict) -> float:
+    """The env steps of the run's stagger advance (0 for other schemes and CleanRL)."""
+    return float(run.get("advance_env_steps", 0))
 
 
 def to_threshold(run: dict, threshold: float) -> tuple[float, float]:
@@ -449,29 +465,38 @@ def per_seed(values: list[float], digits: int = 0) -> str:
     return f"{middle} ({', '.join(fmt(value, digits) for value in values)})"
 
 
-def table_row(runs: list[dict], arm: str) -> str:
+def table_row(runs: list[dict], arm: str, common_step: float) -> str:
+    """One configuration's row; common_step: where its training return is read (shared with the arms beside it)."""
     first = runs[0]
     threshold = THRESHOLDS[first["task"]]
     reached = [to_threshold(run, threshold) for run in runs]
     steps = np.array([step for step, _ in reached])
     updates = np.array([update for _, update in reached])
     hits = ~np.isnan(steps)
+    with_advance = steps + np.array([advance_steps(run) for run in runs])
     cleanrl = first["scheme"] == "cleanrl"
     name = "CleanRL ppo_continuous_action.py" if cleanrl else first["scheme"]
+    if first.get("variant"):
+        actions, normalizer = ABLATION[first["variant"]]
+        name = f"staggered, {first['variant']} (advance: {actions}; normalizer: {normalizer})"
+    elif arm == "ablation":
+        name = "staggered, both (advance: policy; normalizer: trained-on only)"
     diagnostics = [np.mean([run["diagnostics"][tag] for run in runs]) for tag in DIAGNOSTICS] if not cleanrl else []
     cells = [
         arm,
         first["task"],
         name,
         str(first["num_envs"]),
-        str(first.get("num_steps", K)),
+        str(CLEANRL_BATCH if cleanrl else first.get("num_steps", K)),
         str(len(runs)),
         "-" if cleanrl else per_seed([final_return(run) for run in runs]),
-        per_seed([final_training_return(run) for run in runs]),
+        f"{common_step:,.0f}: " + per_seed([training_return_at(run, common_step) for run in runs]),
         f"{hits.sum()}/{len(runs)}",
         f"{fmt(np.median(steps[hits]) if hits.any() else np.nan)} ({', '.join(fmt(s) for s in steps)})",
+        f"{fmt(np.median(with_advance[hits]) if hits.any() else np.nan)} ({', '.join(fmt(s) for s in with_advance)})",
         f"{fmt(np.median(updates[hits]) if hits.any() else np.nan)} ({', '.join(fmt(u) for u in updates)})",
-        f"{np.mean([run.get('advance_env_steps', 0) for run in runs]):,.0f}",
+        f"{np.mean([advance_steps(run) for run in runs]):,.0f}",
+        f"{np.mean([run['global_step'] + advance_steps(run) for run in runs]):,.0f}",
         f"{np.mean([run['wall_s'] for run in runs]) / 60:.1f}",
         f"{np.mean([run['sps'] for run in runs]):,.0f}",
         *(f"{value:.3g}" for value in diagnostics),
@@ -522,52 +547,49 @@ def report(record: dict, options: Options, suffix: str) -> None:
         f"evaluation "
         f"(8 envs, deterministic, one episode each) about every {1024 if options.quick else options.eval_every:,} env "
         "steps. Final eval return: "
-        "mean eval/return over the last 10% of evaluations, mean over seeds (per seed); training return: the same of "
-        "charts/episodic_return (stochastic policy, whole episodes begun in training). Threshold: eval/return "
+        "mean eval/return over the last 10% of evaluations, mean over seeds (per seed); training return: "
+        "charts/episodic_return (stochastic policy, whole episodes begun in training) at the step given, the last one "
+        "at which every run of the arms compared in the row's group had logged one (a naive HalfCheetah episode ends "
+        "only at multiples of H x N env steps). Threshold: eval/return "
         + ", ".join(f"{value:,.0f} ({task})" for task, value in THRESHOLDS.items())
         + ", fixed before running; steps and updates to it: before the first evaluation that reached it, median "
-        "over the seeds that did (per seed). Advance: the staggered advance's random-action env steps, not in the "
-        "budget. Minutes: launch to exit of one run, start-up and evaluations included, while --jobs runs shared "
+        "over the seeds that did (per seed), without and with the stagger advance's env steps (the initial policy's "
+        "mean action, or uniform random actions in the ablation's random arms; not trained on, not in the training "
+        "budget, but simulated). Env steps simulated: training plus advance. Minutes: launch to exit of one run, start-up and evaluations included, while --jobs runs shared "
         "the machine. Diagnostics: means over every update of the run, then over seeds (trained-on fraction: "
         "stagger/valid_fraction, the steps not waiting for a reset gate). Time on back (HalfCheetah): the "
         "fraction of a deterministic 1000-step evaluation of the final policy (8 envs) spent with |rooty| > pi/2.",
         "",
-        "| arm | task | scheme | N | K | seeds | final eval return (per seed) | final training return (per seed) "
-        "| seeds reached | env steps to threshold (per seed) | updates to threshold (per seed) | advance env steps "
+        "| arm | task | scheme | N | K | seeds | final eval return (per seed) | training return at a common step "
+        "(per seed) | seeds reached | training env steps to threshold (per seed) | env steps to threshold, advance "
+        "included (per seed) | updates to threshold (per seed) | advance env steps | env steps simulated "
         "| minutes / run | steps/s | stage coverage | value MSE | policy KL | trained-on fraction "
         "| time on back (per seed) |",
-        "|" + "---|" * 19,
+        "|" + "---|" * 21,
     ]
     for n in scaling_n:
-        for scheme in SCHEMES[:2]:
-            runs = group(record, SCALING_TASK, scheme, n)
-            if runs:
-                lines.append(table_row(runs, "scaling"))
+        lines += table_group(record, "scaling", [(SCALING_TASK, scheme, n, K, None) for scheme in SCHEMES[:2]])
     for task in options.schemes_tasks:
-        for scheme in SCHEMES:
-            runs = group(record, task, scheme, schemes_n)
-            if runs:
-                lines.append(table_row(runs, "schemes"))
-    for scheme in SCHEMES[:2]:
-        runs = group(record, SCALING_TASK, scheme, schemes_n, options.regime_num_steps)
-        if runs:
-            lines.append(table_row(runs, "regime"))
-    runs = group(record, SCALING_TASK, "cleanrl", 1)
-    if runs:
-        lines.append(table_row(runs, f"reference ({cleanrl_steps:,} steps)"))
-    else:
-        lines.append(f"| reference | {SCALING_TASK} | CleanRL: not run ({options.cleanrl} absent) |" + " - |" * 16)
+        lines += table_group(record, "schemes", [(task, scheme, schemes_n, K, None) for scheme in SCHEMES])
+    regime = [(SCALING_TASK, scheme, schemes_n, options.regime_num_steps, None) for scheme in SCHEMES[:2]]
+    lines += table_group(record, "regime", regime)
+    ablation_n = 16 if options.quick else options.ablation_num_envs
+    ablation = [(SCALING_TASK, "staggered", ablation_n, K, None)]
+    ablation += [(SCALING_TASK, "staggered", ablation_n, K, variant) for variant in ABLATION]
+    lines += table_group(record, "ablation", ablation)
+    lines += table_group(record, f"reference ({cleanrl_steps:,} steps)", [(SCALING_TASK, "cleanrl", 1, K, None)])
+    if not group(record, SCALING_TASK, "cleanrl", 1):
+        lines.append(f"| reference | {SCALING_TASK} | CleanRL: not run ({options.cleanrl} absent) |" + " - |" * 18)
+    markdown = Path(options.output) / f"mujoco_scaling{suffix}.md"
     lines += [
         "",
         "CleanRL's ppo_continuous_action.py does not evaluate (only with --save-model and cleanrl_utils): its "
         "threshold and final return are those of its training episodes (mean per 2,048-step iteration), comparable to "
         "the training-return column, not to the eval column; its updates are iterations of 10 epochs x 32 minibatches.",
         "",
-        "## What the numbers say",
-        "",
-        "(to be written from the numbers above)",
-        "",
-        "Commands (each run adds `--seed S --output-dir DIR`):",
+        *written_prose(markdown),
+        "Commands (each run adds `--seed S --output-dir DIR`; the ablation's every-observation normalizer runs "
+        "ppo_staggered.py through EVERY_OBSERVATION_LAUNCHER):",
         "",
     ]
     seen = set()
@@ -577,7 +599,26 @@ def report(record: dict, options: Options, suffix: str) -> None:
         if command not in seen:
             seen.add(command)
             lines.append(f"- `{command}`")
-    (Path(options.output) / f"mujoco_scaling{suffix}.md").write_text("\n".join(lines) + "\n")
+    markdown.write_text("\n".join(lines) + "\n")
+
+
+def table_group(record: dict, arm: str, configurations: list[tuple]) -> list[str]:
+    """The rows of configurations compared with each other (task, scheme, N, K, ablation variant), their training
+    returns read at one common step."""
+    groups = [runs for runs in (group(record, *configuration) for configuration in configurations) if runs]
+    if not groups:
+        return []
+    common_step = last_training_step([run for runs in groups for run in runs])
+    return [table_row(runs, arm, common_step) for runs in groups]
+
+
+def written_prose(markdown: Path) -> list[str]:
+    """The md's hand-written "What the numbers say" section, kept by a --replot (a placeholder in a new md)."""
+    text = markdown.read_text() if markdown.exists() else ""
+    start, end = text.find("## What the numbers say"), text.find("Commands (each run adds")
+    if start < 0 or end < start:
+        return ["## What the numbers say", "", "(to be written from the numbers above)", ""]
+    return text[start:end].rstrip("\n").split("\n") + [""]
 
 
 def plot(record: dict, options: Options, suffix: str) -> None:
@@ -591,7 +632,10 @@ def plot(record: dict, options: Options, suffix: str) -> None:
     panels = [(SCALING_TASK, n, K, SCHEMES if n == schemes_n else SCHEMES[:2]) for n in scaling_n]
     panels += [(task, schemes_n, K, SCHEMES) for task in options.schemes_tasks if task != SCALING_TASK]
     panels += [(SCALING_TASK, schemes_n, options.regime_num_steps, SCHEMES[:2])] if options.regime_num_steps else []
-    figure, axes = plt.subplots(2, max(3, len(panels)), figsize=(5.5 * max(3, len(panels)), 9), squeeze=False)
+    columns = max(5, len(panels))  # (the bottom row has five panels)
+    figure, axes = plt.subplots(2, columns, figsize=(5.5 * columns, 9), squeeze=False)
+    for column in range(len(panels), columns):
+        axes[0, column].axis("off")
     for column, (task, n, k, schemes) in enumerate(panels):  # top row: eval return against env steps, per N and K
         axis = axes[0, column]
         for scheme in schemes:
@@ -643,7 +687,31 @@ def plot(record: dict, options: Options, suffix: str) -> None:
     axis.set_xticks(range(len(coverage)), labels, fontsize=7)
     axis.set_title(f"{SCALING_TASK}: mean stage coverage of a batch")
     axis.set_ylabel("stagger/stage_coverage")
-    for column in range(3, axes.shape[1]):
+    ablation_n = 16 if options.quick else options.ablation_num_envs
+    variants = {"both": None, **{variant: variant for variant in ABLATION}}
+    variant_colors = {"both": "C0", "advance only": "C4", "normalizer only": "C5", "neither": "C3"}
+    finals = {}
+    for name, variant in variants.items():  # bottom, 4th: the ablation's eval return against env steps
+        runs = group(record, SCALING_TASK, "staggered", ablation_n, K, variant)
+        for index, run in enumerate(runs):
+            steps = [row["global_step"] for row in run["evals"]]
+            values = [row["eval/return"] for row in run["evals"]]
+            label = name if index == 0 else None
+            axes[1, 3].plot(steps, values, color=variant_colors[name], alpha=0.7, label=label)
+        if runs:
+            finals[name] = [final_return(run) for run in runs]
+    axes[1, 3].set_title(f"{SCALING_TASK}, N = {ablation_n}, staggered: ablation (one line per seed)")
+    axes[1, 3].set_xlabel("env steps (training)")
+    axes[1, 3].set_ylabel("eval/return (deterministic)")
+    axes[1, 3].legend(fontsize=8)
+    for index, (name, values) in enumerate(finals.items()):  # bottom, 5th: the ablation's final returns
+        axes[1, 4].bar(index, np.mean(values), color=variant_colors[name], alpha=0.5)
+        axes[1, 4].scatter([index] * len(values), values, color=variant_colors[name], s=14)
+    labels = [f"{name}\n{dict(both=('policy', 'trained-on only'), **ABLATION)[name][0]} advance" for name in finals]
+    axes[1, 4].set_xticks(range(len(finals)), labels, fontsize=7)
+    axes[1, 4].set_title("ablation: final eval return (bars: mean; dots: seeds)")
+    axes[1, 4].set_ylabel("final eval/return (last 10% of evals)")
+    for column in range(5, axes.shape[1]):
         axes[1, column].axis("off")
     figure.tight_layout()
     figure.savefig(Path(options.output) / f"mujoco_scaling{suffix}.png", dpi=100)
