@@ -74,3 +74,19 @@ def test_the_reports_count_the_advance_of_runs_saved_without_it():
     assert maniskill_cpu.run_advance({"command": command + " --reset-scheme random-start"}) == 0
     assert maniskill_cpu.run_advance({"command": "python ppo_ver.py --env-id PushCube-v1 --num-envs 8"}) == 0
     assert maniskill_cpu.run_advance({"command": command, "advance_env_steps": 5}) == 5
+
+
+def test_stackcube_gpu_reports_the_env_steps_with_the_advance(tmp_path):
+    """Table 1's comparison: staggered's env steps to 75% beside the same with its advance (12 x 8 x 4,096 at Table 3's
+    N, H and K), naive's with none."""
+    from benchmarks import stackcube_gpu
+
+    def row(stagger, steps, advance):
+        return {"seed": 1, "stagger": stagger, "steps": steps, "advance_env_steps": advance, "minutes": 10.0}
+
+    learn = [row(True, 16_000_000, advance_env_steps(4096, 100, 8)), row(False, 35_000_000, 0)]
+    stackcube_gpu.write_report(stackcube_gpu.Options(), learn, [], tmp_path / "report.md")
+    text = (tmp_path / "report.md").read_text()
+    assert advance_env_steps(4096, 100, 8) == 12 * 8 * 4096 == 393_216
+    assert "| staggered | 16.0 ± 0.0 | 0.39 | 16.4 ± 0.0 | 10.0 ± 0.0 | 1/1 |" in text
+    assert "| naive | 35.0 ± 0.0 | 0.00 | 35.0 ± 0.0 | 10.0 ± 0.0 | 1/1 |" in text
