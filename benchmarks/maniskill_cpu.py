@@ -11,7 +11,9 @@ third arm runs with seed 1 only):
 Evaluation is ManiSkill's protocol in every script: deterministic policy, no partial resets (a success does not end
 an evaluation episode), the scene reconfigured at every evaluation reset, at least 8 eval episodes, eval/success_once
 and eval/success_at_end. Per arm: env steps and minutes from launch to the first evaluation with eval/success_once >=
-0.9 (median over seeds; "not reached" is a result) and the final evaluation's success.
+0.9 (median over seeds; "not reached" is a result) and the final evaluation's success. Env steps are the scripts'
+global_step (trained on); ppo_staggered.py's staggered advance, (N_B - 1) x S x N env steps before training that it
+leaves out, has a column of its own and is added to them in another.
 
 Writes benchmarks/results/maniskill_cpu.md, maniskill_cpu.json (every run's curves) and maniskill_cpu_{script}.png
 (success_once and success_at_end against env steps and against minutes). --quick runs the headline pair of the first
@@ -41,6 +43,9 @@ import numpy as np
 import tyro
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from benchmarks.stagger_schedule import advance_env_steps  # noqa: E402
+
 RESULTS = ROOT / "benchmarks" / "results"
 ENV_ID = "PushCube-v1"
 THRESHOLD = 0.9  # eval/success_once
@@ -155,7 +160,33 @@ def run_one(env_id: str, script: str, flags: list[str], seed: int, total_timeste
         "global_step": summary.get("global_step"),
         "env_utilization": float(np.mean(utilization)) if utilization else None,
         "trained_on_fraction": float(np.mean(trained_on)) if trained_on else None,
+        "advance_env_steps": summary.get("advance_env_steps", 0),  # ppo_staggered.py's (not in global_step); else 0
     }
+
+
+def run_advance(run: dict) -> int:
+    """The env steps of a run's staggered advance, which its env steps (global_step, training) leave out: as the run
+    recorded it, or, for runs saved before they did, advance_env_steps of its command's N (--num-envs) and K and H
+    (--num-steps, --horizon, else ppo_staggered.py's preset for the task and the task's registered time limit); 0
+    for ppo_ver.py, pql.py and ppo_staggered.py's naive and random-start runs."""
+    if run.get("advance_env_steps") is not None:
+        return run["advance_env_steps"]
+    words = run["command"].split()
+
+    def flag(name: str, default=None):
+        return words[words.index(name) + 1] if name in words else default
+
+    if words[1] != "ppo_staggered.py" or "--no-stagger" in words or flag("--reset-scheme", "staggered") != "staggered":
+        return 0
+    from mani_skill.utils.registration import REGISTERED_ENVS
+
+    import ppo_staggered as ppo
+
+    env_id = flag("--env-id")
+    preset = ppo.PRESETS.get(env_id, ppo.MANISKILL_OTHER)
+    num_envs = int(flag("--num-envs", ppo.MANISKILL_CPU_TRIAL["num_envs"]))
+    horizon = int(flag("--horizon", preset.get("horizon") or REGISTERED_ENVS[env_id].max_episode_steps))
+    return advance_env_steps(num_envs, horizon, int(flag("--num-steps", preset["num_steps"])))
 
 
 def to_threshold(run: dict) -> tuple[float, float]:
@@ -247,13 +278,16 @@ def fmt(value: float, digits: int = 0) -> str:
     return "not reached" if np.isnan(value) else f"{value:,.{digits}f}"
 
 
-def report(results: dict, options: Options, wall_s: float, suffix: str) -> str:
+def report(results: dict, options: Options, wall_s: float, suffix: str, header: list[str] = ()) -> str:
+    with_baselines = any(len(arms) > 1 for arms in results.values())
     lines = [
         f"# ManiSkill3 {options.env_id} on CPU simulation: "
         + ", ".join(f"{script}.py" for script in results)
-        + (" beside their baselines" if options.arms > 1 else ", the paper's method")
+        + (" beside their baselines" if with_baselines else ", the paper's method")
         + (" (--quick: a check of the benchmark, not the result)" if options.quick else ""),
         "",
+        *header,
+        *([""] if header else []),
         f"Written by `python benchmarks/maniskill_cpu.py {' '.join(options.argv)}` on {platform.node()} "
         f"({platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, no GPU) in {wall_s / 60:.0f} min, "
         f"scripts at commit {at_commits(results, options.commit)}, "
@@ -262,21 +296,28 @@ def report(results: dict, options: Options, wall_s: float, suffix: str) -> str:
         "deterministic policy, no partial resets, the scene reconfigured at every evaluation reset, 8 eval envs "
         "(ppo_ver.py: 16 "
         f"episodes one after another). Steps and minutes to {THRESHOLD}: the first evaluation with eval/success_once "
-        f">= {THRESHOLD}, minutes from launching the process (start-up and evaluations included); median over the "
-        "seeds that reached it, and how many did. Final: the last evaluation; best: the highest; last quarter: the "
+        f">= {THRESHOLD}, minutes from launching the process (start-up, ppo_staggered.py's advance and evaluations "
+        "included); median over the seeds that reached it, and how many did. Env steps, trained on: the script's "
+        "global_step. Advance: ppo_staggered.py's staggered advance before training, (N_B - 1) x S x N env steps "
+        "with N_B = min(ceil(H / K), N) groups S = max(K, floor(H / N_B)) steps apart, not trained on and not in "
+        "global_step (the other arms have none); advance included: the two added, every env step the simulator "
+        "took. Final: the last evaluation; best: the highest; last quarter: the "
         "mean of the last quarter of the evaluations. Minutes depend on what else ran on the machine; env steps do "
         "not. Trained-on fraction (ppo_staggered.py): the share of env steps not masked out of the loss (an env "
         "waiting for a reset gate), mean over the run's updates (-: a run recorded before this column).",
         "",
-        "| script | arm | seeds reached 0.9 | env steps to 0.9: median (per seed) | minutes to 0.9: median "
+        "| script | arm | seeds reached 0.9 | env steps to 0.9, trained on: median (per seed) | advance (env steps) "
+        "| env steps to 0.9, advance included: median (per seed) | minutes to 0.9: median "
         "| final success_once (per seed) | final success_at_end (per seed) | best success_once (per seed) "
         "| success_once, mean of the last quarter (per seed) | steps/s | env utilization | trained-on fraction |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for script, arms in results.items():
         for arm, runs in arms.items():
             reached = [to_threshold(run) for run in runs]
             steps = np.array([step for step, _ in reached])
+            advances = [run_advance(run) for run in runs]
+            simulated = steps + np.array(advances)
             minutes = np.array([minute for _, minute in reached])
             hits = ~np.isnan(steps)
             finals = {tag: [run["curves"][tag]["values"][-1] for run in runs] for tag in CURVES}
@@ -287,6 +328,9 @@ def report(results: dict, options: Options, wall_s: float, suffix: str) -> str:
             lines.append(
                 f"| {script}.py | {arm} | {hits.sum()}/{len(runs)} | "
                 f"{fmt(np.median(steps[hits]) if hits.any() else np.nan)} ({', '.join(fmt(s) for s in steps)}) | "
+                f"{', '.join(f'{a:,}' for a in sorted(set(advances)))} | "
+                f"{fmt(np.median(simulated[hits]) if hits.any() else np.nan)} "
+                f"({', '.join(fmt(s) for s in simulated)}) | "
                 f"{fmt(np.median(minutes[hits]) if hits.any() else np.nan, 1)} | "
                 f"{np.median(finals[CURVES[0]]):.2f} ({', '.join(f'{v:.2f}' for v in finals[CURVES[0]])}) | "
                 f"{np.median(finals[CURVES[1]]):.2f} ({', '.join(f'{v:.2f}' for v in finals[CURVES[1]])}) | "
@@ -318,10 +362,12 @@ def plot(results: dict, options: Options, suffix: str) -> None:
                 for row, tag in enumerate(CURVES):
                     curve = run["curves"][tag]
                     label = arm if index == 0 else None
-                    axes[row, 0].plot(curve["steps"], curve["values"], color=f"C{color}", alpha=0.7, label=label)
+                    steps = np.array(curve["steps"]) + run_advance(run)  # every env step simulated by then
+                    axes[row, 0].plot(steps, curve["values"], color=f"C{color}", alpha=0.7, label=label)
                     axes[row, 1].plot(curve["minutes"], curve["values"], color=f"C{color}", alpha=0.7, label=label)
         for row, tag in enumerate(CURVES):
-            for column, xlabel in enumerate(("env steps", "minutes since launch (2 CPU cores)")):
+            steps_label = "env steps (staggered: the advance included)" if script == "ppo_staggered" else "env steps"
+            for column, xlabel in enumerate((steps_label, "minutes since launch (2 CPU cores)")):
                 axes[row, column].axhline(THRESHOLD, color="gray", linestyle="--", linewidth=1)
                 axes[row, column].set_xlabel(xlabel)
                 axes[row, column].set_ylabel(tag)
@@ -340,15 +386,21 @@ def main(options: Options) -> None:
     out = Path(options.out)
     out.mkdir(parents=True, exist_ok=True)
     saved = out / f"maniskill_cpu{suffix}.json"
+    header = []
     if options.replot:
         stored = json.loads(saved.read_text())
         results, wall_s = stored["results"], stored["wall_s"]
+        header.append(
+            f"Tables regenerated from the saved json on {time.strftime('%Y-%m-%d')} at commit {options.commit}, "
+            f"ppo_staggered.py's advance counted (`python benchmarks/maniskill_cpu.py {' '.join(options.argv)}`; no "
+            "run repeated). The runs: as below."
+        )
         options.commit, options.argv = stored.get("commit", options.commit), stored.get("argv", options.argv)
         options.load = stored.get("load")
     else:
         results = run_all(options, saved)
         wall_s = json.loads(saved.read_text())["wall_s"]
-    print(report(results, options, wall_s, suffix))
+    print(report(results, options, wall_s, suffix, header))
     plot(results, options, suffix)
 
 

@@ -4,7 +4,10 @@ side by side with ManiSkill's own PPO baselines at the same settings.
 Paper (RTX 4090, Table 3 settings: N = 4096, K = 8, H = 100, gamma 0.8, lambda 0.9; 3 seeds):
   env steps to > 75% success   staggered 16.2 ± 0.2 M     naive 35.8 ± 4.5 M
   minutes to > 75% success     staggered 16.6 ± 3.2       naive 26.2 ± 2.1
-Success is eval/success_once of the separate evaluation envs (128, deterministic, no partial resets).
+Success is eval/success_once of the separate evaluation envs (128, deterministic, no partial resets). Env steps are
+ppo_staggered.py's global_step (trained on) and, beside them, with the staggered advance added ((N_B - 1) x S x N env
+steps before training, not in global_step: 12 x 8 x 4096 = 0.39M here); minutes count from launching the run
+(start-up and the advance included).
 
 The speed part runs ppo_staggered.py (eager and --cudagraphs) and, if --maniskill-ppo-dir points at a ManiSkill
 checkout's examples/baselines/ppo, its ppo.py and ppo_fast.py --cudagraphs as they are (they are not copied into
@@ -24,6 +27,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -75,6 +79,7 @@ def first_crossing(series, threshold: float, start_time: float):
 
 
 def run_ours(extra: list[str], out_dir: str, name: str) -> str:
+    """One ppo_staggered.py run on StackCube-v1; its run directory (TensorBoard events, summary.json)."""
     cmd = [
         sys.executable,
         str(ROOT / "ppo_staggered.py"),
@@ -103,6 +108,7 @@ def learning(options: Options, tmp: str, size: list[str]) -> list[dict]:
     for seed in range(1, options.seeds + 1):
         for stagger in (True, False):
             name = f"{'stag' if stagger else 'naive'}_s{seed}"
+            launched = time.time()
             run_dir = run_ours(
                 size
                 + [
@@ -118,13 +124,14 @@ def learning(options: Options, tmp: str, size: list[str]) -> list[dict]:
                 name,
             )
             s = scalars(run_dir)
-            start = min(t for series in s.values() for _, t, _ in series)
-            steps, minutes = first_crossing(s["eval/success_once"], options.threshold, start)
+            steps, minutes = first_crossing(s["eval/success_once"], options.threshold, launched)
+            summary = json.loads((Path(run_dir) / "summary.json").read_text())
             rows.append(
                 {
                     "seed": seed,
                     "stagger": stagger,
                     "steps": steps,
+                    "advance_env_steps": summary["advance_env_steps"],  # (not in steps, which count training)
                     "minutes": minutes,
                     "final_success_once": s["eval/success_once"][-1][2],
                     "final_success_at_end": s["eval/success_at_end"][-1][2],
@@ -206,16 +213,20 @@ def write_report(options: Options, learn: list[dict], fast: list[dict], path: Pa
         lines += [
             f"## Env steps and minutes to eval success_once >= {options.threshold}",
             "",
-            "| resets | env steps (M), ours | minutes, ours | reached | env steps (M), paper | minutes, paper |",
-            "|---|---|---|---|---|---|",
+            "| resets | env steps (M), ours, trained on | advance (M env steps) | env steps (M), ours, advance included "
+            "| minutes, ours (from launch) | reached | env steps (M), paper | minutes, paper |",
+            "|---|---|---|---|---|---|---|---|",
         ]
         for stagger in (True, False):
             runs = [r for r in learn if r["stagger"] == stagger]
             hit = [r for r in runs if r["steps"] is not None]
-            steps = (
-                f"{np.mean([r['steps'] for r in hit]) / 1e6:.1f} ± {np.std([r['steps'] for r in hit]) / 1e6:.1f}"
-                if hit
-                else "DNC"
+            advance = sorted({r.get("advance_env_steps", 0) / 1e6 for r in runs})
+            steps, simulated = (
+                f"{np.mean(values) / 1e6:.1f} ± {np.std(values) / 1e6:.1f}" if hit else "DNC"
+                for values in (
+                    [r["steps"] for r in hit],
+                    [r["steps"] + r.get("advance_env_steps", 0) for r in hit],
+                )
             )
             mins = (
                 f"{np.mean([r['minutes'] for r in hit]):.1f} ± {np.std([r['minutes'] for r in hit]):.1f}"
@@ -224,7 +235,8 @@ def write_report(options: Options, learn: list[dict], fast: list[dict], path: Pa
             )
             ps, pm = PAPER["steps_M"][stagger], PAPER["minutes"][stagger]
             lines.append(
-                f"| {'staggered' if stagger else 'naive'} | {steps} | {mins} | {len(hit)}/{len(runs)} | "
+                f"| {'staggered' if stagger else 'naive'} | {steps} | {', '.join(f'{a:.2f}' for a in advance)} "
+                f"| {simulated} | {mins} | {len(hit)}/{len(runs)} | "
                 f"{ps[0]} ± {ps[1]} | {pm[0]} ± {pm[1]} |"
             )
         lines.append("")

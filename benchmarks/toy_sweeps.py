@@ -11,6 +11,9 @@
                                 first episode cut after U[1, H] steps), which the paper cites but does not compare
   scaling  Sec. 5.4, Fig. 5     App. C's setting (H = 200, p_prog = 0.5) at N = 128 ... 32,768: updates, env steps and
                                 seconds to eval success 0.9, staggered vs naive (does naive stop improving with N?)
+Every table counts staggered's advance ((N_B - 1) x S x N env steps before training, not trained on, not in the
+script's global_step: stagger_schedule.advance_env_steps): in a column of its own beside the trained-on env steps,
+and added to them where env steps to a threshold are compared.
 All with Table 2's PPO (N = 512, K = 5, L = 5, A_c = 20, k_mastery = 3, 150 updates) and several seeds; each point
 is one call of ppo_staggered.main, on the CPU, one thread per worker process. Identical settings are run once.
 
@@ -47,6 +50,8 @@ import tyro
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+from benchmarks.stagger_schedule import advance_env_steps  # noqa: E402
+
 RESULTS = ROOT / "benchmarks" / "results"
 
 
@@ -86,6 +91,8 @@ APPE_TERMINAL = (200, 0.1, 0.0, True)
 SCHEMES = ("staggered", "naive", "random-start")  # ppo_staggered.py --reset-scheme
 SCALING = APPC  # the scaling sweep's task: App. C's setting (H = 200, K = 5, p_prog = 0.5, lambda_R = 0)
 K = 5  # Table 2's rollout length
+TABLE2_NUM_ENVS = 512  # Table 2's N: every experiment but the scaling sweep (run_one leaves the preset's N)
+TABLE2_UPDATES = 150  # Table 2's updates: N x K x 150 = 384,000 env steps trained on a run
 EVAL_EVERY = 5  # scaling: updates between evaluations (the resolution of "updates to the threshold")
 
 
@@ -138,6 +145,7 @@ def run_one(job: dict) -> dict:
         "forgetting": summary["toy/forgetting_mean_overall"],
         "value_mse_max": float(np.max(series["stagger/value_mse"])),
         "policy_kl_mean": float(np.mean(series["stagger/policy_kl"])),
+        "advance_env_steps": summary["advance_env_steps"],  # (staggered: not in the 150 updates' env steps)
         "series": series,
         "occupancy": diag["occupancy"].tolist(),
         "accuracy_matrix": diag["accuracy"].tolist(),
@@ -196,6 +204,7 @@ def run_scaling(job: dict) -> dict:
         "env_steps_to_threshold": reached["env_steps"] if reached else None,
         "seconds_to_threshold": reached["seconds"] if reached else None,
         "wall_s": wall,
+        "advance_env_steps": summary["advance_env_steps"],  # (staggered: not in env_steps, which count training)
         "policy_kl_mean": float(np.mean([event.value for event in accumulator.Scalars("stagger/policy_kl")])),
         "value_mse_mean": float(np.mean([event.value for event in accumulator.Scalars("stagger/value_mse")])),
     }
@@ -210,19 +219,60 @@ def median_and_seeds(values: list, digits: int = 0) -> str:
     return f"{np.median(reached):,.{digits}f} ({len(reached)}/{len(values)}: {cells})"
 
 
-def provenance(command: str) -> list[str]:
-    """The opening lines of a results file: its command, machine, date and commit."""
+def current_commit() -> str:
+    """The checkout's commit, with "+ changes" when a script differs from it."""
     head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout
     changed = subprocess.run(["git", "status", "--porcelain", "--", "*.py"], capture_output=True, text=True, cwd=ROOT)
-    commit = head.strip() + (" + changes" if changed.stdout.strip() else "")
+    return head.strip() + (" + changes" if changed.stdout.strip() else "")
+
+
+def provenance(command: str) -> list[str]:
+    """The opening lines of a results file: its command, machine, date and commit."""
     load = os.getloadavg()[0]
     machine = f"{platform.node()} ({platform.machine()}, {os.cpu_count()} CPUs, load {load:.1f} at the start)"
-    return [f"- Command: `{command}`", f"- Machine: {machine}", f"- Date: {time.strftime('%Y-%m-%d')}; commit {commit}"]
+    return [
+        f"- Command: `{command}`",
+        f"- Machine: {machine}",
+        f"- Date: {time.strftime('%Y-%m-%d')}; commit {current_commit()}",
+    ]
+
+
+def regenerated() -> str:
+    """The opening line a --replot adds: the runs stay those of the lines above; the tables are this commit's."""
+    command = "python benchmarks/toy_sweeps.py " + " ".join(sys.argv[1:])
+    return (
+        f"- Tables regenerated from the saved json on {time.strftime('%Y-%m-%d')} at commit {current_commit()}, "
+        f"staggered's advance counted (`{command}`; no run repeated)"
+    )
+
+
+def run_advance(run: dict) -> int:
+    """The env steps of a run's staggered advance, which its env steps (global_step, training) leave out: as the run
+    recorded it, or, for runs saved before they did, from its N, H and K (the scaling sweep: the run's N, H = 200;
+    the other experiments: Table 2's N = 512 and the setting's H; K = 5 in all); 0 for naive and random-start."""
+    if run.get("advance_env_steps") is not None:
+        return run["advance_env_steps"]
+    if scheme_of(run) != "staggered":
+        return 0
+    horizon = run["setting"][0] if "setting" in run else SCALING[0]
+    return advance_env_steps(run.get("num_envs", TABLE2_NUM_ENVS), horizon, K)
+
+
+def with_advance(run: dict) -> int | None:
+    """A scaling run's env steps to the threshold with its advance: every step the simulator took (None: not reached)."""
+    steps = run["env_steps_to_threshold"]
+    return None if steps is None else steps + run_advance(run)
+
+
+def steps_cell(values: list[int]) -> str:
+    """Env steps of a group of runs: one number when they agree (the advance: N, H and K fix it), else each run's."""
+    return f"{values[0]:,}" if len(set(values)) == 1 else ", ".join(f"{value:,}" for value in values)
 
 
 def scaling_report(results: list[dict], options: Options, wall: float, out: Path, stem: str, header: list[str]) -> None:
-    """toy_scaling.md: per N and arm, updates, env steps and seconds to the threshold, the final success, minutes
-    and App. E's diagnostics; toy_scaling.png: Fig. 5's shape (to the threshold against N) and success curves."""
+    """toy_scaling.md: per N and arm, updates, env steps (trained on; the advance; both) and seconds to the threshold,
+    the final success, minutes and App. E's diagnostics; toy_scaling.png: Fig. 5's shape (to the threshold against
+    N) and success curves."""
     arms = SCHEMES[:2]
     lines = [
         "# ToyChain at scale: staggered vs naive resets from "
@@ -237,13 +287,19 @@ def scaling_report(results: list[dict], options: Options, wall: float, out: Path
         f"{wall / 60:.0f} minutes in all. An evaluation (256 envs, deterministic, one episode each) every "
         f"{EVAL_EVERY} updates. Threshold, fixed before running: eval success (eval/success_at_end) >= "
         f"{options.threshold}. To the threshold: at the first evaluation that reached it; median over the seeds "
-        "that did (how many, each seed's). Seconds: from the start of the run (envs built, the stagger advance "
-        "included) to that evaluation. Final: the last evaluation's success. Policy KL and value MSE: App. E's "
-        "stagger/policy_kl and stagger/value_mse, means over the run's updates, then over seeds.",
+        "that did (how many, each seed's). Env steps, trained on: the script's global_step at that evaluation "
+        "(N x 5 per update). Advance: the env steps of staggered's advance before training, (N_B - 1) x S x N "
+        f"with N_B = min(ceil(H / K), N) groups S = max(K, floor(H / N_B)) steps apart ({SCALING[0] - K} N here: "
+        f"N_B = {SCALING[0] // K}, S = {K}), not trained on and not in global_step; naive has none. Advance "
+        "included: the two added, every env step the simulator took. Seconds: from the start of the run (envs "
+        "built, the stagger advance included) to that evaluation. Final: the last evaluation's success. Policy KL "
+        "and value MSE: App. E's stagger/policy_kl and stagger/value_mse, means over the run's updates, then over "
+        "seeds.",
         "",
-        "| N | arm | updates to threshold | env steps to threshold | seconds to threshold "
+        "| N | arm | updates to threshold | env steps to threshold, trained on | advance (env steps) "
+        "| env steps to threshold, advance included | seconds to threshold (advance included) "
         "| final success (mean, per seed) | minutes / run | policy KL | value MSE |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for n in options.num_envs:
         for arm in arms:
@@ -254,6 +310,8 @@ def scaling_report(results: list[dict], options: Options, wall: float, out: Path
             lines.append(
                 f"| {n:,} | {arm} | {median_and_seeds([r['updates_to_threshold'] for r in runs])} "
                 f"| {median_and_seeds([r['env_steps_to_threshold'] for r in runs])} "
+                f"| {steps_cell([run_advance(r) for r in runs])} "
+                f"| {median_and_seeds([with_advance(r) for r in runs])} "
                 f"| {median_and_seeds([r['seconds_to_threshold'] for r in runs], 1)} "
                 f"| {np.mean(finals):.2f} ({', '.join(f'{value:.2f}' for value in finals)}) "
                 f"| {np.mean([r['wall_s'] for r in runs]) / 60:.1f} "
@@ -275,27 +333,30 @@ def plot_scaling(results: list[dict], options: Options, path: Path) -> None:
     colors = {"staggered": "tab:red", "naive": "tab:blue"}
     columns = max(3, len(options.num_envs))
     fig, axes = plt.subplots(2, columns, figsize=(4.5 * columns, 8), squeeze=False)
-    for axis, key, label in (
-        (axes[0, 0], "updates_to_threshold", "updates to the threshold"),
-        (axes[0, 1], "seconds_to_threshold", "seconds to the threshold"),
-        (axes[0, 2], "env_steps_to_threshold", "env steps to the threshold"),
+    trained_on = {"staggered, advance left out": ("staggered", "tab:red", "--", 0.15)}
+    for axis, getter, label, extra in (
+        (axes[0, 0], lambda r: r["updates_to_threshold"], "updates to the threshold", {}),
+        (axes[0, 1], lambda r: r["seconds_to_threshold"], "seconds to the threshold", {}),
+        (axes[0, 2], with_advance, "env steps to the threshold (advance included)", trained_on),
     ):
-        for arm, color in colors.items():
+        series = {arm: (arm, color, "o-", 0.35) for arm, color in colors.items()} | extra
+        for name, (arm, color, style, alpha) in series.items():
             ns, medians = [], []
+            get = (lambda r: r["env_steps_to_threshold"]) if name in extra else getter
             for n in options.num_envs:
-                values = [r[key] for r in results if r["num_envs"] == n and r["scheme"] == arm]
+                values = [get(r) for r in results if r["num_envs"] == n and r["scheme"] == arm]
                 reached = [value for value in values if value is not None]
-                axis.scatter([n] * len(reached), reached, color=color, alpha=0.35, s=14)
+                axis.scatter([n] * len(reached), reached, color=color, alpha=alpha, s=14)
                 if reached:
                     ns.append(n)
                     medians.append(np.median(reached))
-            axis.plot(ns, medians, "o-", color=color, label=f"{arm} (median; dots: seeds)")
-        if any(r[key] for r in results):  # (log scales need values above 0)
+            axis.plot(ns, medians, style, color=color, label=f"{name} (median; dots: seeds)")
+        if any(getter(r) for r in results):  # (log scales need values above 0)
             axis.set_xscale("log", base=2)
             axis.set_yscale("log")
         axis.set_xlabel("parallel envs N")
         axis.set_ylabel(label)
-        axis.set_title(f"{label} (eval success >= {options.threshold})")
+        axis.set_title(label)
         axis.legend(fontsize=8)
     for column in range(3, columns):
         axes[0, column].axis("off")
@@ -313,7 +374,10 @@ def plot_scaling(results: list[dict], options: Options, path: Path) -> None:
         axis.legend(fontsize=8)
     for column in range(len(options.num_envs), columns):
         axes[1, column].axis("off")
-    fig.suptitle(f"ToyChain (App. C setting), staggered vs naive resets against N, on {options.device}; cf. Fig. 5")
+    fig.suptitle(
+        f"ToyChain (App. C setting), staggered vs naive resets against N, on {options.device}, to eval success >= "
+        f"{options.threshold}; cf. Fig. 5"
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=90)
     plt.close(fig)
@@ -330,7 +394,8 @@ def run_scaling_sweep(options: Options) -> None:
         stem += f"_{torch.cuda.get_device_name(0).replace(' ', '_')}_{time.strftime('%Y-%m-%d')}"
     if options.replot:  # (the md and png of a saved json: a sweep stopped by a time limit keeps its runs there)
         record = json.loads((out / f"{stem}.json").read_text())
-        return scaling_report(record["runs"], options, record["wall_s"], out, stem, record["header"])
+        header = [*record["header"], regenerated()]
+        return scaling_report(record["runs"], options, record["wall_s"], out, stem, header)
     header = provenance("python benchmarks/toy_sweeps.py " + " ".join(sys.argv[1:]))
     tmp = tempfile.mkdtemp(prefix="toy_scaling_")
     jobs = [
@@ -380,8 +445,9 @@ def group(results, setting, stagger, scheme=None):
 
 def sweep_table(results, settings, label, index) -> list[str]:
     rows = [
-        f"| {label} | staggered: eval success | naive: eval success | staggered: train acc. | naive: train acc. |",
-        "|---|---|---|---|---|",
+        f"| {label} | staggered: eval success | naive: eval success | staggered: train acc. | naive: train acc. "
+        "| staggered: advance (env steps) |",
+        "|---|---|---|---|---|---|",
     ]
     for s in settings:
         st, nv = group(results, s, True), group(results, s, False)
@@ -389,9 +455,28 @@ def sweep_table(results, settings, label, index) -> list[str]:
             rows.append(
                 f"| {s[index]} | {mean_std([r['eval_success'] for r in st])} | "
                 f"{mean_std([r['eval_success'] for r in nv])} | {mean_std([r['train_accuracy'] for r in st])} | "
-                f"{mean_std([r['train_accuracy'] for r in nv])} |"
+                f"{mean_std([r['train_accuracy'] for r in nv])} | {steps_cell([run_advance(r) for r in st])} |"
             )
     return rows
+
+
+def budget_note(without: str = "naive has none") -> str:
+    """What the Table 2 runs simulate besides the updates they train on, and which steps naive's training accuracy
+    covers (its envs start together and, with lambda_R = 0, reset together every H steps)."""
+    trained = TABLE2_NUM_ENVS * K * TABLE2_UPDATES
+    last = K * TABLE2_UPDATES - 10 * K  # the first training step of the last 10 batches
+    windows = ", ".join(f"{last % h}-{last % h + 10 * K - 1}" for h, *_ in FIG2A if h > 10 * K)
+    horizons = ", ".join(str(h) for h, *_ in FIG2A if h > 10 * K)
+    return (
+        f"Every run trains on the same budget, {TABLE2_UPDATES} x {TABLE2_NUM_ENVS} x {K} = {trained:,} env steps; "
+        "staggered's runs also simulate their advance before training ((N_B - 1) x S x N env steps, N_B = H / K "
+        f'groups S = K apart: (H - {K}) x {TABLE2_NUM_ENVS}), not trained on, in the column "staggered: advance '
+        f'(env steps)" ({without}): the eval success and training accuracy are at equal trained-on steps, '
+        "and staggered's simulator took that many more. Naive's training accuracy is of other states than "
+        "staggered's: with lambda_R = 0 its envs reset together, so its last 10 batches are the same episode "
+        f"steps of every env ({windows} at H = {horizons}; the whole episode at H = {10 * K}), where staggered's "
+        "cover the horizon."
+    )
 
 
 def plot_fig2(results, path):
@@ -497,6 +582,8 @@ def write_report(results, options, wall, out: Path, figures: list[str], header: 
         "over seeds. With p_prog = 1 every gate opens whatever the agent does, so eval success is 1 for any "
         "policy (Fig. 2b, right end of Fig. 2c): there training accuracy is the informative number.",
         "",
+        budget_note(),
+        "",
     ]
     if any(group(results, s, True) for s in FIG2A):
         lines += [
@@ -550,6 +637,10 @@ def write_report(results, options, wall, out: Path, figures: list[str], header: 
             lines.append(
                 f"| {label} | {mean_std([r[key] for r in st])} | {mean_std([r[key] for r in nv])} | {p_st} | {p_nv} |"
             )
+        lines.append(
+            f"| advance (env steps; both train on {TABLE2_NUM_ENVS * K * TABLE2_UPDATES:,}) "
+            f"| {steps_cell([run_advance(r) for r in st])} | {steps_cell([run_advance(r) for r in nv])} |  |  |"
+        )
         lines.append("")
     lines += [
         "Figures: " + ", ".join(f"`{name}` ({FIGURE_CAPTIONS[name]})" for name in figures) + ".",
@@ -574,17 +665,27 @@ FIGURE_CAPTIONS = {
 
 
 def replot(options: Options, out: Path) -> None:
-    saved = json.loads((out / "toy_sweeps.json").read_text())
+    """The md (and Fig. 2; schemes: its figure) of the experiment's saved json, with a line saying so; runs nothing."""
+    stem = {"compare": "toy_compare", "schemes": "toy_schemes"}.get(options.experiment, "toy_sweeps")
+    saved = json.loads((out / f"{stem}.json").read_text())
     results = saved["runs"]
     options.seeds = max(r["seed"] for r in results)
-    plot_fig2(results, out / "toy_fig2.png")
-    figures = [name for name in FIGURE_CAPTIONS if (out / name).exists()]
-    write_report(results, options, saved["wall_s"], out, figures, saved.get("header", []))
-    print((out / "toy_sweeps.md").read_text())
+    header = [*saved.get("header", []), regenerated()]
+    if options.experiment == "schemes":
+        write_schemes_report(results, options, saved["wall_s"], out, header)
+    else:
+        if any(group(results, s, True) for s in FIG2A + FIG2B + FIG2C):
+            plot_fig2(results, out / "toy_fig2.png")
+        figures = [name for name in FIGURE_CAPTIONS if (out / name).exists()]
+        write_report(results, options, saved["wall_s"], out, figures, header)
+        if stem != "toy_sweeps":
+            os.replace(out / "toy_sweeps.md", out / f"{stem}.md")
+    print((out / f"{stem}.md").read_text())
 
 
-def write_schemes_report(results, options, wall, out: Path) -> None:
-    """toy_schemes.md and toy_schemes.png: eval success and training accuracy of the three reset schemes over H."""
+def write_schemes_report(results, options, wall, out: Path, header: list[str] = ()) -> None:
+    """toy_schemes.md and toy_schemes.png: eval success and training accuracy of the three reset schemes over H, and
+    staggered's advance (the others have none)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -594,14 +695,19 @@ def write_schemes_report(results, options, wall, out: Path) -> None:
     lines = [
         "# ToyChain: staggered vs naive vs random-start resets at Fig. 2a's horizons",
         "",
+        *header,
+        *([""] if header else []),
         f"Produced by `python benchmarks/toy_sweeps.py --experiment schemes` ({options.seeds} seed(s) per point, "
         f"{len(results)} runs, {wall / 60:.1f} min on {options.workers} CPU worker(s)). Table 2 PPO: N=512, K=5, "
         "150 updates; p_prog=0.5, lambda_R=0. random-start is legged_gym / rsl_rl / Isaac Lab's "
         "`init_at_random_ep_len`: each env's first episode is cut (a bootstrapped truncation) after U[1, H] steps, "
-        "no advance phase, immediate partial resets. Mean ± std over seeds.",
+        "no advance phase, immediate partial resets. Mean ± std over seeds. "
+        + budget_note("naive and random-start have none"),
         "",
-        "| H | " + " | ".join(f"{scheme}: {label}" for label in (m[1] for m in metrics) for scheme in SCHEMES) + " |",
-        "|---|" + "---|" * (len(SCHEMES) * len(metrics)),
+        "| H | "
+        + " | ".join(f"{scheme}: {label}" for label in (m[1] for m in metrics) for scheme in SCHEMES)
+        + " | staggered: advance (env steps) |",
+        "|---|" + "---|" * (len(SCHEMES) * len(metrics) + 1),
     ]
     for setting in FIG2A:
         cells = [
@@ -609,7 +715,8 @@ def write_schemes_report(results, options, wall, out: Path) -> None:
             for key, _ in metrics
             for scheme in SCHEMES
         ]
-        lines.append(f"| {setting[0]} | " + " | ".join(cells) + " |")
+        advance = steps_cell([run_advance(r) for r in group(results, setting, True)])
+        lines.append(f"| {setting[0]} | " + " | ".join(cells) + f" | {advance} |")
     lines += ["", "Figure: `toy_schemes.png` (eval success and training accuracy against H, mean ± std).", ""]
     (out / "toy_schemes.md").write_text("\n".join(lines))
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
@@ -667,7 +774,7 @@ def main(options: Options):
     slim = [{k: v for k, v in r.items() if k not in ("occupancy", "accuracy_matrix", "tmp")} for r in results]
     (out / f"{stem}.json").write_text(json.dumps({"header": header, "wall_s": wall, "runs": slim}, indent=1))
     if options.experiment == "schemes":
-        write_schemes_report(results, options, wall, out)
+        write_schemes_report(results, options, wall, out, header)
         print((out / "toy_schemes.md").read_text())
         print(f"done in {wall / 60:.1f} min; results in {out}")
         return
