@@ -539,7 +539,7 @@ def report(record: dict, options: Options, suffix: str) -> None:
         "",
         f"- Command: `python benchmarks/mujoco_scaling.py {' '.join(record.get('argv', []))}`",
         f"- Machine: {record.get('machine', machine())}",
-        f"- Date: {record.get('date', '?')}; {record.get('wall_s', 0) / 60:.0f} min in all (--jobs {options.jobs})",
+        f"- Date: {record.get('date', '?')}; {record.get('wall_s', 0) / 60:.0f} min of benchmark time over all its starts",
         f"- Commit: {', '.join(commits)}",
         "",
         f"Every ppo_staggered.py run: its MuJoCo preset (K = {K}, H = {100 if options.quick else 1000}, gamma 0.99, "
