@@ -918,8 +918,7 @@ def main(args: Args) -> dict:
     if args.track and rank == 0:
         import wandb
 
-        wandb_id = wandb_id or wandb.util.generate_id()  # resume: the same W&B run
-        wandb.init(
+        wandb_id = wandb.init(  # RESUME: the checkpoint's W&B run (its id stored), else a new one
             project=args.wandb_project_name,
             entity=args.wandb_entity,
             sync_tensorboard=True,
@@ -928,7 +927,7 @@ def main(args: Args) -> dict:
             save_code=True,
             id=wandb_id,
             resume="allow",
-        )
+        ).id
     purge_step = resumed["global_step"] + 1 if resuming else None  # RESUME: TensorBoard drops the events after it
     writer = SummaryWriter(str(run_dir), purge_step=purge_step) if rank == 0 and not args.evaluate else None
     last: dict[str, float] = {}  # the last value of every scalar, for summary.json
@@ -949,7 +948,7 @@ def main(args: Args) -> dict:
     summary: dict = {"run_dir": str(run_dir), "interrupted": False}
     envs = eval_envs = None  # made inside the try, so that a Ctrl-C while they start still writes summary.json
     global_step, start_step, start_time = 0, 0, time.time()
-    advance_env_steps = resumed.get("advance_env_steps", 0) if resuming else 0  # of all the run's advances
+    advance_env_steps = resumed["advance_env_steps"] if resuming else 0  # of all the run's advances
     within_iteration = False  # (a checkpoint written then holds no loop state)
     try:
         # ---- build: envs, agent, optimizer, observation normalizer (and the checkpoint to resume or evaluate) ------
