@@ -81,9 +81,9 @@ class Args:
     wandb_entity: Optional[str] = None
     """wandb entity (team)"""
     capture_video: bool = False
-    """film the first 8 evaluation envs, an mp4 each per evaluation, into the run's videos/ (ManiSkill, Gymnasium)"""
+    """film the first 8 evaluation envs at every evaluation into videos/ (ManiSkill, Gymnasium tasks; not ToyChain)"""
     save_model: bool = False
-    """write checkpoints (ckpt_{global_step}.pt at every evaluation, final_ckpt.pt at the end)"""
+    """write checkpoints (ckpt_{global_step}.pt at every evaluation, final_ckpt.pt at the end and on Ctrl-C)"""
     checkpoint: Optional[str] = None
     """continue the run of this checkpoint, in its folder (not --output-dir), or evaluate it (--evaluate)"""
     evaluate: bool = False
@@ -1125,7 +1125,6 @@ def main(args: Args) -> dict:
             due = args.eval_freq > 0 and (iteration - 1) % args.eval_freq == 0
             if due and not (resuming and global_step == start_step):  # (RESUME: the checkpoint's was logged before it)
                 log_evaluation(f"ckpt_{global_step}.pt")
-
             # ---- 2. collect: K steps of every env (timed as a whole: a timer per env step would sync CUDA twice) ---
             within_iteration = True  # (to its end: the loop's state is the checkpoint's only between iterations)
             rollout_start = clock(device)
@@ -1175,7 +1174,6 @@ def main(args: Args) -> dict:
                 obs_rms.update(raw_obs, resets.trained_on())  # the observations that will be trained on
             global_step += N * K * args.world_size  # DDP: the env steps of all ranks
             obs_rms.merge_ranks()  # DDP: every rank normalizes alike from here on
-
             # ---- 3. targets: GAE, bootstrapping V(true next state) under either autoreset mode -----------------------
             if args.normalize_reward:  # CleanRL's reward scaling, from the trained-on steps' discounted returns
                 step_returns, discounted_return = discounted_returns(
@@ -1192,7 +1190,6 @@ def main(args: Args) -> dict:
                     rewards, values_buf, next_values, no_bootstrap_buf, dones_buf, args.gamma, args.gae_lambda
                 )
             update_start = clock(device)
-
             # ---- 4. update: epochs of shuffled minibatches -----------------------------------------------------------
             batch = {  # the rollout, (K, N, ...) -> (K * N, ...)
                 "obs": obs_buf.flatten(0, 1),
@@ -1219,7 +1216,6 @@ def main(args: Args) -> dict:
                     "stagger/policy_kl": 0.5 * masked_mean((newlogprob - batch["logprobs"]).square(), b_valid),
                     "stagger/valid_fraction": valid_buf.float().mean(),
                 }
-
             # ---- 5. log: the scalars above in one device sync (stacked, copied to the host and named back at once) ---
             for name, value in zip(scalars, torch.stack(list(scalars.values())).tolist()):
                 log(name, value, global_step)
@@ -1262,8 +1258,7 @@ def main(args: Args) -> dict:
         summary["env_steps_simulated"] = advance_env_steps + global_step  # all the simulator took (not evaluations)
         summary["wall_time_s"] = wall
         summary["sps"] = (global_step - start_step) / max(wall, 1e-9)
-        for name, value in last.items():  # the last value of every logged scalar
-            summary[name] = value
+        summary.update(last)  # the last value of every logged scalar
         if writer is not None:
             write_whole(run_dir / "summary.json", lambda tmp: tmp.write_text(json.dumps(summary, indent=2)))
             writer.close()
