@@ -21,7 +21,7 @@ Map from the paper to this file
   App. B.3, Table 3   PRESETS[ManiSkill task ids], MANISKILL_COMMON, GaussianAgent, RunningMeanStd (obs. normalized)
   (not in the paper)  MUJOCO_PRESET, RunningMeanStd.scale                          (MuJoCo: CPU envs, reward scaling)
   (not in ppo.py)     PartialResetVecEnv, ppo_update (target KL), evaluate          (Gymnasium envs, protocol)
-  (not in ppo.py)     save_checkpoint, resume_problem, "RESUME"         (the run continues; on ToyChain, bit-identical)
+  (not in ppo.py)     resume_problem, "RESUME", main's save (a checkpoint)  (the run continues; ToyChain: bit-identical)
   App. C, Fig. 6      batch_temporal_stats, toy_diagnostics.npz                    (figures: benchmarks/toy_sweeps.py)
   App. E.0.1          stagger/value_mse, stagger/policy_kl, toy/forgetting_mean    (toy_chain_env.ToyChainDiagnostics)
   Sec. 5.4 (large N)  all_reduce_sum, RunningMeanStd.merge_ranks, "DDP"            (torchrun: ranks x N envs)
@@ -745,8 +745,7 @@ def load_checkpoint(checkpoint: dict, agent, optimizer, normalizers: dict, devic
 
 
 def resume_problem(checkpoint: dict, args: Args, layout: list) -> Optional[str]:
-    """Why a resumed run cannot continue the checkpoint's envs and loop where they were (None: it can). layout: what
-    the envs' and the loop's state depend on (their number, K, H, the reset scheme, S, the toy chain's settings)."""
+    """Why a resumed run cannot continue the checkpoint's envs and loop where they were (None: it can)."""
     if args.env_id != TOY_ENV_ID:  # (the toy chain's state alone is torch tensors)
         return "the simulator's state is not in the checkpoint"
     if args.world_size > 1:
@@ -978,10 +977,9 @@ def main(args: Args) -> dict:
         start_time = time.time()
 
         def save(path: Path) -> None:
-            """A checkpoint, enough to resume or evaluate; the loop's state only between two iterations of one process
-            (torchrun's rank 0 holds its own envs' alone), with the envs' on the toy chain (torch tensors)."""
+            """A checkpoint, enough to resume or evaluate (the loop's state: between two iterations of one process)."""
             loop = None
-            if not within_iteration and args.world_size == 1:
+            if not within_iteration and args.world_size == 1:  # (torchrun's rank 0 holds its own envs' alone)
                 loop = {
                     "layout": layout,
                     "env": envs.state_dict() if is_toy else None,
@@ -1040,7 +1038,8 @@ def main(args: Args) -> dict:
             evaluation = {"checkpoint": args.checkpoint, "eval_seed": args.seed + global_step, **log_evaluation(None)}
             evaluation.update(global_step=global_step, num_eval_envs=args.num_eval_envs, episodes=args.num_eval_envs)
             eval_file = Path(args.checkpoint).parent / f"eval_{Path(args.checkpoint).stem}.json"
-            write_whole(eval_file, lambda tmp: tmp.write_text(json.dumps(evaluation, indent=2)))
+            if rank == 0:  # (torchrun: rank 0 alone evaluates)
+                write_whole(eval_file, lambda tmp: tmp.write_text(json.dumps(evaluation, indent=2)))
             if video_dir:
                 print(f"videos: {video_dir}", flush=True)
             return summary
