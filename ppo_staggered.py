@@ -3,21 +3,15 @@
 Paper: "Staggered Environment Resets Improve Massively Parallel On-Policy Reinforcement Learning",
 Sid Bharthulwar, Stone Tao, Hao Su (2025), arXiv:2511.21011.
 
-With N parallel envs, rollouts of K steps and a task horizon H >> K, synchronous resets make every PPO batch one K-step
-slice of the task, cycling through the horizon every H/K updates (Sec. 3.2). Staggered resets split the envs into
-N_B = ceil(H/K) groups and advance group j by j*S steps (S = K) before training, with the initial policy or random
-actions, so that every batch holds every stage (Sec. 3.3, App. B.1). A group resets together at its "reset gate", when
-its horizon ends; some group's gate comes every S steps. An env that terminates early waits, masked out of the loss,
-for the next gate of any group, and resets there with that group. --no-stagger is the naive baseline of Tables 1/3:
-immediate partial resets. --reset-scheme random-start (legged_gym's init_at_random_ep_len, Sec. 5.3): first episodes
-last U[1, H] steps.
+With N envs, rollouts of K steps and a horizon H >> K, synchronous resets make every batch one K-step slice of the task,
+cycling through the horizon every H/K updates (Sec. 3.2). Staggered resets advance group j of N_B = ceil(H/K) groups by
+j*S steps (S = K) before training, so that every batch holds every stage (Sec. 3.3, App. B.1). A group resets at its
+"reset gate", when its horizon ends; an env that terminates early waits, masked out of the loss, for the next gate of
+any group. --no-stagger is Tables 1/3's naive baseline (immediate partial resets); --reset-scheme random-start
+(legged_gym's init_at_random_ep_len, Sec. 5.3) cuts first episodes to U[1, H] steps.
 
-This is ManiSkill's PPO baseline (examples/baselines/ppo/ppo.py) with the paper's changes, each marked "STAGGER": the
-advance before training, the reset gates with their loss mask, and the masked PPO losses. Its other departures from
-ppo.py are listed in the map: PartialResetVecEnv (the same partial resets for Gymnasium vector envs), observation
-normalization, the target-KL check once per epoch (ppo.py: per minibatch), evaluate (one deterministic episode per env),
-random start, MuJoCo and DDP: under torchrun each rank steps and staggers its own --num-envs envs on its own GPU; losses
-and gradients are taken over the trained-on steps of all ranks, so G ranks of N envs train as one rank of G x N.
+This is ManiSkill's PPO baseline (examples/baselines/ppo/ppo.py) with the paper's changes, each marked "STAGGER", and
+the departures in the map. Under torchrun, G ranks of N envs (each stepping and staggering its own) train as G x N envs.
 
 Map from the paper to this file
   Sec. 3.3, App. B.1  stagger_groups, stagger_start_steps, stagger_advance         (groups, offsets j*S, their actions)
@@ -27,6 +21,7 @@ Map from the paper to this file
   App. B.3, Table 3   PRESETS[ManiSkill task ids], MANISKILL_COMMON, GaussianAgent, RunningMeanStd (obs. normalized)
   (not in the paper)  MUJOCO_PRESET, RunningMeanStd.scale                          (MuJoCo: CPU envs, reward scaling)
   (not in ppo.py)     PartialResetVecEnv, ppo_update (target KL), evaluate          (Gymnasium envs, protocol)
+  (not in ppo.py)     resume_problem, "RESUME", main's save (a checkpoint)  (the run continues; ToyChain: bit-identical)
   App. C, Fig. 6      batch_temporal_stats, toy_diagnostics.npz                    (figures: benchmarks/toy_sweeps.py)
   App. E.0.1          stagger/value_mse, stagger/policy_kl, toy/forgetting_mean    (toy_chain_env.ToyChainDiagnostics)
   Sec. 5.4 (large N)  all_reduce_sum, RunningMeanStd.merge_ranks, "DDP"            (torchrun: ranks x N envs)
@@ -46,6 +41,7 @@ import os
 import pickle
 import random
 import signal
+import subprocess
 import sys
 import textwrap
 import time
@@ -55,6 +51,7 @@ from pathlib import Path
 from typing import Literal, Optional
 
 import gymnasium as gym
+import imageio
 import numpy as np
 import torch
 import torch.distributed as dist
@@ -84,13 +81,17 @@ class Args:
     wandb_entity: Optional[str] = None
     """wandb entity (team)"""
     capture_video: bool = False
-    """record videos of the first 8 evaluation envs into the run directory (ManiSkill tasks)"""
+    """film the first 8 evaluation envs at every evaluation into videos/ (ManiSkill, Gymnasium tasks; not ToyChain)"""
     save_model: bool = False
-    """write checkpoints (ckpt_{global_step}.pt at every evaluation, final_ckpt.pt at the end)"""
+    """write checkpoints (ckpt_{global_step}.pt at every evaluation, final_ckpt.pt at the end and on Ctrl-C)"""
     checkpoint: Optional[str] = None
-    """a checkpoint to resume training from (or to evaluate, with --evaluate)"""
+    """continue the run of this checkpoint, in its folder (not --output-dir), or evaluate it (--evaluate)"""
     evaluate: bool = False
-    """only evaluate the policy of --checkpoint, then exit"""
+    """only evaluate the policy of --checkpoint: one result line and eval_<name>.json (and videos) beside it"""
+    progress_interval: float = 15.0
+    """seconds between two progress lines, >= 1"""
+    quiet: bool = False
+    """no progress lines (settings, evaluations and errors still print)"""
 
     env_id: str = "ToyChain-v0"
     """ToyChain-v0, a ManiSkill3 task (StackCube-v1, ...), MuJoCo (HalfCheetah-v5, ...) or another Gymnasium Box task"""
@@ -154,6 +155,7 @@ class Args:
 
 
 TOY_ENV_ID = "ToyChain-v0"
+SCRIPT = os.path.basename(__file__)  # "ppo_staggered.py": every checkpoint names it
 VIDEO_ENVS = 8  # --capture-video records this many evaluation envs at most, as ManiSkill's baselines
 PRESETS: dict[str, dict] = {
     TOY_ENV_ID: TABLE2_PPO,  # App. B.2, Table 2: PPO on the toy chain (N = 512, K = 5, 150 updates)
@@ -195,6 +197,19 @@ class ArgsError(ValueError):
 def resolve_args(args: Args) -> Args:
     """Fills the task presets and derived sizes into a copy of `args` and checks it. Raises ArgsError."""
     args = replace(args, toy=replace(args.toy))
+    headless = not (os.environ.get("MUJOCO_GL") or os.environ.get("DISPLAY"))
+    if args.capture_video and headless and args.env_id in gym.registry and args.env_id != TOY_ENV_ID:  # Gymnasium's
+        # MUJOCO_GL before MuJoCo is imported (ManiSkill's import below does): the first that renders the task here
+        probe = f"import gymnasium as gym; env = gym.make({args.env_id!r}, render_mode='rgb_array'); env.reset(); "
+        for backend in ("egl", "osmesa"):
+            env = {**os.environ, "MUJOCO_GL": backend}
+            probed = subprocess.run([sys.executable, "-c", probe + "env.render()[0]"], env=env, capture_output=True)
+            if probed.returncode == 0:
+                os.environ["MUJOCO_GL"] = backend
+                break
+        else:
+            reason = (probed.stderr.decode().strip() or "no output").splitlines()[-1]
+            raise ArgsError(f"--capture-video: {args.env_id} renders no frame here (MUJOCO_GL egl, osmesa: {reason})")
     from mani_skill.utils.assets.data import is_data_source_downloaded
     from mani_skill.utils.registration import REGISTERED_ENVS
 
@@ -235,13 +250,27 @@ def resolve_args(args: Args) -> Args:
         ("--max-grad-norm", args.max_grad_norm, args.max_grad_norm > 0, "> 0"),
         ("--target-kl", args.target_kl, args.target_kl >= 0, ">= 0 (0 = off)"),
         ("--eval-freq", args.eval_freq, args.eval_freq >= 0, ">= 0 (0 = only at the end)"),
+        ("--progress-interval", args.progress_interval, args.progress_interval >= 1, ">= 1"),
     ]
     for flag, value, in_domain, domain in domains:
         if not in_domain:
             raise ArgsError(f"{flag} {value}: must be {domain}")
-    stored_env_id = checkpoint_env_id(args.checkpoint) if args.checkpoint else None  # (its shapes: at the build)
-    if stored_env_id not in (None, args.env_id):
-        raise ArgsError(f"--checkpoint {args.checkpoint}: a checkpoint of {stored_env_id}, not of {args.env_id}")
+    stored = read_checkpoint(args.checkpoint) if args.checkpoint else None  # (its shapes: at the build)
+    if stored and stored["env_id"] != args.env_id:
+        raise ArgsError(f"--checkpoint {args.checkpoint}: a checkpoint of {stored['env_id']}, not of {args.env_id}")
+    toy_flags = [name for name, value in asdict(args.toy).items() if value != getattr(ToyChainConfig, name)]
+    if kind != "toy" and toy_flags:
+        raise ArgsError(f"--toy.{toy_flags[0].replace('_', '-')}: an option of ToyChain-v0, not of {args.env_id}")
+    if kind == "toy" and args.horizon is not None:
+        raise ArgsError(f"--horizon {args.horizon}: ToyChain-v0's horizon is --toy.horizon")
+    if kind == "toy" and args.capture_video:
+        raise ArgsError("--capture-video: ToyChain-v0 renders nothing (its observations are block indices)")
+    if args.evaluate and (args.save_model or args.track):
+        raise ArgsError("--save-model, --track: --evaluate writes no run, only eval_<name>.json beside the checkpoint")
+    if not args.track and (args.wandb_entity or args.wandb_project_name != Args.wandb_project_name):
+        raise ArgsError("--wandb-project-name, --wandb-entity: only with --track")
+    if args.quiet and args.progress_interval != Args.progress_interval:
+        raise ArgsError("--progress-interval: --quiet prints no progress lines")
     if kind == "toy":
         try:
             args.toy.validate()  # its numeric flags' domains, H a multiple of the block length L, ...
@@ -263,6 +292,8 @@ def resolve_args(args: Args) -> Args:
     # S = floor(H / N_B) >= K spreads them over the horizon, the last starting before H.
     args.num_stagger_groups = min(math.ceil(H / K), args.num_envs) if args.stagger else 1
     args.stagger_step = max(K, H // args.num_stagger_groups) if args.num_stagger_groups > 1 else K
+    if args.advance_actions == "random" and args.num_stagger_groups == 1:
+        raise ArgsError(f"--advance-actions random: no stagger advance runs ({args.reset_scheme} resets, N_B = 1)")
     args.batch_size = args.num_envs * K
     if args.batch_size % args.num_minibatches != 0:
         raise ArgsError(f"batch N*K = {args.batch_size} does not split into --num-minibatches {args.num_minibatches}")
@@ -272,6 +303,9 @@ def resolve_args(args: Args) -> Args:
     args.num_iterations = args.total_timesteps // steps
     if args.num_iterations < 1 and not args.evaluate:
         raise ArgsError(f"--total-timesteps {args.total_timesteps} is less than one batch (N*K*ranks = {steps})")
+    if stored and not args.evaluate and stored["global_step"] >= args.num_iterations * steps:
+        at = f"the checkpoint is at global step {stored['global_step']} already"
+        raise ArgsError(f"--total-timesteps {args.total_timesteps}: {at}; pass a larger value")
     if args.evaluate and not args.checkpoint:
         raise ArgsError("--evaluate needs --checkpoint PATH")
     if args.cudagraphs and (args.world_size > 1 or not (args.cuda and torch.cuda.is_available())):
@@ -285,22 +319,26 @@ def resolve_args(args: Args) -> Args:
     return args
 
 
-def checkpoint_env_id(path: str) -> Optional[str]:
-    """The task a checkpoint was written for, read before any env starts (None: from before checkpoints named it)."""
+def read_checkpoint(path: str) -> dict:
+    """A checkpoint of this script, loaded on the CPU (before any env starts); else ArgsError, naming what it found."""
     if not os.path.isfile(path):
         raise ArgsError(f"--checkpoint {path}: no such file")
     try:
         checkpoint = torch.load(path, map_location="cpu", weights_only=True)
-    except (RuntimeError, ValueError, pickle.UnpicklingError) as error:
-        raise ArgsError(f"--checkpoint {path}: not a checkpoint of this task ({str(error).splitlines()[0]})") from error
-    return checkpoint.get("env_id") if isinstance(checkpoint, dict) else None
+    except (RuntimeError, ValueError, EOFError, pickle.UnpicklingError) as error:
+        raise ArgsError(f"--checkpoint {path}: not a checkpoint of {SCRIPT} ({str(error).splitlines()[0]})") from error
+    script = checkpoint.get("script") if isinstance(checkpoint, dict) else None
+    if script != SCRIPT:
+        found = f"a checkpoint of {script}, not" if script else "not a checkpoint"
+        raise ArgsError(f"--checkpoint {path}: {found} of {SCRIPT}")
+    return checkpoint
 
 
 def format_settings(args: Args, device: torch.device) -> str:
     """The resolved settings as `name=value` pairs (toy.horizon=200 on the toy chain only) and the device in use."""
     pairs = [f"{name}={value}" for name, value in asdict(args).items() if name not in ("toy", "cuda")]
-    if args.env_id == TOY_ENV_ID:
-        pairs += [f"toy.{name}={value}" for name, value in asdict(args.toy).items()]
+    if args.env_id == TOY_ENV_ID:  # (not the test hook toy.crash_at_step)
+        pairs += [f"toy.{name}={value}" for name, value in asdict(args.toy).items() if name != "crash_at_step"]
     pairs.append(f"device={device}")
     return "settings:\n" + textwrap.fill(" ".join(pairs), 120, initial_indent="  ", subsequent_indent="  ")
 
@@ -355,18 +393,18 @@ class SingleEnvAdapter(gym.Wrapper):
 
 
 def make_single_env(args: Args, evaluation: bool, video_dir: Optional[str], index: int):
-    """Env `index` of a vector env: a physx_cpu ManiSkill task (filmed if index < VIDEO_ENVS) or a Gymnasium env."""
+    """Env `index` of a vector env: a physx_cpu ManiSkill task or a Gymnasium env, filmed if index < VIDEO_ENVS."""
+    filmed = video_dir is not None and index < VIDEO_ENVS  # (by RecordEpisode on ManiSkill, else by evaluate)
     if args.resolved_sim_backend == "physx_cpu":
-        env_video_dir = os.path.join(video_dir, f"env{index}") if video_dir and index < VIDEO_ENVS else None
-        return SingleEnvAdapter(make_maniskill_env(args, 1, evaluation, env_video_dir))
-    return SingleEnvAdapter(gym.make(args.env_id, max_episode_steps=args.horizon))
+        return SingleEnvAdapter(make_maniskill_env(args, 1, evaluation, f"{video_dir}/env{index}" if filmed else None))
+    render = {"render_mode": "rgb_array"} if filmed else {}  # (a user's env may take no render_mode)
+    return SingleEnvAdapter(gym.make(args.env_id, max_episode_steps=args.horizon, **render))
 
 
 class PartialResetVecEnv(gym.vector.VectorEnv):
     """A batched env without autoreset (ManiSkill on the GPU, a Gymnasium vector env) as a same-step autoreset vector
-    env of torch tensors: it resets truncated envs, and terminated ones if `reset_on_termination` (else they run on
-    until the loop resets them at a reset gate, Sec. 3.3). info holds "final_obs" only when some env reset: the loop
-    reads the key, no sync."""
+    env of torch tensors: it resets truncated envs, and terminated ones if `reset_on_termination` (else the loop resets
+    them at a reset gate, Sec. 3.3). info holds "final_obs" only when some env reset: the loop reads that, no sync."""
 
     metadata = {"autoreset_mode": gym.vector.AutoresetMode.SAME_STEP}
 
@@ -380,8 +418,9 @@ class PartialResetVecEnv(gym.vector.VectorEnv):
         self.action_space = gym.vector.utils.batch_space(self.single_action_space, num_envs)
 
     def tensor(self, data, dtype) -> torch.Tensor:
+        """A copy (a reset may write into the simulator's outputs), on the device, one row per env."""
         data = torch.as_tensor(data if torch.is_tensor(data) else np.asarray(data), device=self.device, dtype=dtype)
-        return data.reshape(self.num_envs, -1).squeeze(-1)
+        return data.reshape(self.num_envs, -1).squeeze(-1).clone()
 
     def reset(self, *, seed=None, options=None):
         mask = None if options is None else options.get("reset_mask")
@@ -403,7 +442,7 @@ class PartialResetVecEnv(gym.vector.VectorEnv):
         reset_now = truncated | (terminated & self.reset_on_termination)
         info = {"success": success}
         if bool(reset_now.any()):  # the one host sync of a step: whether to call the simulator's reset at all
-            info["final_obs"] = obs.clone()  # (a reset may write into the obs buffers)
+            info["final_obs"] = obs.clone()  # (a reset may write into the simulator's observations: GPU simulation)
             info["_final_obs"] = reset_now
             obs, _ = self.reset(options={"reset_mask": reset_now})
         return obs, reward, terminated, truncated, info
@@ -413,8 +452,7 @@ class PartialResetVecEnv(gym.vector.VectorEnv):
 
 
 def drop_mujoco_settotalmass_warning() -> None:
-    """MuJoCo 4 warns, once per model built, that Gymnasium's MuJoCo models use the deprecated 'settotalmass' (264
-    lines before training starts with 256 envs): this drops that one warning and prints MuJoCo's others as it does."""
+    """MuJoCo's warnings as it prints them, less the one that Gymnasium's models use 'settotalmass' (one per model)."""
     import mujoco
 
     def print_warning(message: str) -> None:
@@ -530,9 +568,8 @@ def discounted_returns(rewards, valid, dones, gamma: float, carried: torch.Tenso
 
 
 def normalize_advantages(advantages: torch.Tensor, valid: torch.Tensor):
-    """(A - mean) / (std + 1e-8), the mean and (population) std over the valid entries. DDP: over those of all ranks,
-    from their count, sum and sum of squares in one all-reduce (float64: E[A^2] - E[A]^2 keeps its digits). Returns
-    the normalized advantages and the number of valid entries (of all ranks)."""
+    """(A - mean) / (std + 1e-8) over the valid entries, and their number. DDP: of all ranks, from their count, sum and
+    sum of squares in one all-reduce (float64: E[A^2] - E[A]^2 keeps its digits)."""
     masked = torch.where(valid, advantages, 0.0).double()
     shares = torch.stack([valid.sum().double(), masked.sum(), masked.square().sum()])
     count, total, total_sq = all_reduce_sum(shares)
@@ -691,39 +728,45 @@ def clock(device: torch.device) -> float:
 
 
 # ---- Checkpoints -----------------------------------------------------------------------------------------------------
-def save_checkpoint(path: Path, agent, optimizer, normalizers: dict, global_step: int, args: Args) -> None:
-    """Enough to resume or evaluate; a temporary file renamed, never half-written."""
-    state = {
-        "env_id": args.env_id,
-        "model": agent.state_dict(),
-        "optimizer": optimizer.state_dict(),
-        "global_step": global_step,
-        "iteration": global_step // (args.batch_size * args.world_size),  # rollouts collected
-    }
+def load_checkpoint(checkpoint: dict, agent, optimizer, normalizers: dict, device: torch.device) -> None:
+    """Restores the weights, Adam and the normalizers of a checkpoint (read_checkpoint's) onto `device`."""
+    try:
+        agent.load_state_dict(checkpoint["model"])
+        optimizer.load_state_dict(checkpoint["optimizer"])
+    except (RuntimeError, KeyError, ValueError) as error:  # networks of other sizes (other --toy.* settings)
+        raise ArgsError(
+            f"--checkpoint: its networks do not fit these settings ({str(error).splitlines()[0]})"
+        ) from error
     for name, rms in normalizers.items():  # obs_rms, reward_rms
-        state[name] = {"mean": rms.mean, "var": rms.var, "count": rms.count}
+        rms.mean = checkpoint[name]["mean"].to(device)
+        rms.var = checkpoint[name]["var"].to(device)
+        rms.count = checkpoint[name]["count"].to(device)
+        rms.merged = rms.totals()  # (every rank loads the same)
+
+
+def resume_problem(checkpoint: dict, args: Args, layout: list) -> Optional[str]:
+    """Why a resumed run cannot continue the checkpoint's envs and loop where they were (None: it can)."""
+    if args.env_id != TOY_ENV_ID:  # (the toy chain's state alone is torch tensors)
+        return "the simulator's state is not in the checkpoint"
+    if args.world_size > 1:
+        return f"{args.world_size} torchrun ranks run their own envs"
+    if checkpoint["loop"] is None:
+        return "the checkpoint holds no loop state (written within an iteration, or by several ranks)"
+    return "the envs' settings differ from the checkpoint's" if checkpoint["loop"]["layout"] != layout else None
+
+
+def write_whole(path: Path, write) -> None:
+    """write(a temporary file), then renamed to `path`: never half-written (a Ctrl-C leaves the old file, or none)."""
     tmp = path.with_name(path.name + ".tmp")
     try:
-        torch.save(state, tmp)
+        write(tmp)
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
 
 
-def load_checkpoint(path: str, agent, optimizer, normalizers: dict, device: torch.device) -> int:
-    """Restores what save_checkpoint wrote; returns its global step."""
-    try:
-        checkpoint = torch.load(path, map_location=device, weights_only=True)
-        agent.load_state_dict(checkpoint["model"])
-        optimizer.load_state_dict(checkpoint["optimizer"])
-        for name, rms in normalizers.items():  # obs_rms, reward_rms
-            rms.mean = checkpoint[name]["mean"]
-            rms.var = checkpoint[name]["var"]
-            rms.count = checkpoint[name]["count"]
-            rms.merged = rms.totals()  # (every rank loads the same)
-    except (RuntimeError, KeyError, ValueError, pickle.UnpicklingError) as error:  # another task's, or no checkpoint
-        raise ArgsError(f"--checkpoint {path}: not a checkpoint of this task ({str(error).splitlines()[0]})") from error
-    return checkpoint["global_step"]
+def hms(seconds: float) -> str:
+    return f"{int(seconds) // 3600}:{int(seconds) % 3600 // 60:02d}:{int(seconds) % 60:02d}"
 
 
 # ---- The policy step, the PPO loss and the evaluation (module level: --cudagraphs replays the first two) -------------
@@ -793,11 +836,9 @@ def ppo_update(compute_gradients, optimizer, batch: dict, args: Args) -> dict:
 
 @torch.no_grad()
 def stagger_advance(envs, resets: ResetState, agent: nn.Module, obs_rms: RunningMeanStd, args: Args, seed: int):
-    """STAGGER (App. B.1): from a reset of every env, advances group j by j * S steps with --advance-actions, none
-    trained on (N_B = args.num_stagger_groups = ceil(H / K), S = args.stagger_step = K: see resolve_args). Group j
-    starts its first episode (a partial reset) at step (N_B - 1 - j) * S; group N_B - 1 at the reset itself. Each
-    start is a reset gate: the envs waiting since a termination start with that group (Sec. 3.3). Returns the
-    observations that training starts from."""
+    """STAGGER (App. B.1): from a reset of every env, advances group j by j * S steps with --advance-actions (N_B, S:
+    resolve_args); group j starts (a partial reset) at step (N_B - 1 - j) * S, a reset gate where the envs waiting
+    since a termination start too (Sec. 3.3). Returns the observations that training starts from."""
     starts = stagger_start_steps(args.num_stagger_groups, args.stagger_step)
     raw_obs, _ = envs.reset(seed=seed)
     groups = stagger_groups(args.num_envs, args.num_stagger_groups, raw_obs.device)
@@ -819,20 +860,31 @@ def stagger_advance(envs, resets: ResetState, agent: nn.Module, obs_rms: Running
 
 
 @torch.no_grad()
-def evaluate(agent: nn.Module, eval_envs, obs_rms: RunningMeanStd, horizon: int, seed: int, absorbing: bool) -> dict:
+def evaluate(agent, eval_envs, obs_rms: RunningMeanStd, horizon: int, seed: int, absorbing: bool, video=None) -> dict:
     """One episode of every eval env, deterministic policy, no partial resets: H steps, or to an absorbing termination
-    (a fallen Hopper). ManiSkill's protocol: a success does not end it. eval/return: its sum of rewards, env mean."""
+    (a fallen Hopper). ManiSkill's protocol: a success does not end it. eval/return: its sum of rewards, env mean.
+    video: a Gymnasium task's first VIDEO_ENVS envs filmed to its episode's end, {video}_env{i}.mp4 each (imageio)."""
     obs, _ = eval_envs.reset(seed=seed)
     running = torch.ones(eval_envs.num_envs, dtype=torch.bool, device=obs.device)  # not yet terminated
     ret = torch.zeros(eval_envs.num_envs, device=obs.device)
     length = torch.zeros(eval_envs.num_envs, device=obs.device)
     success_once = torch.zeros_like(running)
+    filmed = eval_envs.env.envs[:VIDEO_ENVS] if video else []  # (the sub-envs of a SyncVectorEnv)
+    writers = [
+        imageio.get_writer(f"{video}_env{index}.mp4", fps=env.metadata.get("render_fps", 30))
+        for index, env in enumerate(filmed)
+    ]
     for _ in range(horizon):  # (the next-step ToyChain's first reset step comes only after H steps)
+        for writer, env, filming in zip(writers, filmed, running.tolist() if writers else []):
+            if filming:  # (a frame before each step)
+                writer.append_data(env.render())
         obs, reward, terminated, _, info = eval_envs.step(agent.deterministic_action(obs_rms.normalize(obs)))
         ret = ret + reward * running
         length = length + running
         success_once = success_once | (info["success"] & running)
         running = running & ~(terminated & absorbing)
+    for writer in writers:
+        writer.close()
     return {
         "eval/return": ret.mean(),
         "eval/success_once": success_once.float().mean(),
@@ -852,28 +904,36 @@ def main(args: Args) -> dict:
         if device.type == "cuda":
             torch.cuda.set_device(device)
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    resumed = read_checkpoint(args.checkpoint) if args.checkpoint else None
+    resuming = resumed is not None and not args.evaluate  # the run continues in its own directory (--evaluate: none)
     run_name = f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}"
-    run_dir = Path(args.output_dir) / run_name
+    run_dir = Path(args.checkpoint).parent if resuming else Path(args.output_dir) / run_name
     if rank == 0:
-        print(format_settings(args, device))
-        run_dir.mkdir(parents=True)
+        print(format_settings(args, device), flush=True)
+    if rank == 0 and not args.evaluate:
+        run_dir.mkdir(parents=True, exist_ok=resuming)
         (run_dir / "config.json").write_text(json.dumps(asdict(args), indent=2))
+    wandb_id = resumed["wandb_id"] if resuming else None
     if args.track and rank == 0:
         import wandb
 
-        wandb.init(
+        wandb_id = wandb.init(  # RESUME: the checkpoint's W&B run (its id stored), else a new one
             project=args.wandb_project_name,
             entity=args.wandb_entity,
             sync_tensorboard=True,
             config=asdict(args),
-            name=run_name,
+            name=run_dir.name,
             save_code=True,
-        )
-    writer = SummaryWriter(str(run_dir)) if rank == 0 else None
+            id=wandb_id,
+            resume="allow",
+        ).id
+    purge_step = resumed["global_step"] + 1 if resuming else None  # RESUME: TensorBoard drops the events after it
+    writer = SummaryWriter(str(run_dir), purge_step=purge_step) if rank == 0 and not args.evaluate else None
     last: dict[str, float] = {}  # the last value of every scalar, for summary.json
 
     def log(name: str, value, step: int) -> None:
-        writer.add_scalar(name, float(value), step)
+        if writer is not None:
+            writer.add_scalar(name, float(value), step)
         last[name] = float(value)
 
     N, K, H = args.num_envs, args.num_steps, args.horizon
@@ -883,14 +943,19 @@ def main(args: Args) -> dict:
     torch.manual_seed(seed)
     torch.backends.cudnn.deterministic = args.torch_deterministic
     is_toy = args.env_id == TOY_ENV_ID
+    is_gym = args.resolved_sim_backend == "cpu"  # a Gymnasium task (MuJoCo, ...): they have no success
     summary: dict = {"run_dir": str(run_dir), "interrupted": False}
     envs = eval_envs = None  # made inside the try, so that a Ctrl-C while they start still writes summary.json
     global_step, start_step, start_time = 0, 0, time.time()
+    advance_env_steps = resumed["advance_env_steps"] if resuming else 0  # of all the run's advances
+    within_iteration = False  # (a checkpoint written then holds no loop state)
     try:
         # ---- build: envs, agent, optimizer, observation normalizer (and the checkpoint to resume or evaluate) ------
         envs = None if args.evaluate else make_env(args, N, device, evaluation=False)
         video_root = Path(args.checkpoint).parent if args.evaluate else run_dir  # --evaluate: beside the checkpoint
         video_dir = str(video_root / "videos") if args.capture_video and rank == 0 else None
+        if video_dir:
+            os.makedirs(video_dir, exist_ok=True)
         if rank == 0 or envs is None:  # DDP: rank 0 alone evaluates
             eval_envs = make_env(args, args.num_eval_envs, device, evaluation=True, video_dir=video_dir)
         spaces = envs if envs is not None else eval_envs
@@ -900,31 +965,83 @@ def main(args: Args) -> dict:
         obs_rms = RunningMeanStd(spaces.single_observation_space.shape, device, enabled=not is_toy)  # Table 3
         reward_rms = RunningMeanStd((), device, enabled=args.normalize_reward)  # of the discounted returns
         normalizers = {"obs_rms": obs_rms, "reward_rms": reward_rms}
-        if args.checkpoint:
-            global_step = start_step = load_checkpoint(args.checkpoint, agent, optimizer, normalizers, device)
-            print(f"resuming from {args.checkpoint} at global step {global_step}")
+        if resumed:
+            load_checkpoint(resumed, agent, optimizer, normalizers, device)
+            global_step = start_step = resumed["global_step"]
+        if resuming and rank == 0:
+            print(f"resuming {run_dir} at global step {global_step} (iteration {resumed['iteration']})", flush=True)
         if args.world_size > 1:  # DDP: every rank starts from rank 0's weights
             for tensor in agent.state_dict().values():
                 dist.broadcast(tensor, src=0)
         absorbing = args.bootstrap_at_done == "truncated"  # a termination ends an evaluation episode
         start_time = time.time()
 
-        def log_evaluation(checkpoint_name: Optional[str]) -> None:
+        def save(path: Path) -> None:
+            """A checkpoint, enough to resume or evaluate (the loop's state: between two iterations of one process)."""
+            loop = None
+            if not within_iteration and args.world_size == 1:  # (torchrun's rank 0 holds its own envs' alone)
+                loop = {
+                    "layout": layout,
+                    "env": envs.state_dict() if is_toy else None,
+                    "raw_obs": raw_obs,
+                    "resets": dict(vars(resets)),  # stale, waiting, episode_step, next_step_mode
+                    "training_step": training_step,
+                    "first_lengths": first_lengths,
+                    "first_episode": first_episode,
+                    "tracked": tracked,
+                    "ep_return": ep_return,
+                    "discounted_return": discounted_return,
+                    "ep_success": ep_success,
+                    "occupancy": torch.as_tensor(np.array(toy_diagnostics.occupancy)) if is_toy else None,
+                    "accuracy": torch.as_tensor(np.array(toy_diagnostics.accuracy)) if is_toy else None,
+                }
+            numpy_state = np.random.get_state()
+            state = {
+                "script": SCRIPT,
+                "env_id": args.env_id,
+                "model": agent.state_dict(),
+                "optimizer": optimizer.state_dict(),
+                "global_step": global_step,
+                "iteration": global_step // (args.batch_size * args.world_size),  # rollouts collected
+                "wandb_id": wandb_id,
+                "advance_env_steps": advance_env_steps,
+                "rng": {  # the random generators: torch's (CPU, CUDA), numpy's, Python's, the advance's action sampler
+                    "torch": torch.get_rng_state(),
+                    "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+                    "numpy": [*numpy_state[:1], numpy_state[1].tolist(), *numpy_state[2:]],  # (weights_only: no arrays)
+                    "python": random.getstate(),
+                    "action_space": envs.action_space.np_random.bit_generator.state,
+                },
+                "loop": loop,
+            }
+            for name, rms in normalizers.items():  # obs_rms, reward_rms
+                state[name] = {"mean": rms.mean, "var": rms.var, "count": rms.count}
+            write_whole(path, partial(torch.save, state))  # (weights_only loads it)
+
+        def log_evaluation(checkpoint_name: Optional[str]) -> dict:
             if rank > 0:  # DDP: rank 0 alone evaluates and saves
-                return
+                return {}
             eval_start = clock(device)
-            for name, value in evaluate(agent, eval_envs, obs_rms, H, args.seed + global_step, absorbing).items():
+            video = f"{video_dir}/global_step_{global_step}" if video_dir and is_gym else None  # (ManiSkill: its own)
+            results = evaluate(agent, eval_envs, obs_rms, H, args.seed + global_step, absorbing, video)
+            results = {name: float(value) for name, value in results.items()}
+            for name, value in results.items():
                 log(name, value, global_step)
             log("time/eval", clock(device) - eval_start, global_step)
-            evaluation = " ".join(f"{name}={value:.3f}" for name, value in last.items() if name.startswith("eval/"))
-            print(f"global_step={global_step} {evaluation}")
+            evaluation = " ".join(f"{name}={value:.3f}" for name, value in results.items())
+            print(f"global_step={global_step} {evaluation}", flush=True)
             if args.save_model and checkpoint_name:
-                save_checkpoint(run_dir / checkpoint_name, agent, optimizer, normalizers, global_step, args)
+                save(run_dir / checkpoint_name)
+            return results
 
-        if args.evaluate:
-            log_evaluation(None)
+        if args.evaluate:  # one result line, and eval_<checkpoint name>.json beside the checkpoint
+            evaluation = {"checkpoint": args.checkpoint, "eval_seed": args.seed + global_step, **log_evaluation(None)}
+            evaluation.update(global_step=global_step, num_eval_envs=args.num_eval_envs, episodes=args.num_eval_envs)
+            eval_file = Path(args.checkpoint).parent / f"eval_{Path(args.checkpoint).stem}.json"
+            if rank == 0:  # (torchrun: rank 0 alone evaluates)
+                write_whole(eval_file, lambda tmp: tmp.write_text(json.dumps(evaluation, indent=2)))
             if video_dir:
-                print(f"videos: {video_dir}")
+                print(f"videos: {video_dir}", flush=True)
             return summary
         dtype = torch.long if is_toy else torch.float32  # rollout storage (K, N, ...): the chain's are indices
         obs_buf = torch.zeros((K, N, *envs.single_observation_space.shape), dtype=dtype, device=device)
@@ -946,25 +1063,56 @@ def main(args: Args) -> dict:
 
             act, compute_gradients = CudaGraphModule(act), CudaGraphModule(compute_gradients)
 
-        # ---- STAGGER: advance group j by j * S steps before training (App. B.1) --------------------------------------
+        # ---- STAGGER: advance group j by j * S steps before training (App. B.1), or continue the checkpoint's envs ---
         resets = ResetState(N, device, envs.metadata["autoreset_mode"] == gym.vector.AutoresetMode.NEXT_STEP)
-        raw_obs = stagger_advance(envs, resets, agent, obs_rms, args, seed + global_step)
-        obs_rms.update(raw_obs, resets.trained_on())  # the observations trained on, from here on (not the advance's)
-        obs_rms.merge_ranks()
         starts = stagger_start_steps(args.num_stagger_groups, args.stagger_step)  # the reset gates' schedule
         advance_length = starts[0]  # (group 0 starts last)
-        summary["advance_env_steps"] = advance_length * N * args.world_size
+        layout = [N, K, H, args.reset_scheme, args.stagger_step, asdict(args.toy)]  # (what the loop's state fits)
+        problem = resume_problem(resumed, args, layout) if resuming else None
+        loop = resumed["loop"] if resuming and problem is None else None
+        if resuming and args.world_size == 1:  # the random generators (torchrun: each rank's own seed, as at the start)
+            rng = resumed["rng"]
+            torch.set_rng_state(rng["torch"])
+            if rng["cuda"] and torch.cuda.is_available():
+                torch.cuda.set_rng_state_all(rng["cuda"])
+            np.random.set_state((rng["numpy"][0], np.array(rng["numpy"][1], dtype=np.uint32), *rng["numpy"][2:]))
+            random.setstate(rng["python"])
+            envs.action_space.np_random.bit_generator.state = rng["action_space"]
+        advance_steps = advance_length * N * args.world_size  # (of all ranks)
+        advance = f"advance of {advance_length} steps x {N * args.world_size} envs = {advance_steps} env steps"
+        if loop is None:
+            if rank == 0 and problem:  # RESUME: re-stagger, and say so
+                restagger = f" and re-stagger ({advance})" if args.stagger else ""
+                print(f"resume: {problem}: envs start anew{restagger}", flush=True)
+            if rank == 0 and advance_length > 0:  # (a long advance is not silent)
+                print(f"stagger: {args.num_stagger_groups} groups S = {args.stagger_step} apart, {advance}", flush=True)
+            raw_obs = stagger_advance(envs, resets, agent, obs_rms, args, seed + global_step)
+            obs_rms.update(raw_obs, resets.trained_on())  # the observations trained on from here (not the advance's)
+            obs_rms.merge_ranks()
+            advance_env_steps += advance_steps
+        else:  # RESUME: the toy chain's envs and the loop continue where the checkpoint left them (one process)
+            envs.load_state_dict(loop["env"])
+            raw_obs = loop["raw_obs"].to(device)
+            for name, value in loop["resets"].items():  # (ResetState's)
+                setattr(resets, name, value.to(device) if torch.is_tensor(value) else value)
+        loop = loop or {}  # the loop's carried state: the checkpoint's, or its start (each env's first episode)
         # RANDOM START ([21]): each env's first episode is cut (truncated) after first_lengths ~ U[1, H] training steps
         random_start = args.reset_scheme == "random-start"
-        training_step = 0
-        first_lengths = random_start_lengths(N, H, seed + global_step).to(device)
-        cut_steps = set(first_lengths.tolist()) - {H} if random_start else set()
-        first_episode = torch.full((N,), random_start, device=device)
-        tracked = (resets.episode_step == 0) & ~first_episode  # episode statistics: whole episodes begun in training
-        ep_return = torch.zeros(N, device=device)
-        discounted_return = torch.zeros(N, device=device)  # --normalize-reward: of the trained-on rewards (phase 3)
-        ep_success = torch.zeros(N, dtype=torch.bool, device=device)
+        training_step = loop.get("training_step", 0)  # the reset gates' clock, less the advance
+        first_lengths = loop.get("first_lengths", random_start_lengths(N, H, seed + global_step)).to(device)
+        first_episode = loop.get("first_episode", torch.full((N,), random_start)).to(device)
+        tracked = loop.get("tracked", (resets.episode_step == 0) & ~first_episode).to(device)  # begun in training
+        ep_return = loop.get("ep_return", torch.zeros(N)).to(device)
+        discounted_return = loop.get("discounted_return", torch.zeros(N)).to(device)  # --normalize-reward (phase 3)
+        ep_success = loop.get("ep_success", torch.zeros(N, dtype=torch.bool)).to(device)
         toy_diagnostics = ToyChainDiagnostics(envs) if is_toy else None
+        if is_toy and loop:  # (App. E's diagnostics of the updates so far)
+            toy_diagnostics.occupancy = list(loop["occupancy"].numpy())
+            toy_diagnostics.accuracy = list(loop["accuracy"].numpy())
+        cut_steps = set(first_lengths.tolist()) - {H} if random_start else set()
+        total_steps = args.num_iterations * args.batch_size * args.world_size  # (the run's last global_step)
+        progress_names = ["charts/episodic_return", "charts/success_rate"][: 1 if is_gym else 2]  # (Gymnasium: none)
+        latest_progress = time.time()
         if stop:
             stop.training = True
 
@@ -973,10 +1121,11 @@ def main(args: Args) -> dict:
             if stop and all_reduce_sum(torch.tensor(float(stopping), device=device)) > 0:  # DDP: any rank's
                 raise KeyboardInterrupt  # Ctrl-C stops every rank here
             # ---- 1. evaluate and checkpoint, every --eval-freq iterations (before the rollout, as ManiSkill's ppo.py)
-            if args.eval_freq > 0 and (iteration - 1) % args.eval_freq == 0:
+            due = args.eval_freq > 0 and (iteration - 1) % args.eval_freq == 0
+            if due and not (resuming and global_step == start_step):  # (RESUME: the checkpoint's was logged before it)
                 log_evaluation(f"ckpt_{global_step}.pt")
-
             # ---- 2. collect: K steps of every env (timed as a whole: a timer per env step would sync CUDA twice) ---
+            within_iteration = True  # (to its end: the loop's state is the checkpoint's only between iterations)
             rollout_start = clock(device)
             ended = {"return": 0.0, "length": 0.0, "successes": 0.0, "episodes": 0.0}  # sums over the episodes ended
             for step in range(K):
@@ -1024,7 +1173,6 @@ def main(args: Args) -> dict:
                 obs_rms.update(raw_obs, resets.trained_on())  # the observations that will be trained on
             global_step += N * K * args.world_size  # DDP: the env steps of all ranks
             obs_rms.merge_ranks()  # DDP: every rank normalizes alike from here on
-
             # ---- 3. targets: GAE, bootstrapping V(true next state) under either autoreset mode -----------------------
             if args.normalize_reward:  # CleanRL's reward scaling, from the trained-on steps' discounted returns
                 step_returns, discounted_return = discounted_returns(
@@ -1041,7 +1189,6 @@ def main(args: Args) -> dict:
                     rewards, values_buf, next_values, no_bootstrap_buf, dones_buf, args.gamma, args.gae_lambda
                 )
             update_start = clock(device)
-
             # ---- 4. update: epochs of shuffled minibatches -----------------------------------------------------------
             batch = {  # the rollout, (K, N, ...) -> (K * N, ...)
                 "obs": obs_buf.flatten(0, 1),
@@ -1068,12 +1215,13 @@ def main(args: Args) -> dict:
                     "stagger/policy_kl": 0.5 * masked_mean((newlogprob - batch["logprobs"]).square(), b_valid),
                     "stagger/valid_fraction": valid_buf.float().mean(),
                 }
-
             # ---- 5. log: the scalars above in one device sync (stacked, copied to the host and named back at once) ---
             for name, value in zip(scalars, torch.stack(list(scalars.values())).tolist()):
                 log(name, value, global_step)
             log("charts/learning_rate", optimizer.param_groups[0]["lr"], global_step)
-            log("charts/SPS", (global_step - start_step) / (time.time() - start_time), global_step)
+            sps = (global_step - start_step) / (time.time() - start_time)
+            log("charts/SPS", sps, global_step)
+            log("charts/env_steps_simulated", advance_env_steps + global_step, global_step)  # (the advances too)
             if ended["episodes"] > 0:
                 log("charts/episodic_return", ended["return"] / ended["episodes"], global_step)
                 log("charts/episodic_length", ended["length"] / ended["episodes"], global_step)
@@ -1085,6 +1233,13 @@ def main(args: Args) -> dict:
             if is_toy:  # App. C / E: batch accuracy, block occupancy, per-block accuracy and forgetting
                 log("toy/accuracy", masked_mean(correct_buf.float(), valid_buf), global_step)
                 log("toy/forgetting_mean", toy_diagnostics.record(obs_buf, agent.action_probs()), global_step)
+            if not args.quiet and time.time() - latest_progress >= args.progress_interval:  # the progress line
+                latest_progress = time.time()
+                left = hms((total_steps - global_step) / sps) if sps > 0 else "?"
+                done = f"global_step={global_step}/{total_steps} ({100 * global_step // total_steps}%) SPS={sps:.0f}"
+                latest = "".join(f" {name}={last[name]:.4g}" for name in progress_names if name in last)
+                print(f"progress {done} elapsed={hms(latest_progress - start_time)} left={left}{latest}", flush=True)
+            within_iteration = False
 
         log_evaluation("final_ckpt.pt")
         if is_toy and toy_diagnostics.accuracy:
@@ -1092,18 +1247,19 @@ def main(args: Args) -> dict:
     except KeyboardInterrupt:
         summary["interrupted"] = True
         if rank == 0 and args.save_model and global_step > start_step:  # (nothing new to save before training)
-            print("interrupted: writing summary.json and final_ckpt.pt")
-            save_checkpoint(run_dir / "final_ckpt.pt", agent, optimizer, normalizers, global_step, args)
+            print("interrupted: writing summary.json and final_ckpt.pt", flush=True)
+            save(run_dir / "final_ckpt.pt")
         raise
     finally:
         wall = time.time() - start_time
         summary["global_step"] = global_step
+        summary["advance_env_steps"] = advance_env_steps  # the stagger advances' env steps (a resumed run's too)
+        summary["env_steps_simulated"] = advance_env_steps + global_step  # all the simulator took (not evaluations)
         summary["wall_time_s"] = wall
         summary["sps"] = (global_step - start_step) / max(wall, 1e-9)
-        for name, value in last.items():  # the last value of every logged scalar
-            summary[name] = value
-        if rank == 0:
-            (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        summary.update(last)  # the last value of every logged scalar
+        if writer is not None:
+            write_whole(run_dir / "summary.json", lambda tmp: tmp.write_text(json.dumps(summary, indent=2)))
             writer.close()
         for vector_env in (envs, eval_envs):
             if vector_env is not None:

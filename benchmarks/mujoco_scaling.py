@@ -283,7 +283,7 @@ def time_on_back(checkpoint: Path, seed: int) -> float:
     optimizer = torch.optim.Adam(agent.parameters())
     obs_rms = ppo_staggered.RunningMeanStd(envs.single_observation_space.shape, device)
     normalizers = {"obs_rms": obs_rms, "reward_rms": ppo_staggered.RunningMeanStd((), device)}
-    ppo_staggered.load_checkpoint(str(checkpoint), agent, optimizer, normalizers, device)
+    ppo_staggered.load_checkpoint(ppo_staggered.read_checkpoint(str(checkpoint)), agent, optimizer, normalizers, device)
     obs, _ = envs.reset(seed=seed)
     steps_on_back = []
     with torch.no_grad():

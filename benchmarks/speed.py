@@ -97,7 +97,7 @@ def training_sps(args: ppo.Args, raw_env_sps: float) -> dict:
     the rollout is estimated from the raw env speed measured beside it: N*K / raw_env_sps over time/rollout."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    summary = ppo.main(args)
+    summary = ppo.main(replace(args, quiet=True))
     acc = EventAccumulator(summary["run_dir"], size_guidance={"scalars": 0})
     acc.Reload()
     get = lambda tag: np.array([e.value for e in acc.Scalars(tag)])[1:]  # noqa: E731  (skip the warm-up iteration)

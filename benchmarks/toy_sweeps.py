@@ -120,6 +120,7 @@ def run_one(job: dict) -> dict:
         reset_scheme=job["scheme"],
         cuda=False,
         output_dir=job["tmp"],
+        quiet=True,  # (no progress lines from the worker processes)
         eval_freq=50,
         num_eval_envs=256,
         exp_name=f"H{horizon}_p{p_prog}_l{lam}{'_term' if terminal else ''}_{job['scheme']}",
@@ -173,6 +174,7 @@ def run_scaling(job: dict) -> dict:
         cuda=job["device"] == "cuda",
         cudagraphs=job["cudagraphs"],
         output_dir=job["tmp"],
+        quiet=True,  # (no progress lines from the worker processes)
         num_envs=n,
         total_timesteps=job["updates"] * n * K,
         eval_freq=EVAL_EVERY,

@@ -11,11 +11,13 @@ import json
 import math
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
 import sys
 import time
+import types
 import typing
 from dataclasses import replace
 from datetime import timedelta
@@ -351,6 +353,15 @@ def test_mujoco_preset_and_fewer_envs_than_groups_spread_over_the_horizon():
         (dict(evaluate=True), "--evaluate needs --checkpoint"),
         (dict(total_timesteps=100), "less than one batch"),
         (dict(cudagraphs=True), "--cudagraphs: one process on a CUDA GPU only"),  # a GPU machine's --no-cuda too
+        # flags that would do nothing there
+        (dict(horizon=50), "--horizon 50: ToyChain-v0's horizon is --toy.horizon"),
+        (dict(env_id="HalfCheetah-v5", toy=ToyChainConfig(horizon=50)), "--toy.horizon: an option of ToyChain-v0, not"),
+        (dict(capture_video=True), "--capture-video: ToyChain-v0 renders nothing"),
+        (dict(stagger=False, advance_actions="random"), "--advance-actions random: no stagger advance runs (naive"),
+        (dict(reset_scheme="random-start", advance_actions="random"), "--advance-actions random: no stagger advance"),
+        (dict(evaluate=True, save_model=True), "--save-model, --track: --evaluate writes no run"),
+        (dict(wandb_entity="team"), "--wandb-project-name, --wandb-entity: only with --track"),
+        (dict(quiet=True, progress_interval=5.0), "--progress-interval: --quiet prints no progress lines"),
     ],
 )
 def test_bad_input_is_rejected_with_the_flag_named(kwargs, message):
@@ -377,6 +388,7 @@ OUT_OF_DOMAIN = [  # (Args fields, the start of the error: the flag, its value, 
     (dict(max_grad_norm=0.0), "--max-grad-norm 0.0: must be > 0"),
     (dict(target_kl=-0.1), "--target-kl -0.1: must be >= 0"),
     (dict(eval_freq=-3), "--eval-freq -3: must be >= 0"),
+    (dict(progress_interval=0.5), "--progress-interval 0.5: must be >= 1"),
     (dict(checkpoint="no/such/ckpt.pt"), "--checkpoint no/such/ckpt.pt: no such file"),
     (dict(toy=ToyChainConfig(horizon=0)), "--toy.horizon"),
     (dict(toy=ToyChainConfig(block_length=0)), "--toy.block-length"),
@@ -410,6 +422,40 @@ def test_the_domain_table_covers_every_numeric_flag():
         checked.add(message.split()[0][2:].replace("-", "_"))
     assert numeric(ppo.Args) <= checked
     assert {f"toy.{name}" for name in numeric(ToyChainConfig)} - {"toy.task_seed"} <= checked
+
+
+def test_the_settings_name_the_toy_chains_options_on_the_toy_chain_alone_and_never_its_test_hook():
+    toy = ppo.format_settings(ppo.resolve_args(ppo.Args(cuda=False)), torch.device("cpu"))
+    assert "toy.horizon=200" in toy and "crash_at_step" not in toy and toy.endswith("device=cpu")
+    assert "toy." not in ppo.format_settings(ppo.resolve_args(ppo.Args(env_id="Hopper-v5", cuda=False)), "cpu")
+
+
+def test_capture_video_on_gymnasium_sets_the_first_mujoco_gl_that_renders_and_else_refuses(monkeypatch):
+    """Headless (no DISPLAY, MUJOCO_GL unset), --capture-video probes egl, then osmesa, each in a subprocess that
+    renders a frame of the task, before MuJoCo is imported, and keeps the first that works; where none does, it
+    refuses."""
+    monkeypatch.setenv("MUJOCO_GL", "unset below, restored after the test")
+    monkeypatch.delenv("MUJOCO_GL")
+    monkeypatch.delenv("DISPLAY", raising=False)
+    tried = []
+
+    def probe(works):
+        def run(command, env, **kwargs):
+            tried.append(env["MUJOCO_GL"])
+            assert "Hopper-v5" in command[-1] and "render" in command[-1]
+            return subprocess.CompletedProcess(command, 0 if env["MUJOCO_GL"] in works else 1, b"", b"GLError: none")
+
+        return types.SimpleNamespace(run=run)
+
+    monkeypatch.setattr(ppo, "subprocess", probe(works=()))
+    with pytest.raises(
+        ppo.ArgsError, match=r"--capture-video: Hopper-v5 renders no frame here \(MUJOCO_GL egl, osmesa"
+    ):
+        ppo.resolve_args(ppo.Args(env_id="Hopper-v5", cuda=False, capture_video=True))
+    assert tried == ["egl", "osmesa"] and "MUJOCO_GL" not in os.environ
+    monkeypatch.setattr(ppo, "subprocess", probe(works=("osmesa",)))
+    assert ppo.resolve_args(ppo.Args(env_id="Hopper-v5", cuda=False, capture_video=True)).capture_video
+    assert tried[2:] == ["egl", "osmesa"] and os.environ["MUJOCO_GL"] == "osmesa"
 
 
 def test_missing_vulkan_driver_is_reported_before_maniskill_starts(monkeypatch):
@@ -467,7 +513,7 @@ gym.register("SuccessAt1-v0", entry_point=SuccessEnv, kwargs=dict(terminate_at=1
 def train_in_process(tmp_path, **kwargs):
     RESETS.clear()
     SuccessEnv.instances = 0
-    args = ppo.Args(cuda=False, output_dir=str(tmp_path), num_eval_envs=1, eval_freq=1000, **kwargs)
+    args = ppo.Args(cuda=False, output_dir=str(tmp_path), **{"num_eval_envs": 1, "eval_freq": 1000, **kwargs})
     return ppo.main(args)
 
 
@@ -903,6 +949,273 @@ def test_the_training_loop_makes_no_host_sync_per_env_step_and_none_per_minibatc
     assert per_update[2] == per_update[8], per_update
 
 
+# ---- A run continued from its checkpoint, and an evaluation of one ---------------------------------------------------
+TOY_TINY = dict(cuda=False, num_envs=16, toy=ToyChainConfig(horizon=20), num_minibatches=2, num_eval_envs=8)
+
+
+def toy_run(output_dir, **kwargs):
+    """ppo_staggered's main on ToyChain, 16 envs, H = 20: 4 groups S = 5 steps apart (an advance of 15 steps)."""
+    return ppo.main(ppo.Args(output_dir=str(output_dir), **{**TOY_TINY, **kwargs}))
+
+
+def final_checkpoint(run_dir):
+    return torch.load(os.path.join(run_dir, "final_ckpt.pt"), weights_only=True)
+
+
+def assert_same_tensors(expected, got):
+    """Every tensor in two nested dicts/lists (a state_dict, Adam's state) is the same, bit for bit."""
+    if torch.is_tensor(expected):
+        assert torch.equal(expected, got)
+    elif isinstance(expected, dict):
+        assert expected.keys() == got.keys()
+        for key in expected:
+            assert_same_tensors(expected[key], got[key])
+    elif isinstance(expected, (list, tuple)):
+        for item, other in zip(expected, got, strict=True):
+            assert_same_tensors(item, other)
+    else:
+        assert expected == got
+
+
+def test_a_resumed_toy_run_ends_bit_identical_to_the_uninterrupted_run_in_the_same_run_directory(tmp_path, capsys):
+    """12 iterations with a checkpoint every 4. Resumed from the checkpoint of iteration 4 in the run's own directory,
+    and a finished 6-iteration run continued to 12, both end with the uninterrupted run's weights, Adam state and
+    evaluation: a checkpoint holds the random generators, the loop's state and the chains' (and there is no
+    learning-rate schedule: the rate is the same at every update). A resumed run skips the advance; its TensorBoard
+    steps continue the run's, none repeated; its env steps simulated count the one advance: (N_B - 1) S N + steps."""
+    whole = toy_run(tmp_path / "whole", total_timesteps=960, eval_freq=4, save_model=True)
+    expected = final_checkpoint(whole["run_dir"])
+    assert whole["advance_env_steps"] == 3 * 5 * 16 and whole["env_steps_simulated"] == 3 * 5 * 16 + 960
+    assert expected["script"] == "ppo_staggered.py" and expected["loop"]["training_step"] == 60
+    assert {"torch", "cuda", "numpy", "python", "action_space"} <= set(expected["rng"])
+    short = toy_run(tmp_path / "short", total_timesteps=480, eval_freq=4, save_model=True)
+    capsys.readouterr()
+    continued = toy_run(
+        tmp_path / "elsewhere",
+        total_timesteps=960,
+        eval_freq=4,
+        save_model=True,
+        checkpoint=os.path.join(short["run_dir"], "final_ckpt.pt"),
+    )
+    resumed = toy_run(
+        tmp_path / "whole",
+        total_timesteps=960,
+        eval_freq=4,
+        save_model=True,
+        checkpoint=os.path.join(whole["run_dir"], "ckpt_320.pt"),
+    )
+    out = capsys.readouterr().out
+    assert f"resuming {short['run_dir']} at global step 480 (iteration 6)" in out
+    assert f"resuming {whole['run_dir']} at global step 320 (iteration 4)" in out and "stagger:" not in out
+    assert (continued["run_dir"], resumed["run_dir"]) == (short["run_dir"], whole["run_dir"])
+    assert not (tmp_path / "elsewhere").exists() and len(os.listdir(tmp_path / "whole")) == 1
+    for run in (continued, resumed):
+        for name in ("eval/return", "eval/success_at_end", "losses/value_loss", "toy/forgetting_mean_overall"):
+            assert run[name] == whole[name], name  # (App. E's forgetting: over every update of the run)
+        assert run["env_steps_simulated"] == 3 * 5 * 16 + 960
+        assert_same_tensors(expected["model"], final_checkpoint(run["run_dir"])["model"])
+        assert_same_tensors(expected["optimizer"], final_checkpoint(run["run_dir"])["optimizer"])
+    for run_dir in (whole["run_dir"], short["run_dir"]):  # TensorBoard: each scalar's steps once, in order
+        for tag, events in scalars(run_dir).items():
+            steps = [step for step, _ in events]
+            assert steps == sorted(set(steps)), (tag, steps)
+        assert [step for step, _ in scalars(run_dir)["charts/SPS"]] == list(range(80, 961, 80))
+    assert [step for step, _ in scalars(whole["run_dir"])["eval/return"]] == [0, 320, 640, 960]
+    assert [step for step, _ in scalars(short["run_dir"])["eval/return"]] == [0, 320, 480, 640, 960]  # (its end's)
+    capsys.readouterr()  # other settings (32 envs): the chains' state does not fit them
+    toy_run(tmp_path, total_timesteps=1280, num_envs=32, checkpoint=os.path.join(whole["run_dir"], "ckpt_640.pt"))
+    restart = "resume: the envs' settings differ from the checkpoint's: envs start anew and re-stagger (advance of 15"
+    assert restart + " steps x 32 envs = 480 env steps)" in capsys.readouterr().out.splitlines()
+
+
+def test_a_checkpoint_written_by_ctrl_c_within_an_iteration_holds_no_loop_state_and_its_resume_re_staggers(
+    tmp_path, monkeypatch, capsys
+):
+    """Ctrl-C in the middle of a rollout (the 3rd env step of iteration 3): the chains and the loop are 3 steps on from
+    the weights and global_step, so the final checkpoint holds no loop state. A run resumed from it starts its envs
+    anew and re-staggers, says so in one line with what the advance costs, and counts both advances."""
+    steps, make_env = [], ppo.make_env
+
+    def interrupting_make_env(args, num_envs, device, evaluation, **kwargs):
+        envs = make_env(args, num_envs, device, evaluation, **kwargs)
+        step = envs.step
+
+        def step_or_interrupt(actions):
+            steps.append(actions)
+            if len(steps) == 15 + 2 * 5 + 3:  # (the advance, 2 rollouts of K = 5, 3 steps of the third)
+                raise KeyboardInterrupt
+            return step(actions)
+
+        envs.step = envs.step if evaluation else step_or_interrupt
+        return envs
+
+    with monkeypatch.context() as patch:
+        patch.setattr(ppo, "make_env", interrupting_make_env)
+        with pytest.raises(KeyboardInterrupt):
+            toy_run(tmp_path, total_timesteps=800, save_model=True)
+    run_dir = only_run_dir(tmp_path)
+    checkpoint, summary = final_checkpoint(run_dir), json.load(open(os.path.join(run_dir, "summary.json")))
+    assert summary["interrupted"] and checkpoint["global_step"] == summary["global_step"] == 160
+    assert checkpoint["loop"] is None and checkpoint["rng"]["torch"].dtype == torch.uint8
+    capsys.readouterr()
+    resumed = toy_run(tmp_path, total_timesteps=320, checkpoint=os.path.join(run_dir, "final_ckpt.pt"))
+    lines = capsys.readouterr().out.splitlines()
+    restart = [line for line in lines if line.startswith("resume: ")]
+    assert restart == [
+        "resume: the checkpoint holds no loop state (written within an iteration, or by several ranks): envs start anew"
+        " and re-stagger (advance of 15 steps x 16 envs = 240 env steps)"
+    ]
+    assert resumed["advance_env_steps"] == 480 and resumed["env_steps_simulated"] == 480 + 320
+
+
+def test_a_resumed_run_continues_its_wandb_run_and_re_staggers_a_simulator_whose_state_is_not_saved(
+    tmp_path, monkeypatch, capsys
+):
+    """--track stores the W&B run's id in the checkpoint, and the resumed run continues that W&B run (resume="allow"):
+    wandb.init is replaced here, no network. On a Gymnasium task (as on ManiSkill) the simulator's state is not in the
+    checkpoint: the envs start anew and re-stagger, in one line that says what the advance costs."""
+    import wandb
+
+    inits = []
+    monkeypatch.setattr(
+        wandb, "init", lambda **kwargs: inits.append(kwargs) or types.SimpleNamespace(id=f"id{len(inits)}")
+    )
+    common = dict(env_id="SuccessAt3-v0", horizon=10, num_envs=4, num_steps=5, num_minibatches=2, track=True)
+    first = train_in_process(tmp_path, total_timesteps=40, save_model=True, **common)
+    capsys.readouterr()
+    checkpoint = os.path.join(first["run_dir"], "final_ckpt.pt")
+    second = train_in_process(tmp_path, total_timesteps=80, checkpoint=checkpoint, **common)
+    assert inits[0]["id"] is None and inits[1]["id"] == "id1" == torch.load(checkpoint)["wandb_id"]  # (the new run's)
+    assert inits[1]["resume"] == "allow" and inits[1]["name"] == os.path.basename(first["run_dir"])
+    line = (
+        "resume: the simulator's state is not in the checkpoint: envs start anew and re-stagger (advance of 5 steps x"
+    )
+    assert line + " 4 envs = 20 env steps)" in capsys.readouterr().out.splitlines()
+    assert second["run_dir"] == first["run_dir"] and second["global_step"] == 80
+    assert second["advance_env_steps"] == 2 * 20 and second["env_steps_simulated"] == 2 * 20 + 80
+
+
+def test_evaluate_prints_one_result_line_and_writes_its_json_beside_the_checkpoint_not_a_run_directory(
+    tmp_path, capsys
+):
+    run = toy_run(tmp_path, total_timesteps=160, save_model=True)
+    checkpoint = os.path.join(run["run_dir"], "ckpt_0.pt")
+    capsys.readouterr()
+    toy_run(tmp_path, evaluate=True, checkpoint=checkpoint, seed=3)
+    lines = capsys.readouterr().out.splitlines()
+    results = [line for line in lines if line.startswith("global_step=")]
+    assert len(results) == 1 and not [line for line in lines if "resum" in line]
+    pattern = r"global_step=0 eval/return=(\S+) eval/success_once=\S+ eval/success_at_end=\S+ eval/episode_len=20.000"
+    assert re.fullmatch(pattern, results[0])
+    assert os.listdir(tmp_path) == [os.path.basename(run["run_dir"])]  # no run directory of the evaluation's
+    record = json.load(open(os.path.join(run["run_dir"], "eval_ckpt_0.json")))
+    assert (record["checkpoint"], record["global_step"], record["eval_seed"]) == (checkpoint, 0, 3)
+    assert record["num_eval_envs"] == record["episodes"] == 8
+    assert results[0].split()[1] == f"eval/return={record['eval/return']:.3f}"
+
+
+# ---- The GPU simulation's path on the CPU: nothing read after a reset wrote into it ----------------------------------
+class ResetWritesIntoItsOutputs(gym.Env):
+    """ManiSkill's GPU simulation in miniature: one batched env of N envs (not a Gymnasium VectorEnv) whose reset by
+    env_idx writes into the tensors it returned before, as a GPU simulation may write into its output buffers: here
+    NaN into the reset envs' rows of every observation and reward it handed out. Env i succeeds (terminates) at its
+    episode step 2 + i % 3 and runs on; the time limit H truncates it. Whatever the training loop reads of a returned
+    observation or reward after a reset wrote into it is NaN, and NaN reaches the weights."""
+
+    def __init__(self, num_envs, horizon):
+        self.num_envs, self.horizon, self.device = num_envs, horizon, torch.device("cpu")
+        self.single_observation_space = gym.spaces.Box(-np.inf, np.inf, (2,))
+        self.single_action_space = gym.spaces.Box(-1.0, 1.0, (1,))
+        self.t = torch.zeros(num_envs, dtype=torch.long)
+        self.handed_out, self.partial_resets = [], 0
+
+    def hand_out(self, tensor):
+        self.handed_out.append(tensor)
+        return tensor
+
+    def observation(self):
+        return self.hand_out(torch.stack([self.t / self.horizon, torch.arange(self.num_envs) % 3.0], 1))
+
+    def reset(self, *, seed=None, options=None):
+        rows = torch.arange(self.num_envs) if options is None else options["env_idx"]
+        self.partial_resets += options is not None
+        for tensor in self.handed_out:
+            tensor[rows] = float("nan")
+        self.t[rows] = 0
+        return self.observation(), {}
+
+    def step(self, actions):
+        self.t += 1
+        terminated = self.t == 2 + torch.arange(self.num_envs) % 3
+        reward = self.hand_out(1.0 + actions[:, 0].clamp(-1, 1))
+        return self.observation(), reward, terminated, self.t >= self.horizon, {"success": terminated}
+
+
+@pytest.mark.parametrize("scheme", ["staggered", "naive", "random-start"])
+def test_the_batched_gpu_path_reads_no_observation_or_reward_after_a_reset_wrote_into_it(tmp_path, monkeypatch, scheme):
+    """The branch a ManiSkill GPU run takes (PartialResetVecEnv over a batched env, resets by env_idx), on the CPU,
+    through the training loop: its partial resets at the time limit and at termination (naive), the loop's resets
+    inside a step (the gates, random start's cuts), the bootstrap V(final obs), the normalizers and the evaluation.
+    Every final observation and reward the loop uses is read before a reset, or copied: no NaN reaches the weights."""
+    made = []
+
+    def make_batched(args, num_envs, device, evaluation, video_dir=None):
+        made.append(ResetWritesIntoItsOutputs(num_envs, args.horizon))
+        return ppo.PartialResetVecEnv(made[-1], num_envs, device, reset_on_termination=not (evaluation or args.stagger))
+
+    monkeypatch.setattr(ppo, "make_env", make_batched)
+    summary = train_in_process(
+        tmp_path,
+        env_id="NeverTerminates-v0",
+        horizon=12,
+        num_envs=6,
+        num_steps=4,
+        num_minibatches=2,
+        total_timesteps=6 * 4 * 6,
+        reset_scheme=scheme,
+        eval_freq=3,
+        save_model=True,
+    )
+    assert made[0].partial_resets >= 6 and made[1].partial_resets >= 1  # (training: gates, cuts or ends; evaluation)
+    checkpoint = final_checkpoint(summary["run_dir"])
+    for name, tensor in [
+        *checkpoint["model"].items(),
+        *checkpoint["obs_rms"].items(),
+        *checkpoint["reward_rms"].items(),
+    ]:
+        assert torch.isfinite(tensor).all(), name
+    for name in ("losses/value_loss", "charts/episodic_return", "eval/return"):
+        assert math.isfinite(summary[name]), name
+
+
+def test_the_normalizers_first_update_holds_the_observations_of_the_envs_trained_on_alone(tmp_path, monkeypatch):
+    """The observations training starts from, after the advance, go into the observation normalizer for the envs
+    trained on only. No env waits at the advance's end on its own (its last step is a gate), so env 0 is made to wait
+    there for the next gate, with an observation of 1000s: the normalizer still holds ones alone."""
+    advance = ppo.stagger_advance
+
+    def advance_then_env_0_waits(envs, resets, *rest):
+        raw_obs = advance(envs, resets, *rest)
+        resets.waiting[0] = True
+        return torch.where(torch.arange(4)[:, None] == 0, 1000.0, raw_obs)
+
+    monkeypatch.setattr(ppo, "stagger_advance", advance_then_env_0_waits)
+    summary = train_in_process(
+        tmp_path,
+        env_id="NeverTerminates-v0",
+        horizon=10,
+        num_envs=4,
+        num_steps=5,
+        num_minibatches=2,
+        total_timesteps=4 * 5 * 2,
+        save_model=True,
+    )
+    obs_rms = final_checkpoint(summary["run_dir"])["obs_rms"]
+    torch.testing.assert_close(obs_rms["mean"], torch.ones(2), rtol=1e-5, atol=1e-5)
+    # env 0 waits for the gate at the first rollout's last step: 3 of the start, 3 x 4 + 4, the second rollout's 4 x 5
+    assert obs_rms["var"].max().item() < 1e-5 and obs_rms["count"].item() == pytest.approx(3 + 16 + 20 + 1e-4)
+
+
 # ---- The script as a user runs it (subprocesses), asserting on what it wrote --------------------------------------
 SCRIPT = os.path.join(ROOT, "ppo_staggered.py")
 TOY_SMALL = [
@@ -1107,24 +1420,34 @@ def test_save_model_then_resume_continues_the_global_step_then_evaluate(tmp_path
     assert ckpts == ["ckpt_0.pt", "ckpt_640.pt", "final_ckpt.pt"]
     ckpt = torch.load(os.path.join(run_dir, "final_ckpt.pt"), weights_only=True)
     assert ckpt["global_step"] == 1280 and ckpt["iteration"] == 4 and ckpt["optimizer"]["state"]
-    assert set(ckpt) == {"env_id", "model", "optimizer", "global_step", "iteration", "obs_rms", "reward_rms"}
+    assert set(ckpt) == {
+        *("script", "env_id", "model", "optimizer", "global_step", "iteration", "obs_rms", "reward_rms"),
+        *("wandb_id", "advance_env_steps", "rng", "loop"),
+    }
     assert set(ckpt["obs_rms"]) == set(ckpt["reward_rms"]) == {"mean", "var", "count"}
 
-    second = tmp_path / "second"
-    proc = run_script(
-        TOY_SMALL + ["--total-timesteps", "2560", "--no-cuda", "--checkpoint", os.path.join(run_dir, "final_ckpt.pt")],
-        second,
-    )
-    assert "resuming from" in proc.stdout
-    resumed = only_run_dir(second)
-    assert json.load(open(os.path.join(resumed, "summary.json")))["global_step"] == 2560
-    assert [step for step, _ in scalars(resumed)["charts/SPS"]] == [1600, 1920, 2240, 2560]
+    second = tmp_path / "second"  # (unused: the run continues in its own directory)
+    args = TOY_SMALL + [
+        "--total-timesteps",
+        "2560",
+        "--no-cuda",
+        "--checkpoint",
+        os.path.join(run_dir, "final_ckpt.pt"),
+    ]
+    proc = run_script(args, second)
+    assert f"resuming {run_dir} at global step 1280 (iteration 4)" in proc.stdout.splitlines() and not second.exists()
+    assert json.load(open(os.path.join(run_dir, "summary.json")))["global_step"] == 2560
+    assert [step for step, _ in scalars(run_dir)["charts/SPS"]] == list(range(320, 2561, 320))
 
     third = tmp_path / "third"
-    run_script(TOY_SMALL + ["--evaluate", "--no-cuda", "--checkpoint", os.path.join(run_dir, "final_ckpt.pt")], third)
-    evaluated = json.load(open(os.path.join(only_run_dir(third), "summary.json")))
-    assert evaluated["global_step"] == 1280 and 0.0 <= evaluated["eval/success_at_end"] <= 1.0
-    assert "charts/SPS" not in evaluated and "eval/return" in evaluated
+    proc = run_script(
+        TOY_SMALL + ["--evaluate", "--no-cuda", "--checkpoint", os.path.join(run_dir, "ckpt_640.pt")], third
+    )
+    assert [line for line in proc.stdout.splitlines() if line.startswith("global_step=")][0].startswith(
+        "global_step=640 "
+    )
+    evaluated = json.load(open(os.path.join(run_dir, "eval_ckpt_640.json")))
+    assert evaluated["global_step"] == 640 and 0.0 <= evaluated["eval/success_at_end"] <= 1.0 and not third.exists()
 
 
 @pytest.mark.slow
@@ -1198,14 +1521,41 @@ def test_bad_flag_exits_early_with_a_message_and_writes_nothing(tmp_path, argv, 
     assert os.listdir(tmp_path) == []
 
 
-def test_a_checkpoint_of_another_task_is_refused_before_any_env_starts(tmp_path, monkeypatch):
-    checkpoint = tmp_path / "final_ckpt.pt"
-    torch.save({"env_id": "ToyChain-v0", "model": {}}, checkpoint)
+def write_checkpoint(path, **entries):
+    torch.save(entries, path)
+    return str(path)
+
+
+def test_checkpoints_of_another_script_or_task_and_files_that_are_none_are_refused_before_any_env_starts(
+    tmp_path, monkeypatch
+):
+    """--checkpoint is read in resolve_args (weights_only): a file that is not a torch checkpoint, a dict that names no
+    script, another script's or another task's checkpoint are refused, naming what was found; as is a checkpoint
+    already at --total-timesteps, which would continue nothing."""
     monkeypatch.setattr(ppo, "make_env", lambda *args, **kwargs: pytest.fail("an env was built"))
-    args = ppo.Args(env_id="HalfCheetah-v5", cuda=False, output_dir=str(tmp_path), checkpoint=str(checkpoint))
-    with pytest.raises(ppo.ArgsError, match="final_ckpt.pt: a checkpoint of ToyChain-v0, not of HalfCheetah-v5"):
-        ppo.main(args)
-    assert ppo.resolve_args(replace(args, env_id="ToyChain-v0")).checkpoint == str(checkpoint)
+    notes = tmp_path / "notes.pt"
+    notes.write_text("not a checkpoint")
+    refused = {
+        str(notes): f"--checkpoint {notes}: not a checkpoint of ppo_staggered.py (",
+        write_checkpoint(tmp_path / "a.pt", model={}): "a.pt: not a checkpoint of ppo_staggered.py",
+        write_checkpoint(
+            tmp_path / "b.pt", script="cleanba_ppo.py"
+        ): "b.pt: a checkpoint of cleanba_ppo.py, not of ppo",
+        write_checkpoint(tmp_path / "c.pt", script="ppo_staggered.py", env_id="HalfCheetah-v5"): (
+            "c.pt: a checkpoint of HalfCheetah-v5, not of ToyChain-v0"
+        ),
+        write_checkpoint(tmp_path / "d.pt", script="ppo_staggered.py", env_id="ToyChain-v0", global_step=384000): (
+            "--total-timesteps 384000: the checkpoint is at global step 384000 already; pass a larger value"
+        ),
+    }
+    if os.path.exists("/etc/hostname"):
+        refused["/etc/hostname"] = "--checkpoint /etc/hostname: not a checkpoint of ppo_staggered.py ("
+    for checkpoint, message in refused.items():
+        with pytest.raises(ppo.ArgsError, match=re.escape(message)):
+            ppo.main(ppo.Args(cuda=False, output_dir=str(tmp_path / "runs"), checkpoint=checkpoint))
+    assert not (tmp_path / "runs").exists()
+    args = ppo.Args(cuda=False, total_timesteps=384000 + 2560, checkpoint=str(tmp_path / "d.pt"))
+    assert ppo.resolve_args(args).num_iterations == 151  # (a larger total continues the run)
 
 
 def test_a_file_that_is_no_checkpoint_exits_with_a_message_and_no_traceback(tmp_path):
@@ -1213,7 +1563,7 @@ def test_a_file_that_is_no_checkpoint_exits_with_a_message_and_no_traceback(tmp_
     not_a_checkpoint.write_text("not a checkpoint")
     proc = run_script(TOY_SMALL + ["--no-cuda", "--checkpoint", str(not_a_checkpoint)], tmp_path / "runs", check=False)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
-    assert proc.stderr.startswith(f"error: --checkpoint {not_a_checkpoint}: not a checkpoint of this task")
+    assert proc.stderr.startswith(f"error: --checkpoint {not_a_checkpoint}: not a checkpoint of ppo_staggered.py (")
 
 
 @pytest.mark.slow
@@ -1233,6 +1583,67 @@ def test_eval_freq_0_evaluates_only_at_the_end_and_the_settings_are_printed_firs
         "num_iterations=3",
     ):
         assert pair in pairs, pair  # resolved: presets and derived sizes filled in
+
+
+PROGRESS = re.compile(
+    r"progress global_step=(\d+)/(\d+) \((\d+)%\) SPS=(\d+) elapsed=(\d+):(\d\d):(\d\d) left=(\d+:\d\d:\d\d|\?)"
+    r"( charts/episodic_return=\S+ charts/success_rate=\S+)?"
+)
+
+
+@pytest.mark.slow
+def test_progress_lines_in_a_log_file_every_interval_and_none_with_quiet(tmp_path):
+    """30 iterations of 16 envs whose chain steps sleep 16 x 2 ms (training lasts 5 s at least): with stdout to a
+    file and --progress-interval 1, at least 3 progress lines in the documented format, global_step rising, its
+    percent rounded down, SPS that of charts/SPS at that step (rounded), the time left at that speed; with --quiet,
+    none (the evaluations still print)."""
+    args = [*SLOW_CHAIN, "--num-envs", "16", "--toy.horizon", "20", "--toy.step-time-mean", "0.002", "--no-cuda"]
+    args += ["--num-eval-envs", "4", "--total-timesteps", str(16 * 5 * 30), "--eval-freq", "0"]
+    for name, extra in (("log", ["--progress-interval", "1"]), ("quiet", ["--quiet"])):
+        with open(tmp_path / f"{name}.txt", "w") as log:  # (no PYTHONUNBUFFERED: each line is flushed as printed)
+            command = [sys.executable, SCRIPT, "--output-dir", str(tmp_path / name), *args, *extra]
+            subprocess.run(command, stdout=log, stderr=subprocess.PIPE, cwd=ROOT, timeout=600, check=True)
+    lines = (tmp_path / "log.txt").read_text().splitlines()
+    progress = [PROGRESS.fullmatch(line) for line in lines if line.startswith("progress ")]
+    assert len(progress) >= 3 and all(progress), lines
+    steps = [int(match[1]) for match in progress]
+    assert steps == sorted(set(steps)) and {int(match[2]) for match in progress} == {2400}
+    sps = dict(scalars(only_run_dir(tmp_path / "log"))["charts/SPS"])
+    for match, step in zip(progress, steps):
+        assert int(match[3]) == 100 * step // 2400 and int(match[4]) == round(sps[step])
+        hours, minutes, seconds = (int(part) for part in match[8].split(":"))
+        assert abs(hours * 3600 + minutes * 60 + seconds - (2400 - step) / int(match[4])) <= 1
+    assert progress[-1][9]  # (episodes of H = 20 steps have ended: the latest return and success follow)
+    quiet = (tmp_path / "quiet.txt").read_text()
+    assert "progress " not in quiet and "global_step=2400 eval/return=" in quiet
+
+
+@pytest.mark.slow
+def test_capture_video_films_mujoco_evaluations_and_an_evaluation_films_beside_its_checkpoint(tmp_path):
+    """Hopper-v5 on this CPU machine (headless: MUJOCO_GL chosen by a probe), H = 10: the final evaluation films each
+    of its 2 envs, an mp4 of 10 frames (the untrained Hopper does not fall in 10 steps) that imageio reads back;
+    --evaluate of a copy of the final checkpoint films its env beside the copy, and says where."""
+    import imageio
+
+    args = ["--env-id", "Hopper-v5", "--horizon", "10", "--num-envs", "2", "--num-steps", "5", "--num-minibatches", "2"]
+    args += ["--total-timesteps", "20", "--eval-freq", "0", "--capture-video", "--no-cuda"]
+    run_script([*args, "--num-eval-envs", "2", "--save-model"], tmp_path / "train")
+    run_dir = only_run_dir(tmp_path / "train")
+    videos = sorted(glob.glob(os.path.join(run_dir, "videos", "*")))
+    assert [os.path.basename(video) for video in videos] == ["global_step_20_env0.mp4", "global_step_20_env1.mp4"]
+    for video in videos:
+        assert open(video, "rb").read(12)[4:8] == b"ftyp"  # an MP4 (ISO media) file
+        frames = [frame for frame in imageio.get_reader(video)]  # (not list(): its length reads as infinite)
+        assert len(frames) == 10 and frames[0].ndim == 3 and frames[0].std() > 0
+    beside = tmp_path / "beside"
+    beside.mkdir()
+    shutil.copy(os.path.join(run_dir, "final_ckpt.pt"), beside)
+    evaluated = run_script(
+        [*args, "--num-eval-envs", "1", "--evaluate", "--checkpoint", str(beside / "final_ckpt.pt")], tmp_path / "eval"
+    )
+    assert evaluated.stdout.splitlines()[-1] == f"videos: {beside / 'videos'}"
+    assert os.listdir(beside / "videos") == ["global_step_20_env0.mp4"] and (beside / "eval_final_ckpt.json").exists()
+    assert not (tmp_path / "eval").exists()
 
 
 def live_group_members(pgid):
@@ -1255,21 +1666,21 @@ def cmdline(pid):
 
 
 def interrupt_when(ready, args, tmp_path, frozen=False):
-    """Runs the script as from a terminal, sends it SIGINT once ready(proc) holds, waits for it to end and for its
-    process group to empty (no process left behind); returns its return code. frozen: every check of ready(proc)
-    is made with the run's process group stopped (SIGSTOP), and SIGINT is queued before it continues, so that the
-    run cannot move past the state that was checked, however the machine schedules the test and the run."""
-    proc = subprocess.Popen(
-        [sys.executable, SCRIPT, "--output-dir", str(tmp_path), "--save-model", "--no-cuda", *args],
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
-    )  # as if from a terminal,
-    # even when pytest itself runs in the background (where a shell starts jobs with SIGINT ignored)
-    try:
+    """Runs the script as from a terminal, its output to files (tmp_path/out.txt, err.txt: read them as it runs), sends
+    its process group SIGINT once ready(proc) holds, waits for it to end and for its group to empty (no process left
+    behind); returns its return code and the seconds from the signal to its end. frozen: every check of ready(proc)
+    is made with the run's process group stopped (SIGSTOP), and SIGINT is queued before it continues, so that the run
+    cannot move past the state that was checked, however the machine schedules the test and the run."""
+    with open(tmp_path / "out.txt", "w") as out, open(tmp_path / "err.txt", "w") as err:
+        proc = subprocess.Popen(
+            [sys.executable, SCRIPT, "--output-dir", str(tmp_path), "--save-model", "--no-cuda", *args],
+            cwd=ROOT,
+            stdout=out,
+            stderr=err,
+            start_new_session=True,
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+        )  # as if from a terminal, even when pytest itself runs in the background (where a shell starts jobs with
+    try:  # SIGINT ignored); Ctrl-C reaches the whole process group
         deadline, is_ready = time.time() + 300, False
         while time.time() < deadline and not is_ready:
             time.sleep(0.05)
@@ -1277,16 +1688,18 @@ def interrupt_when(ready, args, tmp_path, frozen=False):
                 os.killpg(proc.pid, signal.SIGSTOP)
             is_ready = ready(proc)
             if is_ready:
-                proc.send_signal(signal.SIGINT)  # (pending until the group continues)
+                os.killpg(proc.pid, signal.SIGINT)  # (pending until the group continues)
+                signalled = time.time()
             if frozen:
                 os.killpg(proc.pid, signal.SIGCONT)
         assert is_ready, "the run never reached the point where it is to be interrupted"
-        proc.communicate(timeout=60)
+        proc.wait(timeout=60)
+        seconds = time.time() - signalled
         deadline = time.time() + 30
         while time.time() < deadline and live_group_members(proc.pid):
             time.sleep(0.1)
         assert not live_group_members(proc.pid), "processes of the run were left behind"
-        return proc.returncode
+        return proc.returncode, seconds
     finally:
         try:
             os.killpg(proc.pid, signal.SIGKILL)
@@ -1295,14 +1708,18 @@ def interrupt_when(ready, args, tmp_path, frozen=False):
         proc.wait()
 
 
+def printed(tmp_path, text):
+    """Whether the run of interrupt_when has printed a line that starts with `text` (its stdout goes to a file)."""
+    return any(line.startswith(text) for line in (tmp_path / "out.txt").read_text().splitlines())
+
+
 @pytest.mark.slow
-def test_ctrl_c_writes_the_summary_and_a_checkpoint(tmp_path):
-    trained = lambda proc: [
-        p
-        for p in glob.glob(os.path.join(str(tmp_path), "*", "ckpt_*.pt"))  # noqa: E731
-        if not p.endswith("ckpt_0.pt")
-    ]  # a checkpoint written after some training
-    assert interrupt_when(trained, [*TOY_SMALL, "--total-timesteps", str(10**8)], tmp_path) == 130
+def test_ctrl_c_in_training_ends_the_run_within_10_s_with_its_summary_and_a_checkpoint(tmp_path):
+    """SIGINT to the process group once training has printed a progress line (every second here): the run ends within
+    10 s (130), its summary.json and final_ckpt.pt written whole (no temporary file left), at the same global step."""
+    args = [*TOY_SMALL, "--total-timesteps", str(10**8), "--progress-interval", "1"]
+    code, seconds = interrupt_when(lambda proc: printed(tmp_path, "progress "), args, tmp_path)
+    assert code == 130 and seconds < 10
     run_dir = only_run_dir(tmp_path)
     summary = json.load(open(os.path.join(run_dir, "summary.json")))
     assert summary["interrupted"] is True and summary["global_step"] > 0
@@ -1311,12 +1728,48 @@ def test_ctrl_c_writes_the_summary_and_a_checkpoint(tmp_path):
     assert not glob.glob(os.path.join(run_dir, "*.tmp"))
 
 
+SLOW_CHAIN = [
+    "--toy.step-time-jitter",
+    "0",
+    "--num-minibatches",
+    "2",
+]  # (each chain's step sleeps --toy.step-time-mean)
+
+
+@pytest.mark.slow
+def test_ctrl_c_during_the_stagger_advance_ends_the_run_within_10_s(tmp_path):
+    """SIGINT once the advance's line is printed: 16 envs, H = 2000 (16 groups S = 125 steps apart: 1875 steps) whose
+    steps sleep 16 x 5 ms, an advance of 150 s at least, so the signal comes within it however slow the machine."""
+    args = ["--num-envs", "16", "--toy.horizon", "2000", "--toy.step-time-mean", "0.005", *SLOW_CHAIN]
+    code, seconds = interrupt_when(lambda proc: printed(tmp_path, "stagger: 16 groups S = 125 apart"), args, tmp_path)
+    assert code == 130 and seconds < 10
+    run_dir = only_run_dir(tmp_path)
+    summary = json.load(open(os.path.join(run_dir, "summary.json")))
+    assert summary["interrupted"] is True and summary["global_step"] == 0 and not glob.glob(f"{run_dir}/*.pt*")
+
+
+@pytest.mark.slow
+def test_ctrl_c_in_an_evaluation_ends_the_run_within_10_s_with_a_checkpoint_that_continues_the_loop(tmp_path):
+    """An evaluation every iteration, 32 envs for H = 100 steps that sleep 32 x 2 ms (6.4 s at least), of a run of 4
+    envs (rollouts of 40 ms): the progress line at the end of iteration 1 comes right before iteration 2's evaluation,
+    during which the signal comes. The checkpoint is of the state between two iterations: it holds the loop's."""
+    args = ["--num-envs", "4", "--toy.horizon", "100", "--toy.step-time-mean", "0.002", *SLOW_CHAIN]
+    args += ["--num-eval-envs", "32", "--eval-freq", "1", "--progress-interval", "1"]
+    code, seconds = interrupt_when(lambda proc: printed(tmp_path, "progress "), args, tmp_path)
+    assert code == 130 and seconds < 10
+    run_dir = only_run_dir(tmp_path)
+    summary = json.load(open(os.path.join(run_dir, "summary.json")))
+    ckpt = torch.load(os.path.join(run_dir, "final_ckpt.pt"), weights_only=True)
+    assert summary["interrupted"] is True and ckpt["global_step"] == summary["global_step"] == 20
+    assert ckpt["loop"]["training_step"] == 5 and [step for step, _ in scalars(run_dir)["eval/return"]] == [0]
+
+
 @pytest.mark.slow
 def test_ctrl_c_while_the_envs_start_writes_the_summary_and_leaves_no_process(tmp_path):
     """SIGINT while ManiSkill's CPU-simulation worker processes start (the run has child processes, training has not
-    begun): summary.json says interrupted, no checkpoint, and the workers end with the run. The state is checked
-    with the run stopped (a worker runs and no checkpoint, not even the first evaluation's, has begun), so a loaded
-    machine cannot let the run reach training between the check and the signal."""
+    begun): the run ends within 10 s, summary.json says interrupted, no checkpoint, and the workers end with the run.
+    The state is checked with the run stopped (a worker runs and no checkpoint, not even the first evaluation's, has
+    begun), so a loaded machine cannot let the run reach training between the check and the signal."""
     args = [
         "--env-id",
         "StackCube-v1",
@@ -1336,7 +1789,8 @@ def test_ctrl_c_while_the_envs_start_writes_the_summary_and_leaves_no_process(tm
         no_checkpoint = not glob.glob(os.path.join(str(tmp_path), "*", "*.pt*"))
         return no_checkpoint and any("multiprocessing" in cmdline(pid) for pid in live_group_members(proc.pid))
 
-    assert interrupt_when(starting, args, tmp_path, frozen=True) == 130
+    code, seconds = interrupt_when(starting, args, tmp_path, frozen=True)
+    assert code == 130 and seconds < 10
     run_dir = only_run_dir(tmp_path)
     summary = json.load(open(os.path.join(run_dir, "summary.json")))
     assert summary["interrupted"] is True and summary["global_step"] == 0
@@ -1375,6 +1829,7 @@ def test_stackcube_cpu_simulation_smoke_then_an_evaluation_with_videos_beside_th
     assert s["stagger/episode_step_min"][0][1] == 0 and s["stagger/episode_step_max"][0][1] == 13
     assert "charts/episodic_return" in s  # group 0's first 20-step episode ended during training
     checkpoint = os.path.join(run_dir, "final_ckpt.pt")
+    args.remove("--save-model")  # (--evaluate saves nothing: refused with it)
     evaluated = run_script(args + ["--evaluate", "--checkpoint", checkpoint, "--capture-video"], tmp_path / "eval")
     assert evaluated.stdout.splitlines()[-1] == f"videos: {os.path.join(run_dir, 'videos')}"
     assert glob.glob(os.path.join(run_dir, "videos", "**", "*.mp4"), recursive=True)
@@ -1673,20 +2128,24 @@ def alive(pid):
 
 @pytest.mark.slow
 def test_torchrun_resumes_a_one_process_checkpoint_on_two_ranks(tmp_path):
-    """A checkpoint of one process resumes under torchrun with 2 ranks of 64 envs: every update counts the env steps
-    of both ranks (2 x 64 x 5) and only rank 0 writes."""
+    """A checkpoint of one process resumes under torchrun with 2 ranks of 64 envs, in its run directory: the ranks'
+    envs start anew and re-stagger (one line says so, from rank 0), every update counts the env steps of both ranks
+    (2 x 64 x 5) and only rank 0 writes."""
     run_script(TOY_SMALL + ["--total-timesteps", "1280", "--save-model", "--no-cuda"], tmp_path / "first")
-    checkpoint = os.path.join(only_run_dir(tmp_path / "first"), "final_ckpt.pt")
-    args = TOY_SMALL + ["--total-timesteps", "3840", "--checkpoint", checkpoint, "--save-model"]
-    code, out, err = finish(run_torchrun(args, tmp_path / "second"))
+    run_dir = only_run_dir(tmp_path / "first")
+    args = TOY_SMALL + ["--total-timesteps", "3840", "--checkpoint", os.path.join(run_dir, "final_ckpt.pt")]
+    code, out, err = finish(run_torchrun([*args, "--save-model"], tmp_path / "second"))
     assert code == 0, out[-3000:] + err[-3000:]
-    run_dir = only_run_dir(tmp_path / "second")  # rank 0's: the only one
+    restart = "resume: 2 torchrun ranks run their own envs: envs start anew and re-stagger (advance of 45 steps x 128"
+    assert out.count("resume: ") == 1 and restart + " envs = 5760 env steps)" in out.splitlines()
+    assert not (tmp_path / "second").exists()
     summary = json.load(open(os.path.join(run_dir, "summary.json")))
     config = json.load(open(os.path.join(run_dir, "config.json")))
     assert config["world_size"] == 2 and config["num_envs"] == 64 and config["num_iterations"] == 6
     assert summary["global_step"] == 3840
-    assert [step for step, _ in scalars(run_dir)["charts/SPS"]] == [1920, 2560, 3200, 3840]
+    assert [step for step, _ in scalars(run_dir)["charts/SPS"]] == [320, 640, 960, 1280, 1920, 2560, 3200, 3840]
     assert torch.load(os.path.join(run_dir, "final_ckpt.pt"), weights_only=True)["iteration"] == 6
+    assert summary["advance_env_steps"] == 45 * 64 + 45 * 128  # (the one process's advance, then the ranks')
 
 
 @pytest.mark.slow
