@@ -1035,8 +1035,14 @@ def main(args: Args) -> dict:
             return results
 
         if args.evaluate:  # one result line, and eval_<checkpoint name>.json beside the checkpoint
-            evaluation = {"checkpoint": args.checkpoint, "eval_seed": args.seed + global_step, **log_evaluation(None)}
-            evaluation.update(global_step=global_step, num_eval_envs=args.num_eval_envs, episodes=args.num_eval_envs)
+            evaluation = {
+                "checkpoint": args.checkpoint,
+                "global_step": global_step,
+                "eval_seed": args.seed + global_step,
+                "num_eval_envs": args.num_eval_envs,
+                "episodes": args.num_eval_envs,  # (one per eval env)
+                **log_evaluation(None),
+            }
             eval_file = Path(args.checkpoint).parent / f"eval_{Path(args.checkpoint).stem}.json"
             if rank == 0:  # (torchrun: rank 0 alone evaluates)
                 write_whole(eval_file, lambda tmp: tmp.write_text(json.dumps(evaluation, indent=2)))
@@ -1257,7 +1263,8 @@ def main(args: Args) -> dict:
         summary["env_steps_simulated"] = advance_env_steps + global_step  # all the simulator took (not evaluations)
         summary["wall_time_s"] = wall
         summary["sps"] = (global_step - start_step) / max(wall, 1e-9)
-        summary.update(last)  # the last value of every logged scalar
+        for name, value in last.items():  # the last value of every logged scalar
+            summary[name] = value
         if writer is not None:
             write_whole(run_dir / "summary.json", lambda tmp: tmp.write_text(json.dumps(summary, indent=2)))
             writer.close()
