@@ -171,6 +171,7 @@ CLASSIC_DEPARTURES = dict(num_minibatches=8, rmsprop_eps=0.1, anneal_lr=False)
 CLASSIC_ENT_COEF = {"CartPole-v1": 0.0, "Acrobot-v1": 0.01}  # per task: the departures of the docstring
 AT_LEAST_ONE = ("checkpoint_freq", "progress_interval", "local_num_envs", "num_actor_threads", "total_timesteps")
 AT_LEAST_ONE += ("num_steps", "num_minibatches")
+NAMING = ("output_dir", "exp_name")  # a resumed run's directory is the checkpoint's
 TRAINING_ONLY = ("save_model", "track", "total_timesteps", "concurrency", "debug_learner_delay")  # not --evaluate's
 PRESETS = {
     "atari": dict(TABLE_3, local_num_envs=128, num_steps=20, total_timesteps=50_000_000, max_episode_steps=27000),
@@ -241,6 +242,7 @@ def resolve_args(args: Args, world_size: int = 1) -> Args:
         ("capture_video", f"on {TOY_ENV_ID}: it has nothing to render", family == "toy"),
         ("capture_video", "with --num-eval-episodes 0: there is no evaluation to record", args.num_eval_episodes == 0),
         *[(name, "with --evaluate", args.evaluate) for name in TRAINING_ONLY],
+        *[(name, "with --checkpoint: its run goes on in its directory", bool(args.checkpoint)) for name in NAMING],
     ]
     for name, where, idle_here in idle:
         value = getattr(args, name)
@@ -285,8 +287,7 @@ def load_checkpoint(path: str, env_id: str) -> dict:
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as error:  # torch's own message starts with weights_only; the error under it says what it found
-        cause = error.__context__ or error
-        found = (str(cause).strip().splitlines() or [type(cause).__name__])[0]
+        found = (str(error.__context__ or error).strip().splitlines() or ["empty"])[0]
         raise ArgsError(f"--checkpoint {path}: not a checkpoint of {SCRIPT} ({found})") from None
     if not isinstance(state, dict) or "script" not in state:
         raise ArgsError(f"--checkpoint {path}: not a checkpoint of {SCRIPT} (no 'script' entry)")
@@ -319,8 +320,7 @@ def env_seeds(seed: int, rank: int, first_env: int, num_envs: int, start_iterati
     ]
 
 
-def make_env(args: Args, num_envs: int, seeds: list[int], render: bool = False):
-    """ToyChain-v0 or an EnvPool pool; `render`: env.render(env_ids) returns RGB frames (EnvPool's tasks only)."""
+def make_env(args: Args, num_envs: int, seeds: list[int], render: bool = False):  # render: env.render(env_ids)
     if args.env_id == TOY_ENV_ID:
         return ToyChainPool(args.toy, num_envs, seeds[0])
     import envpool
@@ -337,8 +337,8 @@ def make_env(args: Args, num_envs: int, seeds: list[int], render: bool = False):
 
 # ---- Pure functions (importable, tested in tests/test_cleanba_impala.py) ----
 def should_get_params(iteration: int, concurrency: bool, first: bool = False) -> bool:
-    """Fig. 1 (right), line 7: params before every rollout, except at iteration 2 with concurrency (D_2 from pi_1);
-    always before the first rollout of a run, resumed or not (the learner puts the params of its policy)."""
+    """Fig. 1 (right), line 7: params before every rollout (a run's first, resumed or not, always), except at iteration
+    2 with concurrency (D_2 from pi_1)."""
     return first or not (concurrency and iteration == 2)
 
 
@@ -485,14 +485,9 @@ class Agent(nn.Module):
         else:
             num_actions = 18  # the full action space (Sec. 5)
             hidden = 256
+            stages = [conv_sequence(4, 16), conv_sequence(16, 32), conv_sequence(32, 32)]
             self.torso = nn.Sequential(
-                conv_sequence(4, 16),
-                conv_sequence(16, 32),
-                conv_sequence(32, 32),
-                nn.ReLU(),
-                nn.Flatten(),
-                layer_init(nn.Linear(32 * 11 * 11, hidden)),
-                nn.ReLU(),
+                *stages, nn.ReLU(), nn.Flatten(), layer_init(nn.Linear(32 * 11 * 11, hidden)), nn.ReLU()
             )
         self.actor = layer_init(nn.Linear(hidden, num_actions), std=0.01)
         self.critic = layer_init(nn.Linear(hidden, 1), std=1.0)
@@ -622,7 +617,6 @@ class ActorThread(threading.Thread):
                 self.agent.load_state_dict(params)
             params_queue_get_time = time.perf_counter() - start
             rollout_start = time.perf_counter()
-
             storage = {key: [] for key in ROLLOUT_KEYS}
             episodes.sums = {key: 0.0 for key in episodes.sums}
             for step in range(args.num_steps):
@@ -758,7 +752,7 @@ def write_json(path: Path, data: dict) -> None:
 def save_checkpoint(path: Path, args: Args, learner: Learner, carry: dict) -> None:
     """The model, the optimizer and `carry`: the iteration and global step done, each actor thread's carried state at
     the end of the rollout that iteration trained on, pi_iteration (with --concurrency the next rollout's policy) and
-    the W&B id. The rest of the randomness derives from the seed, the iteration and the step (noise_seed)."""
+    the W&B id. No global random stream is read after the network's initialization (noise_seed, env_seeds)."""
     state = {"script": SCRIPT, "env_id": args.env_id, "model": learner.agent.state_dict(), **carry}
     state["optimizer"] = learner.optimizer.state_dict()
     torch.save(state, path.with_name(path.name + ".tmp"))  # then renamed: a crash never leaves half a checkpoint
@@ -849,7 +843,6 @@ def train(args: Args, learner: Learner, actors: list, logger, run_dir, carry: di
             batch = {key: torch.cat([rollout[key] for rollout in rollouts], dim=1) for key in ROLLOUT_KEYS}
             batch["next_obs"] = torch.cat([rollout["next_obs"] for rollout in rollouts])
             batch = {key: value.to(learner.device) for key, value in batch.items()}
-
             # 2. Update, then param_Q.put(): pi_{iteration + 1}
             start = time.perf_counter()
             previous = {name: value.clone() for name, value in agent.state_dict().items()}  # pi_iteration
@@ -864,7 +857,6 @@ def train(args: Args, learner: Learner, actors: list, logger, run_dir, carry: di
                 publish_params(agent.state_dict(), actors, iteration + 1)
             if args.debug_learner_delay > 0:
                 time.sleep(args.debug_learner_delay)  # Sec. 3: a slow learner changes the wall clock, nothing else
-
             # 3. Log and checkpoint
             names = ("count", "returns", "lengths", "successes")
             episodes = [[rollout["episodes"][name] for name in names] for rollout in rollouts]
@@ -935,7 +927,6 @@ def main(args: Args) -> dict:
     torch.backends.cudnn.deterministic = args.torch_deterministic
     torch.backends.cudnn.benchmark = not args.torch_deterministic
     torch.manual_seed(args.seed)  # the network's initialization; envs and sampling have their own seeds
-
     agent = Agent(args).to(learner_device)
     learner = Learner(args, agent, learner_device, rank)
     carry = {"iteration": 0, "global_step": 0, "actors": None, "previous_model": None, "wandb_id": None}
@@ -959,7 +950,6 @@ def main(args: Args) -> dict:
         results.update(checkpoint=str(path), global_step=carry["global_step"], eval_seed=args.seed)
         write_json(path.with_name(f"eval_{path.stem}.json"), {**results, "num_eval_episodes": args.num_eval_episodes})
         return results
-
     start_iteration = carry["iteration"] + 1
     start_step = carry["global_step"]
     saved = [len(carried["obs"]) for carried in carry["actors"] or []]  # envs per actor thread of the checkpoint
@@ -983,7 +973,7 @@ def main(args: Args) -> dict:
         if rank == 0 and args.checkpoint:
             print(f"resuming {run_dir} at global step {carry['global_step']} (iteration {carry['iteration']})")
         if rank == 0 and args.checkpoint and not exact:
-            why = "EnvPool's cannot be saved" if args.env_id != TOY_ENV_ID else "it is of another split of the envs"
+            why = "EnvPool's cannot be saved" if args.env_id != TOY_ENV_ID else "it is not of these actor threads"
             print(f"resume: the envs' state is not in the checkpoint ({why}): they start new episodes")
         for device_index, device in enumerate(actor_devices):
             for thread in range(args.num_actor_threads):

@@ -173,6 +173,7 @@ CLASSIC_LOSS = dict(clip_coef=0.2, clip_vloss=True, ent_coef=0.0, adv_std_floor=
 AT_LEAST_ONE = ("checkpoint_freq", "progress_interval", "local_num_envs", "num_actor_threads", "total_timesteps")
 AT_LEAST_ONE += ("num_steps", "num_minibatches", "update_epochs")
 AT_LEAST_ZERO = ("ent_coef", "adv_std_floor", "vf_coef")
+NAMING = ("output_dir", "exp_name")  # a resumed run's directory is the checkpoint's
 TRAINING_ONLY = ("save_model", "track", "total_timesteps", "concurrency", "debug_learner_delay")  # not --evaluate's
 PRESETS = {
     "atari": dict(TABLE_2_LOSS, local_num_envs=128, num_steps=128, total_timesteps=50_000_000, max_episode_steps=27000),
@@ -237,6 +238,7 @@ def resolve_args(args: Args, world_size: int = 1) -> Args:
         ("capture_video", f"on {TOY_ENV_ID}: it has nothing to render", family == "toy"),
         ("capture_video", "with --num-eval-episodes 0: there is no evaluation to record", args.num_eval_episodes == 0),
         *[(name, "with --evaluate", args.evaluate) for name in TRAINING_ONLY],
+        *[(name, "with --checkpoint: its run goes on in its directory", bool(args.checkpoint)) for name in NAMING],
     ]
     for name, where, idle_here in idle:
         value = getattr(args, name)
@@ -281,8 +283,7 @@ def load_checkpoint(path: str, env_id: str) -> dict:
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as error:  # torch's own message starts with weights_only; the error under it says what it found
-        cause = error.__context__ or error
-        found = (str(cause).strip().splitlines() or [type(cause).__name__])[0]
+        found = (str(error.__context__ or error).strip().splitlines() or ["empty"])[0]
         raise ArgsError(f"--checkpoint {path}: not a checkpoint of {SCRIPT} ({found})") from None
     if not isinstance(state, dict) or "script" not in state:
         raise ArgsError(f"--checkpoint {path}: not a checkpoint of {SCRIPT} (no 'script' entry)")
@@ -315,8 +316,7 @@ def env_seeds(seed: int, rank: int, first_env: int, num_envs: int, start_iterati
     ]
 
 
-def make_env(args: Args, num_envs: int, seeds: list[int], render: bool = False):
-    """ToyChain-v0 or an EnvPool pool; `render`: env.render(env_ids) returns RGB frames (EnvPool's tasks only)."""
+def make_env(args: Args, num_envs: int, seeds: list[int], render: bool = False):  # render: env.render(env_ids)
     if args.env_id == TOY_ENV_ID:
         return ToyChainPool(args.toy, num_envs, seeds[0])
     import envpool
@@ -333,8 +333,8 @@ def make_env(args: Args, num_envs: int, seeds: list[int], render: bool = False):
 
 # ---- Pure functions (importable, tested in tests/test_cleanba_ppo.py) ----
 def should_get_params(iteration: int, concurrency: bool, first: bool = False) -> bool:
-    """Fig. 1 (right), line 7: params before every rollout, except at iteration 2 with concurrency (D_2 from pi_1);
-    always before the first rollout of a run, resumed or not (the learner puts the params of its policy)."""
+    """Fig. 1 (right), line 7: params before every rollout (a run's first, resumed or not, always), except at iteration
+    2 with concurrency (D_2 from pi_1)."""
     return first or not (concurrency and iteration == 2)
 
 
@@ -407,16 +407,6 @@ def normalize_advantages(advantages, valid, count, total, total_sq, std_floor: f
     std = math.sqrt(max((total_sq - count * mean * mean) / max(count - 1.0, 1.0), 0.0))
     scale = max(std + 1e-8, std_floor)
     return torch.where(valid, (advantages - mean) / scale, torch.zeros_like(advantages))
-
-
-def ppo_loss(agent: nn.Module, minibatch: dict, args: Args, count: float):
-    """The PPO loss (App. A, Alg. 1), a mean over the valid samples of the global minibatch (count: all learners')."""
-    logits, newvalue = agent(minibatch["obs"])
-    newlogprob, entropy = logprob_entropy(logits, minibatch["actions"])
-    terms = ppo_loss_terms(newlogprob, entropy, newvalue, minibatch, args.clip_coef, args.clip_vloss)
-    per_sample = terms["policy_loss"] - args.ent_coef * terms["entropy"] + args.vf_coef * terms["value_loss"]
-    loss = (per_sample * (minibatch["valid"].float() / max(count, 1.0))).sum()
-    return loss, terms
 
 
 # ---- Networks ----
@@ -591,7 +581,6 @@ class ActorThread(threading.Thread):
                 self.agent.load_state_dict(params)
             params_queue_get_time = time.perf_counter() - start
             rollout_start = time.perf_counter()
-
             storage = {key: [] for key in ROLLOUT_KEYS}
             episodes.sums = {key: 0.0 for key in episodes.sums}
             for step in range(args.num_steps):
@@ -648,7 +637,6 @@ class Learner:
         flat = {key: batch[key].flatten(0, 1) for key in ("obs", "actions", "logprobs", "values", "valid")}
         flat["advantages"] = advantages.flatten()
         flat["returns"] = returns.flatten()
-
         generator = torch.Generator().manual_seed(noise_seed(args.seed, self.rank, iteration, 0, stream=1))
         epochs = [torch.randperm(args.local_batch_size, generator=generator) for _ in range(args.update_epochs)]
         starts = range(0, args.local_batch_size, args.local_minibatch_size)
@@ -679,7 +667,13 @@ class Learner:
         count, total, total_sq = all_reduce_sum(moments, args.world_size).tolist()  # one sync
         if args.norm_adv:
             advantages = normalize_advantages(advantages, valid, count, total, total_sq, args.adv_std_floor)
-        loss, terms = ppo_loss(self.agent, {**minibatch, "advantages": advantages}, args, count)
+        minibatch = {**minibatch, "advantages": advantages}
+        logits, newvalue = self.agent(minibatch["obs"])
+        newlogprob, entropy = logprob_entropy(logits, minibatch["actions"])
+        terms = ppo_loss_terms(newlogprob, entropy, newvalue, minibatch, args.clip_coef, args.clip_vloss)
+        # the PPO loss (App. A, Alg. 1): a mean over the valid samples of the global minibatch (count: all learners')
+        per_sample = terms["policy_loss"] - args.ent_coef * terms["entropy"] + args.vf_coef * terms["value_loss"]
+        loss = (per_sample * (valid.float() / max(count, 1.0))).sum()
         self.optimizer.zero_grad()
         loss.backward()
         for param in self.agent.parameters():  # the sum of all learners' gradients (not their mean)
@@ -742,7 +736,7 @@ def write_json(path: Path, data: dict) -> None:
 def save_checkpoint(path: Path, args: Args, learner: Learner, carry: dict) -> None:
     """The model, the optimizer and `carry`: the iteration and global step done, each actor thread's carried state at
     the end of the rollout that iteration trained on, pi_iteration (with --concurrency the next rollout's policy) and
-    the W&B id. The rest of the randomness derives from the seed, the iteration and the step (noise_seed)."""
+    the W&B id. No global random stream is read after the network's initialization (noise_seed, env_seeds)."""
     state = {"script": SCRIPT, "env_id": args.env_id, "model": learner.agent.state_dict(), **carry}
     state["optimizer"] = learner.optimizer.state_dict()
     torch.save(state, path.with_name(path.name + ".tmp"))  # then renamed: a crash never leaves half a checkpoint
@@ -832,7 +826,6 @@ def train(args: Args, learner: Learner, actors: list, logger, run_dir, carry: di
             rollout_queue_get_time = time.perf_counter() - start
             batch = {key: torch.cat([rollout[key].to(device) for rollout in rollouts], dim=1) for key in ROLLOUT_KEYS}
             batch["last_value"] = torch.cat([rollout["last_value"].to(device) for rollout in rollouts])
-
             # 2. Update, then param_Q.put(): pi_{iteration + 1}
             start = time.perf_counter()
             previous = {name: value.clone() for name, value in agent.state_dict().items()}  # pi_iteration
@@ -847,7 +840,6 @@ def train(args: Args, learner: Learner, actors: list, logger, run_dir, carry: di
                 publish_params(agent.state_dict(), actors, iteration + 1)
             if args.debug_learner_delay > 0:
                 time.sleep(args.debug_learner_delay)  # Sec. 3: a slow learner changes the wall clock, nothing else
-
             # 3. Log and checkpoint
             episode_keys = ("count", "returns", "lengths", "successes")
             sums = [[rollout["episodes"][key] for key in episode_keys] for rollout in rollouts]
@@ -913,7 +905,6 @@ def main(args: Args) -> dict:
     torch.backends.cudnn.deterministic = args.torch_deterministic
     torch.backends.cudnn.benchmark = not args.torch_deterministic
     torch.manual_seed(args.seed)  # the network's initialization; envs and sampling have their own seeds
-
     agent = Agent(args).to(learner_device)
     learner = Learner(args, agent, learner_device, rank)
     carry = {"iteration": 0, "global_step": 0, "actors": None, "previous_model": None, "wandb_id": None}
@@ -936,7 +927,6 @@ def main(args: Args) -> dict:
         results.update(checkpoint=str(path), global_step=carry["global_step"], eval_seed=args.seed)
         write_json(path.with_name(f"eval_{path.stem}.json"), {**results, "num_eval_episodes": args.num_eval_episodes})
         return results
-
     start_iteration = carry["iteration"] + 1
     start_step = carry["global_step"]
     saved = [len(carried["obs"]) for carried in carry["actors"] or []]  # envs per actor thread of the checkpoint
@@ -960,7 +950,7 @@ def main(args: Args) -> dict:
         if rank == 0 and args.checkpoint:
             print(f"resuming {run_dir} at global step {carry['global_step']} (iteration {carry['iteration']})")
         if rank == 0 and args.checkpoint and not exact:
-            why = "EnvPool's cannot be saved" if args.env_id != TOY_ENV_ID else "it is of another split of the envs"
+            why = "EnvPool's cannot be saved" if args.env_id != TOY_ENV_ID else "it is not of these actor threads"
             print(f"resume: the envs' state is not in the checkpoint ({why}): they start new episodes")
         for device_index, device in enumerate(actor_devices):
             for thread in range(args.num_actor_threads):

@@ -412,12 +412,13 @@ IDLE_FLAGS = [
     (dict(env_id="ToyChain-v0", evaluate=True, save_model=True), "--save-model: does nothing with --evaluate"),
     (dict(env_id="ToyChain-v0", evaluate=True, total_timesteps=800), "--total-timesteps 800: does nothing with"),
     (dict(env_id="ToyChain-v0", evaluate=True, debug_learner_delay=1.0), "--debug-learner-delay 1.0: does nothing"),
+    (dict(env_id="ToyChain-v0", checkpoint="ckpt.pt", output_dir="elsewhere"), "--output-dir elsewhere: does nothing"),
 ]
 
 
 def check_flags_that_would_do_nothing_are_refused(script, kwargs, message, tmp_path):
     """Shared with test_cleanba_impala.py: refused before any env starts, naming the flag and why."""
-    if kwargs.get("evaluate"):
+    if kwargs.get("evaluate") or kwargs.get("checkpoint"):
         kwargs = dict(kwargs, checkpoint=str(tmp_path / "missing.pt"))  # refused before the checkpoint is read
     with pytest.raises(script.ArgsError) as error:
         script.resolve_args(script.Args(**kwargs))
@@ -766,7 +767,8 @@ def test_two_gloo_learners_on_the_halves_make_the_step_of_one_learner_on_the_who
 # ----------------------------------------------------------------------------------------------------------------------
 def run_script(args, out, timeout=300, check=True, launcher=None, script=SCRIPT):
     env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
-    cmd = (launcher or [sys.executable]) + [script, "--output-dir", str(out), *args]
+    output = ["--output-dir", str(out)] if out else []  # None: a resumed run, or --evaluate (no new run directory)
+    cmd = (launcher or [sys.executable]) + [script, *output, *args]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
     if check:
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -955,18 +957,18 @@ def check_save_model_then_evaluate_then_continue_the_finished_run(tmp_path, scri
     assert ckpt["iteration"] == 10 and ckpt["global_step"] == 400 and ckpt["optimizer"]["state"]
     assert ckpt["script"] == os.path.basename(script_path) and ckpt["env_id"] == "ToyChain-v0"
 
-    proc = run_script([*flags, "--evaluate", "--checkpoint", final], tmp_path / "unused", script=script_path)
+    proc = run_script([*flags, "--evaluate", "--checkpoint", final], None, script=script_path)
     evaluated = json.load(open(os.path.join(run_dir, "eval_final_ckpt.json")))
     assert evaluated["eval/episode_len"] == 20 and evaluated["global_step"] == 400 and evaluated["checkpoint"] == final
     assert (evaluated["eval_seed"], evaluated["num_eval_episodes"]) == (1, 4)
     assert proc.stdout.splitlines()[-1] == evaluation_line(evaluated) and "resuming" not in proc.stdout
-    assert not (tmp_path / "unused").exists() and only_run_dir(tmp_path) == run_dir  # no run directory
+    assert only_run_dir(tmp_path) == run_dir and not os.path.exists(os.path.join(ROOT, "runs"))  # no run directory
 
     proc = run_script(
-        [*flags, "--total-timesteps", "400", "--checkpoint", final], tmp_path, check=False, script=script_path
+        [*flags, "--total-timesteps", "400", "--checkpoint", final], None, check=False, script=script_path
     )
     assert proc.returncode == 2 and "--total-timesteps 400: the checkpoint is at global step 400 already" in proc.stderr
-    proc = run_script([*flags, "--total-timesteps", "600", "--checkpoint", final], tmp_path, script=script_path)
+    proc = run_script([*flags, "--total-timesteps", "600", "--checkpoint", final], None, script=script_path)
     assert f"resuming {run_dir} at global step 400 (iteration 10)" in proc.stdout
     summary, rows, resumed_dir = read_run(tmp_path)
     assert resumed_dir == run_dir and summary["global_step"] == 600 and summary["iteration"] == 15
@@ -990,11 +992,9 @@ def check_a_resumed_run_ends_bit_identical_to_the_uninterrupted_run(tmp_path, sc
     whole_dir = only_run_dir(tmp_path / "whole")
     resumed_dir = tmp_path / "resumed" / "run"
     shutil.copytree(whole_dir, resumed_dir)  # what the old run wrote after step 200 must be redone, not duplicated
-    proc = run_script(
-        [*flags, "--checkpoint", str(resumed_dir / "ckpt_200.pt")], tmp_path / "unused", script=script_path
-    )
+    proc = run_script([*flags, "--checkpoint", str(resumed_dir / "ckpt_200.pt")], None, script=script_path)
     assert f"resuming {resumed_dir} at global step 200 (iteration 5)" in proc.stdout and "resume:" not in proc.stdout
-    assert not (tmp_path / "unused").exists()
+    assert os.listdir(resumed_dir.parent) == ["run"] and not os.path.exists(os.path.join(ROOT, "runs"))
     whole, resumed = (torch.load(path / "final_ckpt.pt", weights_only=True) for path in (Path(whole_dir), resumed_dir))
     assert whole["model"].keys() == resumed["model"].keys()
     assert all(torch.equal(whole["model"][name], resumed["model"][name]) for name in whole["model"])
@@ -1037,7 +1037,7 @@ def check_track_keeps_the_wandb_run_id_and_a_resume_goes_on_in_that_run(tmp_path
         script.main(args)
         final = os.path.join(only_run_dir(tmp_path), "final_ckpt.pt")
         assert torch.load(final, weights_only=True)["wandb_id"] == "first-id"
-        script.main(dataclasses.replace(args, total_timesteps=80, checkpoint=final))
+        script.main(dataclasses.replace(args, total_timesteps=80, checkpoint=final, output_dir="runs"))
     finally:
         torch.use_deterministic_algorithms(False)
     assert [(init["id"], init["resume"]) for init in inits] == [("first-id", "allow"), ("first-id", "allow")]
@@ -1106,7 +1106,7 @@ def check_capture_video_records_breakout(tmp_path, script_path, flags):
     videos = glob.glob(os.path.join(run_dir, "videos", "*.mp4"))
     assert len(videos) == 1 and f"video: {videos[0]}" in proc.stdout
     final = os.path.join(run_dir, "final_ckpt.pt")
-    proc = run_script([*flags, "--evaluate", "--checkpoint", final], tmp_path, script=script_path)
+    proc = run_script([*flags, "--evaluate", "--checkpoint", final], None, script=script_path)
     beside = os.path.join(run_dir, "eval_final_ckpt.mp4")
     assert f"video: {beside}" in proc.stdout
     for video in (videos[0], beside):
