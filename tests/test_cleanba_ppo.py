@@ -1049,7 +1049,7 @@ def test_track_keeps_the_wandb_run_id_and_a_resume_goes_on_in_that_run(tmp_path,
 
 
 PROGRESS = re.compile(
-    r"progress global_step=(\d+)/(\d+) \((\d+)%\) SPS=\d+ elapsed=\d+:\d\d:\d\d left=(\d+:\d\d:\d\d|\?)"
+    r"progress global_step=(\d+)/(\d+) \((\d+)%\) SPS=(\d+) elapsed=(\d+:\d\d:\d\d) left=(\d+:\d\d:\d\d|\?)"
     r"( charts/episodic_return=-?[\d.e+-]+)?( charts/success_rate=[\d.e+-]+)?"
 )
 
@@ -1086,6 +1086,15 @@ def check_progress_lines_in_a_log_file_and_none_with_quiet(tmp_path, script_path
         assert match, line
         steps.append(int(match.group(1)))
         assert int(match.group(2)) == 400 and int(match.group(3)) == 100 * steps[-1] // 400
+        sps = int(match.group(4))
+        seconds = [
+            sum(int(part) * 60**power for power, part in enumerate(reversed(hms.split(":"))))
+            for hms in match.group(5, 6)
+        ]
+        assert seconds[0] >= 1  # the first line comes one interval after training started
+        assert (400 - steps[-1]) / (sps + 0.5) - 1 <= seconds[1] <= (400 - steps[-1]) / max(sps - 0.5, 0.5), (
+            line
+        )  # at SPS
     assert steps == sorted(set(steps)) and "charts/episodic_return=" in found[False][-1]
 
 
