@@ -1255,6 +1255,39 @@ def check_ctrl_c(tmp_path, script_path, phase):
         assert summary["iteration"] == 2 and "eval/return" not in summary
 
 
+def check_ctrl_c_while_the_pools_start(tmp_path, monkeypatch, script, **kwargs):
+    """Shared with test_cleanba_impala.py. Ctrl-C while the second actor thread makes its pool (EnvPool holds the GIL
+    while it builds one, so the KeyboardInterrupt comes out of that call): the first thread's pool, made but never
+    started, is closed, the run ends with KeyboardInterrupt and summary.json says so."""
+    made = []
+    closed = []
+    make_env = script.make_env
+
+    def interrupted_on_the_second(*make_args, **make_kwargs):
+        if made:
+            raise KeyboardInterrupt
+        made.append(make_env(*make_args, **make_kwargs))
+        return made[-1]
+
+    monkeypatch.setattr(script, "make_env", interrupted_on_the_second)
+    monkeypatch.setattr(script.ToyChainPool, "close", lambda pool: closed.append(pool))
+    args = script.Args(
+        env_id="ToyChain-v0", output_dir=str(tmp_path), local_num_envs=4, num_steps=5, cuda=False, **kwargs
+    )
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            script.main(args)
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert len(made) == 1 and closed == made
+    summary = json.load(open(os.path.join(only_run_dir(tmp_path), "summary.json")))
+    assert summary["interrupted"] is True and summary["iteration"] == 0
+
+
+def test_ctrl_c_while_the_pools_start(tmp_path, monkeypatch):
+    check_ctrl_c_while_the_pools_start(tmp_path, monkeypatch, cp)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("phase", ["start", "training", "evaluation"])
 def test_ctrl_c_ends_the_run_within_10_s_and_writes_what_it_writes(tmp_path, phase):
