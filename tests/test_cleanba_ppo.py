@@ -1284,6 +1284,42 @@ def check_ctrl_c_while_the_pools_start(tmp_path, monkeypatch, script, **kwargs):
     assert summary["interrupted"] is True and summary["iteration"] == 0
 
 
+def check_ctrl_c_in_an_update_leaves_the_last_finished_iteration(tmp_path, monkeypatch, script, **kwargs):
+    """Shared with test_cleanba_impala.py. Ctrl-C in the second update, after its first optimizer step: final_ckpt.pt
+    holds iteration 1's model and optimizer (as ckpt_20.pt does), not half an update that a resume would redo."""
+    steps_after_the_checkpoint = []
+    minibatch_step = script.Learner.minibatch_step
+
+    def interrupted(learner, minibatch):
+        if glob.glob(os.path.join(str(tmp_path), "*", "ckpt_20.pt")):
+            steps_after_the_checkpoint.append(1)
+            if len(steps_after_the_checkpoint) == 2:
+                raise KeyboardInterrupt
+        return minibatch_step(learner, minibatch)
+
+    monkeypatch.setattr(script.Learner, "minibatch_step", interrupted)
+    args = script.Args(
+        env_id="ToyChain-v0", output_dir=str(tmp_path), local_num_envs=4, num_steps=5, cuda=False, **kwargs
+    )
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            script.main(dataclasses.replace(args, num_actor_threads=1, save_model=True, checkpoint_freq=1))
+    finally:
+        torch.use_deterministic_algorithms(False)
+    run_dir = only_run_dir(tmp_path)
+    final, first = (
+        torch.load(os.path.join(run_dir, name), weights_only=True) for name in ("final_ckpt.pt", "ckpt_20.pt")
+    )
+    assert final["iteration"] == first["iteration"] == 1 and final["model"].keys() == first["model"].keys()
+    assert all(torch.equal(final["model"][name], first["model"][name]) for name in first["model"])
+    for index, state in first["optimizer"]["state"].items():
+        assert all(torch.equal(value, final["optimizer"]["state"][index][name]) for name, value in state.items())
+
+
+def test_ctrl_c_in_an_update_leaves_the_last_finished_iteration(tmp_path, monkeypatch):
+    check_ctrl_c_in_an_update_leaves_the_last_finished_iteration(tmp_path, monkeypatch, cp)
+
+
 def test_ctrl_c_while_the_pools_start(tmp_path, monkeypatch):
     check_ctrl_c_while_the_pools_start(tmp_path, monkeypatch, cp)
 
