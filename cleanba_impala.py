@@ -306,9 +306,8 @@ def format_settings(args: Args, device: torch.device) -> str:
             pairs.append(f"{name}={value}")
         elif args.env_id == TOY_ENV_ID:
             pairs.extend(f"toy.{key}={inner}" for key, inner in value.items() if key != "crash_at_step")
-    return "settings:\n" + textwrap.fill(
-        " ".join([*pairs, f"device={device}"]), width=120, break_long_words=False, break_on_hyphens=False
-    )
+    pairs.append(f"device={device}")
+    return "settings:\n" + textwrap.fill(" ".join(pairs), width=120, break_long_words=False, break_on_hyphens=False)
 
 
 # ---- Environments: EnvPool Atari and classic control, ToyChain-v0 behind EnvPool's API (all next-step autoreset) ----

@@ -302,9 +302,8 @@ def format_settings(args: Args, device: torch.device) -> str:
             pairs.append(f"{name}={value}")
         elif args.env_id == TOY_ENV_ID:
             pairs.extend(f"toy.{key}={inner}" for key, inner in value.items() if key != "crash_at_step")
-    return "settings:\n" + textwrap.fill(
-        " ".join([*pairs, f"device={device}"]), width=120, break_long_words=False, break_on_hyphens=False
-    )
+    pairs.append(f"device={device}")
+    return "settings:\n" + textwrap.fill(" ".join(pairs), width=120, break_long_words=False, break_on_hyphens=False)
 
 
 # ---- Environments: EnvPool Atari and classic control, ToyChain-v0 behind EnvPool's API (all next-step autoreset) ----
@@ -639,10 +638,11 @@ class Learner:
         flat["returns"] = returns.flatten()
         generator = torch.Generator().manual_seed(noise_seed(args.seed, self.rank, iteration, 0, stream=1))
         epochs = [torch.randperm(args.local_batch_size, generator=generator) for _ in range(args.update_epochs)]
+        epochs = [permutation.to(self.device) for permutation in epochs]
         starts = range(0, args.local_batch_size, args.local_minibatch_size)
         totals = {name: 0.0 for name in (*self.STATS, "count")}
         for indices in [epoch[start : start + args.local_minibatch_size] for epoch in epochs for start in starts]:
-            sums = self.minibatch_step({key: value[indices.to(self.device)] for key, value in flat.items()})
+            sums = self.minibatch_step({key: value[indices] for key, value in flat.items()})
             for name, value in sums.items():
                 totals[name] += value
             # every learner sees the same global approx KL, so all stop together
@@ -914,7 +914,8 @@ def main(args: Args) -> dict:
             agent.load_state_dict(state["model"])
             learner.optimizer.load_state_dict(state["optimizer"])
         except Exception as error:  # a checkpoint of another network (the toy chain's settings)
-            raise ArgsError(f"--checkpoint {args.checkpoint}: not a checkpoint of this network") from error
+            reason = " ".join(f"{type(error).__name__}: {error}".split())[:300]  # one line
+            raise ArgsError(f"--checkpoint {args.checkpoint}: not a checkpoint of this network ({reason})") from None
         carry = {name: state[name] for name in carry}
     if world_size > 1:  # every learner starts from rank 0's parameters
         for param in agent.parameters():
