@@ -172,7 +172,8 @@ CLASSIC_ENT_COEF = {"CartPole-v1": 0.0, "Acrobot-v1": 0.01}  # per task: the dep
 AT_LEAST_ONE = ("checkpoint_freq", "progress_interval", "local_num_envs", "num_actor_threads", "total_timesteps")
 AT_LEAST_ONE += ("num_steps", "num_minibatches")
 NAMING = ("output_dir", "exp_name")  # a resumed run's directory is the checkpoint's
-TRAINING_ONLY = ("save_model", "track", "total_timesteps", "concurrency", "debug_learner_delay")  # not --evaluate's
+EVALUATION = ("seed", "torch_deterministic", "cuda", "checkpoint", "evaluate", "num_eval_episodes", "capture_video")
+EVALUATION += ("env_id", "max_episode_steps", "toy")  # what --evaluate reads; every other setting is training's
 PRESETS = {
     "atari": dict(TABLE_3, local_num_envs=128, num_steps=20, total_timesteps=50_000_000, max_episode_steps=27000),
     "classic": dict(
@@ -211,7 +212,7 @@ def resolve_args(args: Args, world_size: int = 1) -> Args:
             args.toy.validate()  # every --toy.* flag, each named with its value and domain
         except ValueError as error:
             raise ArgsError(str(error)) from None
-    given = {name for name, value in asdict(args).items() if value != getattr(Args(), name)}  # before the presets
+    given = {name for name, value in asdict(args).items() if value != asdict(Args())[name]}  # before the presets
     toy_given = [name for name, value in asdict(args.toy).items() if value != getattr(ToyChainConfig(), name)]
     if toy_given and family != "toy":
         raise ArgsError(
@@ -241,7 +242,7 @@ def resolve_args(args: Args, world_size: int = 1) -> Args:
         ("max_episode_steps", f"on {TOY_ENV_ID}: use --toy.horizon", family == "toy"),
         ("capture_video", f"on {TOY_ENV_ID}: it has nothing to render", family == "toy"),
         ("capture_video", "with --num-eval-episodes 0: there is no evaluation to record", args.num_eval_episodes == 0),
-        *[(name, "with --evaluate", args.evaluate) for name in TRAINING_ONLY],
+        *[(name, "with --evaluate", args.evaluate) for name in asdict(args) if name not in EVALUATION],
         *[(name, "with --checkpoint: its run goes on in its directory", bool(args.checkpoint)) for name in NAMING],
     ]
     for name, where, idle_here in idle:

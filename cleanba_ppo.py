@@ -174,7 +174,8 @@ AT_LEAST_ONE = ("checkpoint_freq", "progress_interval", "local_num_envs", "num_a
 AT_LEAST_ONE += ("num_steps", "num_minibatches", "update_epochs")
 AT_LEAST_ZERO = ("ent_coef", "adv_std_floor", "vf_coef")
 NAMING = ("output_dir", "exp_name")  # a resumed run's directory is the checkpoint's
-TRAINING_ONLY = ("save_model", "track", "total_timesteps", "concurrency", "debug_learner_delay")  # not --evaluate's
+EVALUATION = ("seed", "torch_deterministic", "cuda", "checkpoint", "evaluate", "num_eval_episodes", "capture_video")
+EVALUATION += ("env_id", "max_episode_steps", "toy")  # what --evaluate reads; every other setting is training's
 PRESETS = {
     "atari": dict(TABLE_2_LOSS, local_num_envs=128, num_steps=128, total_timesteps=50_000_000, max_episode_steps=27000),
     "classic": dict(CLASSIC_LOSS, local_num_envs=4, num_steps=128, total_timesteps=500_000, max_episode_steps=500),
@@ -211,7 +212,7 @@ def resolve_args(args: Args, world_size: int = 1) -> Args:
             args.toy.validate()
         except ValueError as error:
             raise ArgsError(str(error)) from error
-    given = {name for name, value in asdict(args).items() if value != getattr(Args(), name)}  # before the presets
+    given = {name for name, value in asdict(args).items() if value != asdict(Args())[name]}  # before the presets
     toy_given = [name for name, value in asdict(args.toy).items() if value != getattr(ToyChainConfig(), name)]
     if toy_given and family != "toy":
         raise ArgsError(
@@ -237,7 +238,7 @@ def resolve_args(args: Args, world_size: int = 1) -> Args:
         ("max_episode_steps", f"on {TOY_ENV_ID}: use --toy.horizon", family == "toy"),
         ("capture_video", f"on {TOY_ENV_ID}: it has nothing to render", family == "toy"),
         ("capture_video", "with --num-eval-episodes 0: there is no evaluation to record", args.num_eval_episodes == 0),
-        *[(name, "with --evaluate", args.evaluate) for name in TRAINING_ONLY],
+        *[(name, "with --evaluate", args.evaluate) for name in asdict(args) if name not in EVALUATION],
         *[(name, "with --checkpoint: its run goes on in its directory", bool(args.checkpoint)) for name in NAMING],
     ]
     for name, where, idle_here in idle:

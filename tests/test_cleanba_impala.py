@@ -691,8 +691,7 @@ def test_progress_lines_in_a_log_file_and_none_with_quiet(tmp_path):
 
 @pytest.mark.slow
 def test_capture_video_records_breakout(tmp_path):
-    breakout = ["--env-id", "Breakout-v5", "--local-num-envs", "2", "--num-actor-threads", "1", "--num-steps", "8"]
-    breakout += ["--num-minibatches", "1"]
+    breakout = ["--local-num-envs", "2", "--num-actor-threads", "1", "--num-steps", "8", "--num-minibatches", "1"]
     check_capture_video_records_breakout(tmp_path, SCRIPT, breakout)
 
 

@@ -42,6 +42,7 @@ TOY = [
     "--local-num-envs",
     "8",
 ]
+TOY_EVALUATION = ["--env-id", "ToyChain-v0", "--toy.horizon", "20", "--num-eval-episodes", "4", "--no-cuda"]
 TIMERS = (
     "charts/SPS",
     "cleanba/rollout_queue_get_time",
@@ -412,6 +413,8 @@ IDLE_FLAGS = [
     (dict(env_id="ToyChain-v0", evaluate=True, save_model=True), "--save-model: does nothing with --evaluate"),
     (dict(env_id="ToyChain-v0", evaluate=True, total_timesteps=800), "--total-timesteps 800: does nothing with"),
     (dict(env_id="ToyChain-v0", evaluate=True, debug_learner_delay=1.0), "--debug-learner-delay 1.0: does nothing"),
+    (dict(env_id="ToyChain-v0", evaluate=True, num_steps=5), "--num-steps 5: does nothing with --evaluate"),
+    (dict(env_id="ToyChain-v0", evaluate=True, quiet=True), "--quiet: does nothing with --evaluate"),
     (dict(env_id="ToyChain-v0", checkpoint="ckpt.pt", output_dir="elsewhere"), "--output-dir elsewhere: does nothing"),
 ]
 
@@ -957,7 +960,7 @@ def check_save_model_then_evaluate_then_continue_the_finished_run(tmp_path, scri
     assert ckpt["iteration"] == 10 and ckpt["global_step"] == 400 and ckpt["optimizer"]["state"]
     assert ckpt["script"] == os.path.basename(script_path) and ckpt["env_id"] == "ToyChain-v0"
 
-    proc = run_script([*flags, "--evaluate", "--checkpoint", final], None, script=script_path)
+    proc = run_script([*TOY_EVALUATION, "--evaluate", "--checkpoint", final], None, script=script_path)
     evaluated = json.load(open(os.path.join(run_dir, "eval_final_ckpt.json")))
     assert evaluated["eval/episode_len"] == 20 and evaluated["global_step"] == 400 and evaluated["checkpoint"] == final
     assert (evaluated["eval_seed"], evaluated["num_eval_episodes"]) == (1, 4)
@@ -1109,13 +1112,14 @@ def check_capture_video_records_breakout(tmp_path, script_path, flags):
     back, one frame per step of the episode."""
     import imageio
 
-    flags = [*flags, "--max-episode-steps", "30", "--num-eval-episodes", "1", "--capture-video", "--no-cuda"]
-    proc = run_script([*flags, "--save-model", "--total-timesteps", "16"], tmp_path, script=script_path)
+    evaluation = ["--env-id", "Breakout-v5", "--max-episode-steps", "30", "--num-eval-episodes", "1", "--capture-video"]
+    evaluation.append("--no-cuda")
+    proc = run_script([*evaluation, *flags, "--save-model", "--total-timesteps", "16"], tmp_path, script=script_path)
     summary, _, run_dir = read_run(tmp_path)
     videos = glob.glob(os.path.join(run_dir, "videos", "*.mp4"))
     assert len(videos) == 1 and f"video: {videos[0]}" in proc.stdout
     final = os.path.join(run_dir, "final_ckpt.pt")
-    proc = run_script([*flags, "--evaluate", "--checkpoint", final], None, script=script_path)
+    proc = run_script([*evaluation, "--evaluate", "--checkpoint", final], None, script=script_path)
     beside = os.path.join(run_dir, "eval_final_ckpt.mp4")
     assert f"video: {beside}" in proc.stdout
     for video in (videos[0], beside):
@@ -1125,8 +1129,8 @@ def check_capture_video_records_breakout(tmp_path, script_path, flags):
 
 @pytest.mark.slow
 def test_capture_video_records_breakout(tmp_path):
-    breakout = ["--env-id", "Breakout-v5", "--local-num-envs", "2", "--num-actor-threads", "1", "--num-steps", "8"]
-    breakout += ["--num-minibatches", "1", "--update-epochs", "1"]
+    breakout = ["--local-num-envs", "2", "--num-actor-threads", "1", "--num-steps", "8", "--num-minibatches", "1"]
+    breakout += ["--update-epochs", "1"]
     check_capture_video_records_breakout(tmp_path, SCRIPT, breakout)
 
 
