@@ -1109,7 +1109,7 @@ def test_progress_lines_in_a_log_file_and_none_with_quiet(tmp_path):
 def check_capture_video_records_breakout(tmp_path, script_path, flags):
     """Shared with test_cleanba_impala.py. A short Breakout run (episodes cut at 30 steps) records its final
     evaluation's first episode in videos/, and --evaluate its own beside the checkpoint: mp4 files that imageio reads
-    back, one frame per step of the episode."""
+    back, one frame per step of the episode. Resumed, the run says that EnvPool's state is not in the checkpoint."""
     import imageio
 
     evaluation = ["--env-id", "Breakout-v5", "--max-episode-steps", "30", "--num-eval-episodes", "1", "--capture-video"]
@@ -1125,6 +1125,12 @@ def check_capture_video_records_breakout(tmp_path, script_path, flags):
     for video in (videos[0], beside):
         frames = imageio.mimread(video)
         assert len(frames) == summary["eval/episode_len"] == 30 and frames[0].shape == (210, 160, 3)
+    # a resumed Breakout run says, in one line, that EnvPool's state is not in the checkpoint
+    proc = run_script([*evaluation, *flags, "--total-timesteps", "32", "--checkpoint", final], None, script=script_path)
+    notes = [line for line in proc.stdout.splitlines() if line.startswith("resume:")]
+    assert notes == [
+        "resume: the envs' state is not in the checkpoint (EnvPool's cannot be saved): they start new episodes"
+    ]
 
 
 @pytest.mark.slow
