@@ -215,9 +215,7 @@ def resolve_args(args: Args, world_size: int = 1) -> Args:
     given = {name for name, value in asdict(args).items() if value != asdict(Args())[name]}  # before the presets
     toy_given = [name for name, value in asdict(args.toy).items() if value != getattr(ToyChainConfig(), name)]
     if toy_given and family != "toy":
-        raise ArgsError(
-            f"--toy.{toy_given[0].replace('_', '-')}: does nothing on {args.env_id} (a {TOY_ENV_ID} setting)"
-        )
+        raise ArgsError(f"--toy.{toy_given[0].replace('_', '-')}: does nothing on {args.env_id}, not {TOY_ENV_ID}")
     if family == "classic" and args.ent_coef is None:
         args.ent_coef = CLASSIC_ENT_COEF[args.env_id]
     for name, value in PRESETS[family].items():
@@ -796,14 +794,15 @@ def evaluate(args: Args, agent: nn.Module, device, global_step: int, video: Opti
     return out
 
 
-def progress_line(global_step: int, total: int, sps: float, elapsed: float, last: dict) -> str:
+def progress_line(args: Args, global_step: int, sps: float, train_start: float, last: dict) -> str:
     """Env steps done of the total, charts/SPS, the time since training started, the time left at that speed (H:MM:SS)
     and the latest episodic return (and success rate)."""
     clock = lambda seconds: f"{int(seconds) // 3600}:{int(seconds) % 3600 // 60:02d}:{int(seconds) % 60:02d}"  # noqa: E731
+    total = args.num_iterations * args.batch_size
     left = clock((total - global_step) / sps) if sps > 0 else "?"
     line = f"progress global_step={global_step}/{total} ({100 * global_step // total}%) SPS={sps:.0f}"
     extras = [f" {name}={last[name]:.4g}" for name in ("charts/episodic_return", "charts/success_rate") if name in last]
-    return line + f" elapsed={clock(elapsed)} left={left}" + "".join(extras)
+    return line + f" elapsed={clock(time.time() - train_start)} left={left}" + "".join(extras)
 
 
 # ---- Training: the learner loop in the main thread (Fig. 1 right: `def learner()`), actor threads beside it ----
@@ -892,9 +891,7 @@ def train(args: Args, learner: Learner, actors: list, logger, run_dir, carry: di
             logger.scalars(row, global_step)
             if not args.quiet and time.time() >= next_progress:
                 next_progress = time.time() + args.progress_interval
-                total = args.num_iterations * args.batch_size
-                elapsed = time.time() - train_start
-                print(progress_line(global_step, total, row["charts/SPS"], elapsed, logger.last), flush=True)
+                print(progress_line(args, global_step, row["charts/SPS"], train_start, logger.last), flush=True)
             if args.save_model and iteration % args.checkpoint_freq == 0:
                 save_checkpoint(run_dir / f"ckpt_{global_step}.pt", args, learner, carry)
     except Stopped:  # an actor thread died: the caller ends the run with its error
