@@ -26,8 +26,8 @@ Departures (classic control, from Table 2 and CleanRL's ppo.py): no entropy bonu
 so a solved task's vanished advantage is not scaled back to unit size; a constant learning rate, so V converges once
 the task is solved and a late fall can still be learned from (benchmarks/results/cleanba_classic_collapse.md).
 Resume: all randomness derives from the seed, the iteration and the step; with the actors' carried state (chains,
-observations, episode sums) and the next rollout's policy in the checkpoint, a resumed ToyChain-v0 run ends
-bit-identical to the uninterrupted one. EnvPool's state cannot be saved: resumed Atari and classic runs start new episodes.
+observations, episode sums) and the next rollout's policy in the checkpoint, a one-process ToyChain-v0 run resumes
+bit-identical. EnvPool's state cannot be saved: resumed Atari and classic-control runs start new episodes.
 
 Examples
   python cleanba_ppo.py --env-id ToyChain-v0                                 # seconds on a CPU
@@ -782,7 +782,7 @@ def evaluate(args: Args, agent: nn.Module, device, global_step: int, video: Opti
 def progress_line(args: Args, global_step: int, sps: float, train_start: float, last: dict) -> str:
     """Env steps done of the total, charts/SPS, the time since training started, the time left at that speed (H:MM:SS)
     and the latest episodic return (and success rate)."""
-    clock = lambda seconds: f"{int(seconds) // 3600}:{int(seconds) % 3600 // 60:02d}:{int(seconds) % 60:02d}"  # noqa: E731
+    clock = lambda secs: f"{int(secs) // 3600}:{int(secs) % 3600 // 60:02d}:{int(secs) % 60:02d}"  # noqa: E731
     total = args.num_iterations * args.batch_size
     left = clock((total - global_step) / sps) if sps > 0 else "?"
     line = f"progress global_step={global_step}/{total} ({100 * global_step // total}%) SPS={sps:.0f}"
@@ -808,7 +808,7 @@ def train(args: Args, learner: Learner, actors: list, logger, run_dir, carry: di
     start_iteration = carry["iteration"] + 1
     before = None  # the model and optimizer before the update in progress
     try:
-        # Table 1: pi_start makes the first rollout; resumed with --concurrency, pi_{start-1} makes it, pi_start the next
+        # Table 1: pi_start makes the first rollout; resumed with --concurrency pi_{start-1} does, pi_start the next
         lagged = args.concurrency and start_iteration > 1
         first = carry["previous_model"] if lagged else agent.state_dict()
         publish_params(first, actors, start_iteration - 1 if lagged else start_iteration)
