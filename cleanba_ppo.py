@@ -18,12 +18,16 @@ Map from the paper to this file
   App. A Alg. 1, Table 2   learner_targets, compute_gae, ppo_loss_terms, Learner  (Adam eps 1e-5, lr 2.5e-4 annealed)
   Sec. 5 (Espeholt 2018)   Agent                                         (IMPALA ResNet 16/32/32, 256 hidden)
   Sec. 3 (Fig. 2)          --debug-learner-delay                         (a slow learner: same numbers, slower)
+  Table 1, resumed         save_checkpoint, ActorThread.carried, train   (the same run: bit-identical on ToyChain-v0)
 Autoreset: EnvPool's next-step mode (ToyChain-v0 runs in the same mode): the step after an episode end only resets
 the env (action ignored, reward 0); that row is masked out of the loss. Its observation is the episode's true last
 one, whose value is bootstrapped at a truncation (at every end with --bootstrap-at-done always).
 Departures (classic control, from Table 2 and CleanRL's ppo.py): no entropy bonus; advantages divided by max(std, 1),
 so a solved task's vanished advantage is not scaled back to unit size; a constant learning rate, so V converges once
 the task is solved and a late fall can still be learned from (benchmarks/results/cleanba_classic_collapse.md).
+Resume: all randomness derives from the seed, the iteration and the step; with the actors' carried state (chains,
+observations, episode sums) and the next rollout's policy in the checkpoint, a one-process ToyChain-v0 run resumes
+bit-identical. EnvPool's state cannot be saved: resumed Atari and classic-control runs start new episodes.
 
 Examples
   python cleanba_ppo.py --env-id ToyChain-v0                                 # seconds on a CPU
@@ -35,6 +39,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import importlib.util
 import json
 import math
 import os
@@ -82,16 +87,22 @@ class Args:
     checkpoint_freq: int = 500
     """iterations between two ckpt_{global_step}.pt (>= 1)"""
     checkpoint: Optional[str] = None
-    """a checkpoint to resume training from (model, optimizer, iteration), or to evaluate with --evaluate"""
+    """a checkpoint of this script: its run goes on in its directory (up to --total-timesteps), or --evaluate it"""
     evaluate: bool = False
-    """only evaluate the policy of --checkpoint, then exit"""
+    """only evaluate the policy of --checkpoint: one result line and eval_<name>.json beside it, no run directory"""
     num_eval_episodes: int = 100
     """episodes of the final evaluation and of --evaluate (>= 1 there), one per eval env, >= 0 (0: none; 10: noisy)"""
+    capture_video: bool = False
+    """record the final evaluation's first episode as mp4 in the run's videos/ (--evaluate: beside the checkpoint)"""
+    progress_interval: float = 15.0
+    """seconds between two progress lines, >= 1"""
+    quiet: bool = False
+    """no progress lines (settings, evaluations and errors still print)"""
 
     env_id: str = "Breakout-v5"
     """EnvPool Atari (Breakout-v5, Pong-v5, ...), EnvPool classic control (CartPole-v1, Acrobot-v1) or ToyChain-v0"""
-    max_episode_steps: int = 27000
-    """Atari episode time limit in agent steps (>= 1; 27,000 = 108,000 frames, Sec. 5); classic control keeps its own"""
+    max_episode_steps: Optional[int] = None
+    """episode time limit in agent steps, >= 1 (default: Atari 27,000 = 108,000 frames, Sec. 5; classic its own 500)"""
     bootstrap_at_done: Literal["always", "truncated"] = "truncated"
     """truncated: a time limit bootstraps V(last observation), a termination 0; always: every episode end bootstraps"""
     toy: ToyChainConfig = field(default_factory=ToyChainConfig)
@@ -153,14 +164,21 @@ class Args:
     num_iterations: tyro.conf.Suppress[int] = 0
 
 
+SCRIPT = os.path.basename(__file__)  # named in every checkpoint
 TOY_ENV_ID = "ToyChain-v0"
 CLASSIC_ENVS = {"CartPole-v1": (4, 2), "Acrobot-v1": (6, 3)}  # EnvPool classic control: observation size, actions
 # App. B Table 2 (Atari, ToyChain); classic control: CleanRL's ppo.py clipping and the departures of the docstring
 TABLE_2_LOSS = dict(clip_coef=0.1, clip_vloss=False, ent_coef=0.01, adv_std_floor=0.0, anneal_lr=True)
 CLASSIC_LOSS = dict(clip_coef=0.2, clip_vloss=True, ent_coef=0.0, adv_std_floor=1.0, anneal_lr=False)
+AT_LEAST_ONE = ("checkpoint_freq", "progress_interval", "local_num_envs", "num_actor_threads", "total_timesteps")
+AT_LEAST_ONE += ("num_steps", "num_minibatches", "update_epochs")
+AT_LEAST_ZERO = ("ent_coef", "adv_std_floor", "vf_coef")
+NAMING = ("output_dir", "exp_name")  # a resumed run's directory is the checkpoint's
+EVALUATION = ("seed", "torch_deterministic", "cuda", "checkpoint", "evaluate", "num_eval_episodes", "capture_video")
+EVALUATION += ("env_id", "max_episode_steps", "toy")  # what --evaluate reads; every other setting is training's
 PRESETS = {
-    "atari": dict(TABLE_2_LOSS, local_num_envs=128, num_steps=128, total_timesteps=50_000_000),
-    "classic": dict(CLASSIC_LOSS, local_num_envs=4, num_steps=128, total_timesteps=500_000),
+    "atari": dict(TABLE_2_LOSS, local_num_envs=128, num_steps=128, total_timesteps=50_000_000, max_episode_steps=27000),
+    "classic": dict(CLASSIC_LOSS, local_num_envs=4, num_steps=128, total_timesteps=500_000, max_episode_steps=500),
     "toy": dict(TABLE_2_LOSS, local_num_envs=32, num_steps=10, total_timesteps=64_000),
 }
 
@@ -177,10 +195,7 @@ def env_family(env_id: str) -> Optional[str]:
         return "classic"
     from envpool.registration import registry
 
-    if env_id not in registry.specs:
-        return None
-    module, _spec_class, _config = registry.specs[env_id]  # where EnvPool implements the task
-    return "atari" if module == "envpool.atari" else None
+    return "atari" if registry.specs.get(env_id, [None])[0] == "envpool.atari" else None  # where EnvPool has it
 
 
 def resolve_args(args: Args, world_size: int = 1) -> Args:
@@ -197,35 +212,38 @@ def resolve_args(args: Args, world_size: int = 1) -> Args:
             args.toy.validate()
         except ValueError as error:
             raise ArgsError(str(error)) from error
+    given = {name for name, value in asdict(args).items() if value != asdict(Args())[name]}  # before the presets
+    toy_given = [name for name, value in asdict(args.toy).items() if value != getattr(ToyChainConfig(), name)]
+    if toy_given and family != "toy":
+        raise ArgsError(f"--toy.{toy_given[0].replace('_', '-')}: does nothing on {args.env_id}, not {TOY_ENV_ID}")
     for name, value in PRESETS[family].items():
         if getattr(args, name) is None:
             setattr(args, name, value)
-    fewest = 1 if args.evaluate else 0  # the episodes --evaluate needs
-    checks = [
-        ("--seed", args.seed, args.seed >= 0, ">= 0"),
-        ("--checkpoint-freq", args.checkpoint_freq, args.checkpoint_freq >= 1, ">= 1"),
-        ("--num-eval-episodes", args.num_eval_episodes, args.num_eval_episodes >= fewest, f">= {fewest}"),
-        ("--max-episode-steps", args.max_episode_steps, args.max_episode_steps >= 1, ">= 1"),
-        ("--local-num-envs", args.local_num_envs, args.local_num_envs >= 1, ">= 1"),
-        ("--num-actor-threads", args.num_actor_threads, args.num_actor_threads >= 1, ">= 1"),
-        ("--debug-learner-delay", args.debug_learner_delay, args.debug_learner_delay >= 0.0, ">= 0"),
-        ("--total-timesteps", args.total_timesteps, args.total_timesteps >= 1, ">= 1"),
-        ("--learning-rate", args.learning_rate, args.learning_rate > 0.0, "> 0"),
-        ("--num-steps", args.num_steps, args.num_steps >= 1, ">= 1"),
-        ("--gamma", args.gamma, 0.0 <= args.gamma <= 1.0, "in [0, 1]"),
-        ("--gae-lambda", args.gae_lambda, 0.0 <= args.gae_lambda <= 1.0, "in [0, 1]"),
-        ("--num-minibatches", args.num_minibatches, args.num_minibatches >= 1, ">= 1"),
-        ("--update-epochs", args.update_epochs, args.update_epochs >= 1, ">= 1"),
-        ("--clip-coef", args.clip_coef, args.clip_coef > 0.0, "> 0"),
-        ("--ent-coef", args.ent_coef, args.ent_coef >= 0.0, ">= 0"),
-        ("--adv-std-floor", args.adv_std_floor, args.adv_std_floor >= 0.0, ">= 0"),
-        ("--vf-coef", args.vf_coef, args.vf_coef >= 0.0, ">= 0"),
-        ("--max-grad-norm", args.max_grad_norm, args.max_grad_norm > 0.0, "> 0"),
-        ("--target-kl", args.target_kl, args.target_kl is None or args.target_kl > 0.0, "> 0"),
-    ]
-    for flag, value, within, domain in checks:
+    checks = [(name, getattr(args, name) >= 1, ">= 1") for name in AT_LEAST_ONE]  # (setting, in its domain, domain)
+    checks += [(name, getattr(args, name) >= 0, ">= 0") for name in ("seed", "debug_learner_delay", *AT_LEAST_ZERO)]
+    checks += [(name, getattr(args, name) > 0, "> 0") for name in ("learning_rate", "clip_coef", "max_grad_norm")]
+    checks += [(name, 0 <= getattr(args, name) <= 1, "in [0, 1]") for name in ("gamma", "gae_lambda")]
+    checks.append(("num_eval_episodes", args.num_eval_episodes >= args.evaluate, f">= {int(args.evaluate)}"))
+    checks.append(("max_episode_steps", args.max_episode_steps is None or args.max_episode_steps >= 1, ">= 1"))
+    checks.append(("target_kl", args.target_kl is None or args.target_kl > 0, "> 0"))
+    for name, within, domain in checks:
         if not within:
-            raise ArgsError(f"{flag} {value}: must be {domain}")
+            raise ArgsError(f"--{name.replace('_', '-')} {getattr(args, name)}: must be {domain}")
+    idle = [  # (setting, where it would do nothing, whether that is here): refused rather than ignored
+        ("checkpoint_freq", "without --save-model", not args.save_model),
+        *[(name, "without --track", not args.track) for name in ("wandb_project_name", "wandb_entity")],
+        ("adv_std_floor", "with --no-norm-adv", not args.norm_adv),
+        ("max_episode_steps", f"on {TOY_ENV_ID}: use --toy.horizon", family == "toy"),
+        ("capture_video", f"on {TOY_ENV_ID}: it has nothing to render", family == "toy"),
+        ("capture_video", "with --num-eval-episodes 0: there is no evaluation to record", args.num_eval_episodes == 0),
+        *[(name, "with --evaluate", args.evaluate) for name in asdict(args) if name not in EVALUATION],
+        *[(name, "with --checkpoint: its run goes on in its directory", bool(args.checkpoint)) for name in NAMING],
+    ]
+    for name, where, idle_here in idle:
+        value = getattr(args, name)
+        if idle_here and name in given:
+            flag = ("--no-" if value is False else "--") + name.replace("_", "-")
+            raise ArgsError(f"{flag}{'' if isinstance(value, bool) else f' {value}'}: does nothing {where}")
     cuda_devices = torch.cuda.device_count() if args.cuda else 0
     for device_id in args.actor_device_ids or []:
         if not 0 <= device_id < cuda_devices:
@@ -247,19 +265,43 @@ def resolve_args(args: Args, world_size: int = 1) -> Args:
         raise ArgsError(f"--total-timesteps {args.total_timesteps} is less than one batch ({args.batch_size})")
     if args.evaluate and not args.checkpoint:
         raise ArgsError("--evaluate needs --checkpoint PATH")
-    if args.checkpoint and not os.path.isfile(args.checkpoint):
-        raise ArgsError(f"--checkpoint {args.checkpoint}: no such file")
+    if args.evaluate and world_size > 1:
+        raise ArgsError("--evaluate: one process evaluates; run it without torchrun")
+    if args.capture_video and importlib.util.find_spec("imageio_ffmpeg") is None:
+        raise ArgsError("--capture-video: writing mp4 needs imageio-ffmpeg (pip install 'imageio[ffmpeg]')")
+    if args.checkpoint:
+        state = load_checkpoint(args.checkpoint, args.env_id)
+        if not args.evaluate and state["iteration"] >= args.num_iterations:
+            done = f"the checkpoint is at global step {state['global_step']} already; pass a larger value"
+            raise ArgsError(f"--total-timesteps {args.total_timesteps}: {done}")
     return args
 
 
-def format_settings(args: Args) -> str:
-    """The resolved settings as `name=value` pairs in field order (`toy.horizon=200`), in lines of 120 characters."""
+def load_checkpoint(path: str, env_id: str) -> dict:
+    """A checkpoint of this script and task as torch.load(weights_only=True) reads it; anything else: ArgsError."""
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as error:  # torch's own message starts with weights_only; the error under it says what it found
+        found = (str(error.__context__ or error).strip().splitlines() or ["empty"])[0]
+        raise ArgsError(f"--checkpoint {path}: not a checkpoint of {SCRIPT} ({found})") from None
+    if not isinstance(state, dict) or "script" not in state:
+        raise ArgsError(f"--checkpoint {path}: not a checkpoint of {SCRIPT} (no 'script' entry)")
+    if (state["script"], state["env_id"]) != (SCRIPT, env_id):
+        found = f"a checkpoint of {state['script']} on {state['env_id']}, not of {SCRIPT} on {env_id}"
+        raise ArgsError(f"--checkpoint {path}: {found}")
+    return state
+
+
+def format_settings(args: Args, device: torch.device) -> str:
+    """The resolved settings as `name=value` pairs in field order, in lines of 120 characters, then the device; the
+    toy chain's (`toy.horizon=200`) on ToyChain-v0 only, never its test hook crash_at_step."""
     pairs = []
     for name, value in asdict(args).items():
-        if isinstance(value, dict):
-            pairs.extend(f"{name}.{inner_name}={inner_value}" for inner_name, inner_value in value.items())
-        else:
+        if name != "toy":
             pairs.append(f"{name}={value}")
+        elif args.env_id == TOY_ENV_ID:
+            pairs.extend(f"toy.{key}={inner}" for key, inner in value.items() if key != "crash_at_step")
+    pairs.append(f"device={device}")
     return "settings:\n" + textwrap.fill(" ".join(pairs), width=120, break_long_words=False, break_on_hyphens=False)
 
 
@@ -272,24 +314,26 @@ def env_seeds(seed: int, rank: int, first_env: int, num_envs: int, start_iterati
     ]
 
 
-def make_env(args: Args, num_envs: int, seeds: list[int]):
+def make_env(args: Args, num_envs: int, seeds: list[int], render: bool = False):  # render: env.render(env_ids)
     if args.env_id == TOY_ENV_ID:
         return ToyChainPool(args.toy, num_envs, seeds[0])
     import envpool
 
     pool = dict(env_type="gymnasium", num_envs=num_envs, batch_size=num_envs, seed=seeds)
-    if args.env_id in CLASSIC_ENVS:  # the task's own time limit (a truncation); a fallen pole is a termination
+    pool.update(max_episode_steps=args.max_episode_steps, render_mode="rgb_array" if render else None)
+    if args.env_id in CLASSIC_ENVS:  # reaching the time limit is a truncation; a fallen pole is a termination
         return envpool.make(args.env_id, **pool)
     # Sec. 5 (Machado et al. 2018); rewards clipped for learning, info["reward"] keeps the raw game score
     protocol = dict(repeat_action_probability=0.25, full_action_space=True, episodic_life=False, noop_max=1)
     frames = dict(reward_clip=True, stack_num=4, frame_skip=4, img_height=84, img_width=84, gray_scale=True)
-    return envpool.make(args.env_id, **pool, max_episode_steps=args.max_episode_steps, **protocol, **frames)
+    return envpool.make(args.env_id, **pool, **protocol, **frames)
 
 
 # ---- Pure functions (importable, tested in tests/test_cleanba_ppo.py) ----
-def should_get_params(actor_iteration: int, concurrency: bool) -> bool:
-    """Fig. 1 (right), line 7: params before every rollout, except at iteration 2 with concurrency (D_2 from pi_1)."""
-    return not (concurrency and actor_iteration == 2)
+def should_get_params(iteration: int, concurrency: bool, first: bool = False) -> bool:
+    """Fig. 1 (right), line 7: params before every rollout (a run's first, resumed or not, always), except at iteration
+    2 with concurrency (D_2 from pi_1)."""
+    return first or not (concurrency and iteration == 2)
 
 
 def noise_seed(seed: int, rank: int, iteration: int, step: int, stream: int = 0) -> int:
@@ -363,16 +407,6 @@ def normalize_advantages(advantages, valid, count, total, total_sq, std_floor: f
     return torch.where(valid, (advantages - mean) / scale, torch.zeros_like(advantages))
 
 
-def ppo_loss(agent: nn.Module, minibatch: dict, args: Args, count: float):
-    """The PPO loss (App. A, Alg. 1), a mean over the valid samples of the global minibatch (count: all learners')."""
-    logits, newvalue = agent(minibatch["obs"])
-    newlogprob, entropy = logprob_entropy(logits, minibatch["actions"])
-    terms = ppo_loss_terms(newlogprob, entropy, newvalue, minibatch, args.clip_coef, args.clip_vloss)
-    per_sample = terms["policy_loss"] - args.ent_coef * terms["entropy"] + args.vf_coef * terms["value_loss"]
-    loss = (per_sample * (minibatch["valid"].float() / max(count, 1.0))).sum()
-    return loss, terms
-
-
 # ---- Networks ----
 def layer_init(layer: nn.Linear, std: float = math.sqrt(2), bias_const: float = 0.0) -> nn.Linear:
     torch.nn.init.orthogonal_(layer.weight, std)
@@ -419,14 +453,9 @@ class Agent(nn.Module):
             self.critic = nn.Sequential(*two_layers(obs_size, nn.Tanh), layer_init(nn.Linear(64, 1), std=1.0))
         else:
             self.num_blocks, num_actions, hidden = 0, 18, 256  # the full action space (Sec. 5)
+            stages = [conv_sequence(4, 16), conv_sequence(16, 32), conv_sequence(32, 32)]
             self.torso = nn.Sequential(
-                conv_sequence(4, 16),
-                conv_sequence(16, 32),
-                conv_sequence(32, 32),
-                nn.ReLU(),
-                nn.Flatten(),
-                layer_init(nn.Linear(32 * 11 * 11, hidden)),
-                nn.ReLU(),
+                *stages, nn.ReLU(), nn.Flatten(), layer_init(nn.Linear(32 * 11 * 11, hidden)), nn.ReLU()
             )
         if args.env_id not in CLASSIC_ENVS:  # the policy and value heads on the shared torso
             self.actor = layer_init(nn.Linear(hidden, num_actions), std=0.01)
@@ -481,17 +510,25 @@ class Episodes:
         self.stale = done
         return ended
 
+    def state_dict(self) -> dict:
+        return {name: getattr(self, name).clone() for name in ("returns", "lengths", "stale")}
+
+    def load_state_dict(self, state: dict) -> None:
+        for name, value in state.items():
+            setattr(self, name, value.clone())
+
 
 ROLLOUT_KEYS = ("obs", "actions", "logprobs", "values", "rewards", "terminations", "truncations", "valid")
 
 
 class ActorThread(threading.Thread):
-    """One actor thread (Fig. 1 right): its own EnvPool, network copy, params queue and rollout queue of size 1."""
+    """One actor thread (Fig. 1 right): its own EnvPool, network copy, params queue and rollout queue of size 1;
+    resumed, what it carried out of the rollout before start_iteration (the rollout's "carried")."""
 
-    def __init__(self, args: Args, index: int, device, rank: int, start_iteration: int, template: nn.Module, stop):
+    def __init__(self, args: Args, index: int, device, rank: int, start_iteration: int, template, stop, carried=None):
         super().__init__(daemon=True, name=f"actor-{index}")
         self.args, self.device, self.rank = args, device, rank
-        self.start_iteration, self.stop = start_iteration, stop
+        self.start_iteration, self.stop, self.carried = start_iteration, stop, carried
         self.params_queue: queue.Queue = queue.Queue(maxsize=1)
         self.rollout_queue: queue.Queue = queue.Queue(maxsize=1)
         self.error: Optional[BaseException] = None
@@ -526,23 +563,27 @@ class ActorThread(threading.Thread):
         args, envs = self.args, self.envs
         alive = lambda: not self.stop.is_set()  # noqa: E731
         env_ids = np.arange(args.envs_per_thread, dtype=np.int32)
-        envs.async_reset()
-        reset_obs, *_ = envs.recv()
-        obs = torch.tensor(reset_obs)
         episodes = Episodes(args.envs_per_thread)
+        if self.carried is None:
+            envs.async_reset()
+            obs = torch.tensor(envs.recv()[0])
+        else:  # resumed: the chains, observations and running episodes where the checkpoint's rollout left them
+            envs.load_state_dict(self.carried["env"])
+            obs = self.carried["obs"]
+            episodes.load_state_dict(self.carried["episodes"])
         policy_version = 0
-        for actor_iteration in range(1, args.num_iterations - self.start_iteration + 2):
-            iteration = self.start_iteration + actor_iteration - 1  # the learner iteration that will train on it
+        for iteration in range(self.start_iteration, args.num_iterations + 1):  # the learner iteration it is for
             start = time.perf_counter()
-            if should_get_params(actor_iteration, args.concurrency):
+            if should_get_params(iteration, args.concurrency, first=iteration == self.start_iteration):
                 policy_version, params = blocking(self.params_queue.get, alive)
                 self.agent.load_state_dict(params)
             params_queue_get_time = time.perf_counter() - start
             rollout_start = time.perf_counter()
-
             storage = {key: [] for key in ROLLOUT_KEYS}
             episodes.sums = {key: 0.0 for key in episodes.sums}
             for step in range(args.num_steps):
+                if self.stop.is_set():  # the run ends (Ctrl-C): not after the rest of a long rollout
+                    raise Stopped
                 action, logprob, value = self.policy(obs, iteration, step)
                 envs.send(action.numpy(), env_ids)  # the envs step in EnvPool's threads while the row is stored
                 storage["obs"].append(obs)
@@ -564,6 +605,8 @@ class ActorThread(threading.Thread):
             rollout["episodes"] = episodes.sums
             rollout["params_queue_get_time"] = params_queue_get_time
             rollout["rollout_time"] = time.perf_counter() - rollout_start
+            env_state = envs.state_dict() if args.env_id == TOY_ENV_ID else None  # EnvPool's cannot be saved
+            rollout["carried"] = {"env": env_state, "obs": obs, "episodes": episodes.state_dict()}  # for a checkpoint
             blocking(partial(self.rollout_queue.put, rollout), alive)
 
 
@@ -592,22 +635,17 @@ class Learner:
         flat = {key: batch[key].flatten(0, 1) for key in ("obs", "actions", "logprobs", "values", "valid")}
         flat["advantages"] = advantages.flatten()
         flat["returns"] = returns.flatten()
-
         generator = torch.Generator().manual_seed(noise_seed(args.seed, self.rank, iteration, 0, stream=1))
+        epochs = [torch.randperm(args.local_batch_size, generator=generator) for _ in range(args.update_epochs)]
+        epochs = [permutation.to(self.device) for permutation in epochs]
+        starts = range(0, args.local_batch_size, args.local_minibatch_size)
         totals = {name: 0.0 for name in (*self.STATS, "count")}
-        kl_exceeded = False
-        for epoch in range(args.update_epochs):
-            permutation = torch.randperm(args.local_batch_size, generator=generator).to(self.device)
-            for start in range(0, args.local_batch_size, args.local_minibatch_size):
-                indices = permutation[start : start + args.local_minibatch_size]
-                sums = self.minibatch_step({key: value[indices] for key, value in flat.items()})
-                for name, value in sums.items():
-                    totals[name] += value
-                # every learner sees the same global approx KL, so all stop together
-                kl_exceeded = args.target_kl is not None and sums["approx_kl"] > args.target_kl * sums["count"]
-                if kl_exceeded:
-                    break
-            if kl_exceeded:
+        for indices in [epoch[start : start + args.local_minibatch_size] for epoch in epochs for start in starts]:
+            sums = self.minibatch_step({key: value[indices] for key, value in flat.items()})
+            for name, value in sums.items():
+                totals[name] += value
+            # every learner sees the same global approx KL, so all stop together
+            if args.target_kl is not None and sums["approx_kl"] > args.target_kl * sums["count"]:
                 break
         out = {name: float(totals[name] / max(totals["count"], 1.0)) for name in self.STATS}
         valid = flat["valid"]
@@ -628,7 +666,13 @@ class Learner:
         count, total, total_sq = all_reduce_sum(moments, args.world_size).tolist()  # one sync
         if args.norm_adv:
             advantages = normalize_advantages(advantages, valid, count, total, total_sq, args.adv_std_floor)
-        loss, terms = ppo_loss(self.agent, {**minibatch, "advantages": advantages}, args, count)
+        minibatch = {**minibatch, "advantages": advantages}
+        logits, newvalue = self.agent(minibatch["obs"])
+        newlogprob, entropy = logprob_entropy(logits, minibatch["actions"])
+        terms = ppo_loss_terms(newlogprob, entropy, newvalue, minibatch, args.clip_coef, args.clip_vloss)
+        # the PPO loss (App. A, Alg. 1): a mean over the valid samples of the global minibatch (count: all learners')
+        per_sample = terms["policy_loss"] - args.ent_coef * terms["entropy"] + args.vf_coef * terms["value_loss"]
+        loss = (per_sample * (valid.float() / max(count, 1.0))).sum()
         self.optimizer.zero_grad()
         loss.backward()
         for param in self.agent.parameters():  # the sum of all learners' gradients (not their mean)
@@ -642,22 +686,32 @@ class Learner:
 
 # ---- Logging, checkpoints, evaluation ----
 class Logger:
-    """TensorBoard (wandb with --track), updates.jsonl, and the last value of each scalar for summary.json."""
+    """TensorBoard (wandb with --track), updates.jsonl, and the last value of each scalar for summary.json. A run
+    resumed at global step `resumed_at` drops what the old run logged after it (TensorBoard's purge_step)."""
 
-    def __init__(self, run_dir: Path, args: Args, run_name: str):
+    def __init__(self, run_dir: Path, args: Args, resumed_at: Optional[int], wandb_id: Optional[str]):
+        self.wandb_id = wandb_id  # kept in every checkpoint, so that a resumed run goes on in the same W&B run
         if args.track:
             import wandb
 
+            self.wandb_id = wandb_id or wandb.util.generate_id()
             wandb.init(
                 project=args.wandb_project_name,
                 entity=args.wandb_entity,
                 sync_tensorboard=True,
                 config=asdict(args),
-                name=run_name,
+                name=run_dir.name,
+                id=self.wandb_id,
+                resume="allow",
                 save_code=True,
             )
-        self.writer = SummaryWriter(str(run_dir))
-        self.jsonl = open(run_dir / "updates.jsonl", "a")
+        purge_step = None if resumed_at is None else resumed_at + 1  # the checkpoint's iteration is logged at its step
+        self.writer = SummaryWriter(str(run_dir), purge_step=purge_step)
+        jsonl = run_dir / "updates.jsonl"
+        if purge_step is not None and jsonl.exists():
+            rows = [row for row in jsonl.read_text().splitlines() if json.loads(row)["global_step"] < purge_step]
+            jsonl.write_text("".join(row + "\n" for row in rows))
+        self.jsonl = open(jsonl, "a")
         self.last: dict[str, float] = {}
 
     def scalars(self, values: dict, step: int) -> None:
@@ -672,64 +726,99 @@ class Logger:
         self.jsonl.close()
 
 
-def save_checkpoint(path: Path, agent, optimizer, iteration: int, global_step: int) -> None:
-    """Written to a temporary file and renamed (a crash never leaves half a checkpoint); the seed does the rest."""
-    state = {
-        "model": agent.state_dict(),
-        "optimizer": optimizer.state_dict(),
-        "global_step": global_step,
-        "iteration": iteration,
-    }
-    torch.save(state, path.with_name(path.name + ".tmp"))
+def write_json(path: Path, data: dict) -> None:
+    """Written to a temporary file and renamed: a crash or Ctrl-C never leaves half a file."""
+    path.with_name(path.name + ".tmp").write_text(json.dumps(data, indent=2))
+    os.replace(path.with_name(path.name + ".tmp"), path)
+
+
+def save_checkpoint(path: Path, args: Args, learner: Learner, carry: dict) -> None:
+    """The model, the optimizer and `carry`: the iteration and global step done, each actor thread's carried state at
+    the end of the rollout that iteration trained on, pi_iteration (with --concurrency the next rollout's policy) and
+    the W&B id. No global random stream is read after the network's initialization (noise_seed, env_seeds)."""
+    state = {"script": SCRIPT, "env_id": args.env_id, "model": learner.agent.state_dict(), **carry}
+    state["optimizer"] = learner.optimizer.state_dict()
+    torch.save(state, path.with_name(path.name + ".tmp"))  # then renamed: a crash never leaves half a checkpoint
     os.replace(path.with_name(path.name + ".tmp"), path)
 
 
 @torch.no_grad()
-def evaluate(args: Args, agent: nn.Module, device: torch.device) -> dict:
-    """num_eval_episodes episodes, one per env of a separate pool, counted as the actors count theirs (raw score)."""
+def evaluate(args: Args, agent: nn.Module, device, global_step: int, video: Optional[Path] = None) -> dict:
+    """num_eval_episodes episodes, one per env of a separate pool, counted as the actors count theirs (raw score),
+    printed as `global_step=N eval/return=...`; with `video`, the first env's episode is written there (mp4)."""
     count = args.num_eval_episodes
-    envs = make_env(args, count, env_seeds(args.seed, 10_000, 0, count, 0))
+    envs = make_env(args, count, env_seeds(args.seed, 10_000, 0, count, 0), render=video is not None)
     generator = torch.Generator(device=device).manual_seed(args.seed + 12345)
     episodes = Episodes(count)
     finished = torch.zeros(count, dtype=torch.bool)  # each env counts its first episode only
-    envs.async_reset()
-    obs, *_ = envs.recv()
-    while not bool(finished.all()):
-        logits, _ = agent(torch.tensor(obs).to(device))
-        action = sample_actions(logits, torch.rand(logits.shape, generator=generator, device=device))
-        envs.send(action.cpu().numpy(), np.arange(count, dtype=np.int32))
-        obs, reward, terminated, truncated, info = envs.recv()
-        finished |= episodes.step(reward, info, torch.tensor(terminated | truncated), counted=~finished)
-    envs.close()
+    frames = []
+    try:
+        envs.async_reset()
+        obs = envs.recv()[0]
+        while not bool(finished.all()):
+            if video is not None and not finished[0]:
+                frames.append(envs.render(env_ids=[0])[0])
+            logits, _ = agent(torch.tensor(obs).to(device))
+            action = sample_actions(logits, torch.rand(logits.shape, generator=generator, device=device))
+            envs.send(action.cpu().numpy(), np.arange(count, dtype=np.int32))
+            obs, reward, terminated, truncated, info = envs.recv()
+            finished |= episodes.step(reward, info, torch.tensor(terminated | truncated), counted=~finished)
+    finally:
+        envs.close()
+    if video is not None:
+        import imageio
+
+        video.parent.mkdir(exist_ok=True)
+        imageio.mimsave(video, frames, fps=50 if args.env_id == "CartPole-v1" else 15, macro_block_size=2)  # real time
     out = {"eval/return": episodes.sums["returns"] / count, "eval/episode_len": episodes.sums["lengths"] / count}
     if args.env_id == TOY_ENV_ID:
         out["eval/success_at_end"] = episodes.sums["successes"] / count
+    print(f"global_step={global_step} " + " ".join(f"{name}={value:.3f}" for name, value in out.items()), flush=True)
+    if video is not None:
+        print(f"video: {video}", flush=True)
     return out
 
 
+def progress_line(args: Args, global_step: int, sps: float, train_start: float, last: dict) -> str:
+    """Env steps done of the total, charts/SPS, the time since training started, the time left at that speed (H:MM:SS)
+    and the latest episodic return (and success rate)."""
+    clock = lambda secs: f"{int(secs) // 3600}:{int(secs) % 3600 // 60:02d}:{int(secs) % 60:02d}"  # noqa: E731
+    total = args.num_iterations * args.batch_size
+    left = clock((total - global_step) / sps) if sps > 0 else "?"
+    line = f"progress global_step={global_step}/{total} ({100 * global_step // total}%) SPS={sps:.0f}"
+    extras = [f" {name}={last[name]:.4g}" for name in ("charts/episodic_return", "charts/success_rate") if name in last]
+    return line + f" elapsed={clock(time.time() - train_start)} left={left}" + "".join(extras)
+
+
 # ---- Training: the learner loop in the main thread (Fig. 1 right: `def learner()`), actor threads beside it ----
-def publish_params(agent: nn.Module, actors: list[ActorThread], version: int) -> None:
-    """Fig. 1 right: param_Q.put(params) for every actor thread, a snapshot per actor device."""
-    snapshots = {}
+def publish_params(params: dict, actors: list[ActorThread], version: int) -> None:
+    """Fig. 1 right: param_Q.put(params) for every actor thread, a snapshot on its device."""
     for actor in actors:
-        if actor.device not in snapshots:
-            params = agent.state_dict()
-            snapshots[actor.device] = {name: params[name].detach().to(actor.device, copy=True) for name in params}
-            if actor.device.type == "cuda":
-                torch.cuda.synchronize(actor.device)
-        blocking(partial(actor.params_queue.put, (version, snapshots[actor.device])), actor.is_alive)
+        snapshot = {name: params[name].detach().to(actor.device, copy=True) for name in params}
+        if actor.device.type == "cuda":
+            torch.cuda.synchronize(actor.device)
+        blocking(partial(actor.params_queue.put, (version, snapshot)), actor.is_alive)
 
 
-def train(args: Args, learner: Learner, actors: list, logger, run_dir, start_iteration: int, global_step: int) -> dict:
-    """Iterations start_iteration .. num_iterations (i turns pi_i into pi_{i+1}) until Ctrl-C or a failed actor."""
+def train(args: Args, learner: Learner, actors: list, logger, run_dir, carry: dict) -> Optional[BaseException]:
+    """Iterations carry["iteration"] + 1 .. num_iterations (i turns pi_i into pi_{i+1}); after each, carry holds what
+    a checkpoint needs besides the model and optimizer. Returns None at the end, the error of a failed actor thread,
+    or KeyboardInterrupt on Ctrl-C (the model and optimizer then those of the last finished iteration)."""
     agent, device, rank = learner.agent, learner.device, learner.rank
-    finished = start_iteration - 1
+    start_iteration = carry["iteration"] + 1
+    before = None  # the model and optimizer before the update in progress
     try:
-        publish_params(agent, actors, start_iteration)  # pi_start to every actor before it starts
+        # Table 1: pi_start makes the first rollout; resumed with --concurrency pi_{start-1} does, pi_start the next
+        lagged = args.concurrency and start_iteration > 1
+        first = carry["previous_model"] if lagged else agent.state_dict()
+        publish_params(first, actors, start_iteration - 1 if lagged else start_iteration)
         for actor in actors:
             actor.start()
+        if lagged:
+            publish_params(agent.state_dict(), actors, start_iteration)
         train_start = time.time()
-        start_step = global_step
+        start_step = carry["global_step"]
+        next_progress = train_start + args.progress_interval
         for iteration in range(start_iteration, args.num_iterations + 1):
             # 1. Rollouts: rollout_Q.get() from every actor thread
             start = time.perf_counter()
@@ -737,18 +826,20 @@ def train(args: Args, learner: Learner, actors: list, logger, run_dir, start_ite
             rollout_queue_get_time = time.perf_counter() - start
             batch = {key: torch.cat([rollout[key].to(device) for rollout in rollouts], dim=1) for key in ROLLOUT_KEYS}
             batch["last_value"] = torch.cat([rollout["last_value"].to(device) for rollout in rollouts])
-
             # 2. Update, then param_Q.put(): pi_{iteration + 1}
             start = time.perf_counter()
+            previous = {name: value.clone() for name, value in agent.state_dict().items()}  # pi_iteration
+            optimizer = copy.deepcopy(learner.optimizer.state_dict())
+            before = {"iteration": iteration - 1, "model": previous, "optimizer": optimizer}
             losses = learner.update(batch, iteration)
             update_time = time.perf_counter() - start
-            global_step += args.batch_size
-            finished = iteration
+            global_step = carry["global_step"] + args.batch_size
+            carried = [rollout["carried"] for rollout in rollouts]
+            carry.update(iteration=iteration, global_step=global_step, actors=carried, previous_model=previous)
             if iteration < args.num_iterations:
-                publish_params(agent, actors, iteration + 1)
+                publish_params(agent.state_dict(), actors, iteration + 1)
             if args.debug_learner_delay > 0:
                 time.sleep(args.debug_learner_delay)  # Sec. 3: a slow learner changes the wall clock, nothing else
-
             # 3. Log and checkpoint
             episode_keys = ("count", "returns", "lengths", "successes")
             sums = [[rollout["episodes"][key] for key in episode_keys] for rollout in rollouts]
@@ -759,13 +850,6 @@ def train(args: Args, learner: Learner, actors: list, logger, run_dir, start_ite
             params_queue_get_time = float(np.mean([rollout["params_queue_get_time"] for rollout in rollouts]))
             data_version = rollouts[0]["policy_version"]  # the same in every actor thread's rollout
             row = {
-                "losses/policy_loss": losses["policy_loss"],
-                "losses/value_loss": losses["value_loss"],
-                "losses/entropy": losses["entropy"],
-                "losses/old_approx_kl": losses["old_approx_kl"],
-                "losses/approx_kl": losses["approx_kl"],
-                "losses/clipfrac": losses["clipfrac"],
-                "losses/explained_variance": losses["explained_variance"],
                 "charts/learning_rate": losses["learning_rate"],
                 "charts/SPS": (global_step - start_step) / (time.time() - train_start),
                 "cleanba/data_policy_version": data_version,
@@ -777,20 +861,26 @@ def train(args: Args, learner: Learner, actors: list, logger, run_dir, start_ite
                 "time/rollout": float(np.mean([rollout["rollout_time"] for rollout in rollouts])),
                 "time/update": update_time,
             }
+            row.update({f"losses/{name}": losses[name] for name in (*Learner.STATS, "explained_variance")})
             if count > 0:
                 row["charts/episodic_return"] = returns / count
                 row["charts/episodic_length"] = lengths / count
             if count > 0 and args.env_id == TOY_ENV_ID:
                 row["charts/success_rate"] = successes / count
             logger.scalars(row, global_step)
+            if not args.quiet and time.time() >= next_progress:
+                next_progress = time.time() + args.progress_interval
+                print(progress_line(args, global_step, row["charts/SPS"], train_start, logger.last), flush=True)
             if args.save_model and iteration % args.checkpoint_freq == 0:
-                save_checkpoint(run_dir / f"ckpt_{global_step}.pt", agent, learner.optimizer, iteration, global_step)
+                save_checkpoint(run_dir / f"ckpt_{global_step}.pt", args, learner, carry)
     except Stopped:  # an actor thread died: the caller ends the run with its error
-        error = next((actor.error for actor in actors if actor.error is not None), None)
-        return {"iteration": finished, "global_step": global_step, "interrupted": False, "actor_error": error}
-    except KeyboardInterrupt:
-        return {"iteration": finished, "global_step": global_step, "interrupted": True}
-    return {"iteration": finished, "global_step": global_step, "interrupted": False}
+        return next((actor.error for actor in actors if actor.error is not None), None)
+    except KeyboardInterrupt as interrupt:
+        if before is not None and before["iteration"] == carry["iteration"]:  # stopped in an update: undone
+            agent.load_state_dict(before["model"])
+            learner.optimizer.load_state_dict(before["optimizer"])
+        return interrupt
+    return None
 
 
 def main(args: Args) -> dict:
@@ -798,8 +888,6 @@ def main(args: Args) -> dict:
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     args = resolve_args(args, world_size)
-    if rank == 0:
-        print(format_settings(args))
     use_cuda = args.cuda and torch.cuda.is_available()
     if use_cuda:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # before the first cuBLAS call
@@ -815,70 +903,88 @@ def main(args: Args) -> dict:
     torch.backends.cudnn.deterministic = args.torch_deterministic
     torch.backends.cudnn.benchmark = not args.torch_deterministic
     torch.manual_seed(args.seed)  # the network's initialization; envs and sampling have their own seeds
-
     agent = Agent(args).to(learner_device)
     learner = Learner(args, agent, learner_device, rank)
-    start_iteration = 1
-    global_step = 0
+    carry = {"iteration": 0, "global_step": 0, "actors": None, "previous_model": None, "wandb_id": None}
     if args.checkpoint:
+        state = load_checkpoint(args.checkpoint, args.env_id)
         try:
-            state = torch.load(args.checkpoint, map_location="cpu", weights_only=True)
             agent.load_state_dict(state["model"])
             learner.optimizer.load_state_dict(state["optimizer"])
-        except Exception as error:  # not a checkpoint, or one of another task's network
-            raise ArgsError(f"--checkpoint {args.checkpoint}: not a checkpoint of this network") from error
-        start_iteration = state["iteration"] + 1
-        global_step = state["global_step"]
-        print(f"resuming from {args.checkpoint} at iteration {start_iteration}, global step {global_step}")
+        except Exception as error:  # a checkpoint of another network (the toy chain's settings)
+            reason = " ".join(f"{type(error).__name__}: {error}".split())[:300]  # one line
+            raise ArgsError(f"--checkpoint {args.checkpoint}: not a checkpoint of this network ({reason})") from None
+        carry = {name: state[name] for name in carry}
     if world_size > 1:  # every learner starts from rank 0's parameters
         for param in agent.parameters():
             dist.broadcast(param.data, src=0)
-
+    if args.evaluate:  # one result line, eval_<checkpoint name>.json (and .mp4) beside the checkpoint
+        print(format_settings(args, learner_device), flush=True)
+        path = Path(args.checkpoint)
+        video = path.with_name(f"eval_{path.stem}.mp4") if args.capture_video else None
+        results = evaluate(args, agent, learner_device, carry["global_step"], video)
+        results.update(checkpoint=str(path), global_step=carry["global_step"], eval_seed=args.seed)
+        write_json(path.with_name(f"eval_{path.stem}.json"), {**results, "num_eval_episodes": args.num_eval_episodes})
+        return results
+    start_iteration = carry["iteration"] + 1
+    start_step = carry["global_step"]
+    saved = [len(carried["obs"]) for carried in carry["actors"] or []]  # envs per actor thread of the checkpoint
+    threads = len(actor_devices) * args.num_actor_threads
+    exact = args.env_id == TOY_ENV_ID and world_size == 1 and saved == [args.envs_per_thread] * threads
     logger = None
     run_dir = None
-    if rank == 0:
-        run_name = f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}"
-        run_dir = Path(args.output_dir) / run_name
-        run_dir.mkdir(parents=True)
-        (run_dir / "config.json").write_text(json.dumps(asdict(args), indent=2))
-        logger = Logger(run_dir, args, run_name)
-    progress = {"iteration": start_iteration - 1, "global_step": global_step, "interrupted": False}
+    interrupted = False
     start_time = time.time()
-    start_step = global_step
     stop = threading.Event()
     actors = []
     try:
-        if not args.evaluate:
-            for device_index, device in enumerate(actor_devices):
-                for thread in range(args.num_actor_threads):
-                    index = device_index * args.num_actor_threads + thread
-                    actors.append(ActorThread(args, index, device, rank, start_iteration, agent, stop))
-            progress = train(args, learner, actors, logger, run_dir, start_iteration, global_step)
-            if "actor_error" in progress:
-                error = progress.pop("actor_error")
-                raise RuntimeError(f"an actor thread failed: {error!r}") from error
-            if rank == 0 and args.save_model and progress["iteration"] >= start_iteration:
-                final = run_dir / "final_ckpt.pt"
-                save_checkpoint(final, agent, learner.optimizer, progress["iteration"], progress["global_step"])
-            if progress["interrupted"]:
-                raise KeyboardInterrupt
+        if rank == 0:
+            run_name = f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}"
+            run_dir = Path(args.checkpoint).parent if args.checkpoint else Path(args.output_dir) / run_name
+            run_dir.mkdir(parents=True, exist_ok=bool(args.checkpoint))
+            write_json(run_dir / "config.json", asdict(args))
+            logger = Logger(run_dir, args, carry["global_step"] if args.checkpoint else None, carry["wandb_id"])
+            carry["wandb_id"] = logger.wandb_id
+            print(format_settings(args, learner_device), flush=True)
+        if rank == 0 and args.checkpoint:
+            print(f"resuming {run_dir} at global step {carry['global_step']} (iteration {carry['iteration']})")
+        if rank == 0 and args.checkpoint and not exact:
+            why = "EnvPool's cannot be saved" if args.env_id != TOY_ENV_ID else "it is not of these actor threads"
+            print(f"resume: the envs' state is not in the checkpoint ({why}): they start new episodes")
+        for device_index, device in enumerate(actor_devices):
+            for thread in range(args.num_actor_threads):
+                index = device_index * args.num_actor_threads + thread
+                carried = carry["actors"][index] if exact else None
+                actors.append(ActorThread(args, index, device, rank, start_iteration, agent, stop, carried))
+        stopped = train(args, learner, actors, logger, run_dir, carry)  # None, Ctrl-C or a failed actor's error
+        if stopped is not None and not isinstance(stopped, KeyboardInterrupt):
+            raise RuntimeError(f"an actor thread failed: {stopped!r}") from stopped
+        if rank == 0 and args.save_model and carry["iteration"] >= start_iteration:
+            save_checkpoint(run_dir / "final_ckpt.pt", args, learner, carry)
+        if stopped is not None:
+            raise stopped
         if rank == 0 and args.num_eval_episodes > 0:
             start = time.perf_counter()
-            results = evaluate(args, agent, learner_device)
-            logger.scalars({**results, "time/eval": time.perf_counter() - start}, progress["global_step"])
+            video = run_dir / "videos" / f"eval_{carry['global_step']}.mp4" if args.capture_video else None
+            results = evaluate(args, agent, learner_device, carry["global_step"], video)
+            logger.scalars({**results, "time/eval": time.perf_counter() - start}, carry["global_step"])
     except KeyboardInterrupt:
-        progress["interrupted"] = True
+        interrupted = True
         raise
     finally:
         stop.set()
         for actor in actors:
-            actor.join(timeout=10)
+            if actor.ident is None:  # not started (Ctrl-C while the pools were made): its envs are closed here
+                actor.envs.close()
+            else:
+                actor.join(timeout=10)
         wall_time = time.time() - start_time
-        sps = (progress["global_step"] - start_step) / wall_time
-        summary = {**progress, "world_size": world_size, "wall_time_s": wall_time, "sps": sps}
-        if rank == 0:
+        sps = (carry["global_step"] - start_step) / wall_time
+        summary = {"iteration": carry["iteration"], "global_step": carry["global_step"], "interrupted": interrupted}
+        summary = {**summary, "world_size": world_size, "wall_time_s": wall_time, "sps": sps}
+        if logger is not None:
             summary = {**summary, **logger.last}
-            (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+            write_json(run_dir / "summary.json", summary)
             logger.close()
         if world_size > 1 and dist.is_initialized():
             dist.destroy_process_group()

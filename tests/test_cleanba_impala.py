@@ -6,7 +6,6 @@ torchrun with gloo, --save-model then --evaluate and resume, Ctrl-C, a crashing 
 reproducibility claim: a slower learner gives bit-identical per-update losses and returns."""
 
 import dataclasses
-import glob
 import json
 import os
 import sys
@@ -17,16 +16,28 @@ import torch
 from conftest import DEVICES, ROOT
 from test_cleanba_ppo import (
     ATARI_PROTOCOL,
+    IDLE_FLAGS,
     check_a_failing_actor_ends_the_run_with_its_error,
-    check_ctrl_c_writes_the_summary_and_a_checkpoint,
+    check_a_resumed_run_ends_bit_identical_to_the_uninterrupted_run,
+    check_capture_video_records_breakout,
+    check_checkpoints_of_something_else_are_refused,
+    check_ctrl_c,
+    check_ctrl_c_in_an_update_leaves_the_last_finished_iteration,
+    check_ctrl_c_while_the_pools_start,
     check_envpool_cartpole_truncates_at_500_and_terminates_a_fallen_pole,
+    check_flags_that_would_do_nothing_are_refused,
+    check_max_episode_steps_sets_the_time_limit_of_classic_control,
     check_one_and_two_learners_make_the_same_step,
+    check_progress_lines_in_a_log_file_and_none_with_quiet,
+    check_save_model_then_evaluate_then_continue_the_finished_run,
+    check_settings_show_the_device_and_the_toy_chain_only_on_the_toy_chain,
     check_the_actor_acts_with_the_params_it_receives,
     check_the_actor_marks_the_next_step_reset_rows,
     check_the_actor_syncs_the_host_once_per_env_step,
     check_the_reset_rows_do_not_reach_the_update,
+    check_track_keeps_the_wandb_run_id_and_a_resume_goes_on_in_that_run,
+    evaluation_line,
     final_returns_on_cartpole,
-    only_run_dir,
     read_run,
     save_step,
     scalars,
@@ -355,6 +366,7 @@ OUT_OF_DOMAIN = [
     ("--checkpoint-freq", dict(checkpoint_freq=0)),
     ("--num-eval-episodes", dict(num_eval_episodes=-1)),
     ("--num-eval-episodes", dict(num_eval_episodes=0, evaluate=True, checkpoint="ckpt.pt")),
+    ("--progress-interval", dict(progress_interval=0.5)),
     ("--max-episode-steps", dict(max_episode_steps=0)),
     ("--local-num-envs", dict(local_num_envs=0)),
     ("--local-num-envs", dict(local_num_envs=-4)),
@@ -432,8 +444,9 @@ def test_bad_input_at_the_command_line_exits_2_with_one_line_naming_the_flag(tmp
 
 
 def test_format_settings_lists_every_resolved_setting_in_field_order():
+    check_settings_show_the_device_and_the_toy_chain_only_on_the_toy_chain(ci)
     args = ci.resolve_args(ci.Args(env_id="ToyChain-v0", num_actor_threads=1))
-    text = ci.format_settings(args)
+    text = ci.format_settings(args, torch.device("cpu"))
     lines = text.splitlines()
     assert lines[0] == "settings:" and all(len(line) <= 120 for line in lines)
     pairs = text.split()[1:]
@@ -441,6 +454,23 @@ def test_format_settings_lists_every_resolved_setting_in_field_order():
     for pair in ("toy.horizon=200", "num_steps=10", "num_minibatches=4", "rmsprop_eps=0.01", "batch_size=320"):
         assert pair in pairs, pair
     assert pairs.index("bootstrap_at_done=truncated") < pairs.index("toy.horizon=200") < pairs.index("num_steps=10")
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    IDLE_FLAGS
+    + [(dict(env_id="ToyChain-v0", evaluate=True, concurrency=False), "--no-concurrency: does nothing with")],
+)
+def test_flags_that_would_do_nothing_are_refused(kwargs, message, tmp_path):
+    check_flags_that_would_do_nothing_are_refused(ci, kwargs, message, tmp_path)
+
+
+def test_max_episode_steps_sets_the_time_limit_of_classic_control():
+    check_max_episode_steps_sets_the_time_limit_of_classic_control(ci)
+
+
+def test_checkpoints_of_something_else_are_refused(tmp_path):
+    check_checkpoints_of_something_else_are_refused(ci, tmp_path)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -509,8 +539,9 @@ def test_toy_chain_run_trains_on_the_data_version_of_table_1(tmp_path, concurren
     ]
     proc = run_script(args + (["--no-cuda"] if device == "cpu" else []), tmp_path)
     assert proc.stdout.startswith("settings:\n") and proc.stdout.count("settings:") == 1
-    assert " num_steps=5 " in proc.stdout and " toy.horizon=20 " in proc.stdout
+    assert {"num_steps=5", "toy.horizon=20", f"device={device}"} <= set(proc.stdout.split())
     summary, rows, run_dir = read_run(tmp_path)
+    assert proc.stdout.splitlines()[-1] == evaluation_line(summary)  # the final evaluation, as --evaluate prints it
     assert summary["global_step"] == 800 and summary["iteration"] == 20 and summary["sps"] > 0
     # Table 1: update i trains on data of pi_i (synchronous) or, from update 2 on, of pi_{i-1} (Cleanba's)
     expected = [max(i - 1, 1) for i in range(1, 21)] if concurrency else list(range(1, 21))
@@ -600,7 +631,7 @@ def test_logged_returns_are_raw_game_scores(tmp_path):
 def test_envpool_atari_protocol():
     """Sec. 5's protocol (Machado et al. 2018) as EnvPool is configured by this script's own make_env."""
     args = ci.resolve_args(ci.Args(env_id="Breakout-v5", max_episode_steps=10))
-    assert ci.Args().max_episode_steps == 27000
+    assert ci.resolve_args(ci.Args()).max_episode_steps == 27000  # the Atari preset (Sec. 5)
     pool = ci.make_env(args, 2, seeds=[1, 2])
     try:
         assert {k: pool.config[k] for k in ATARI_PROTOCOL} == ATARI_PROTOCOL
@@ -636,38 +667,47 @@ def test_torchrun_two_learners_with_gloo(tmp_path):
 
 
 @pytest.mark.slow
-def test_save_model_then_evaluate_then_resume(tmp_path):
-    run_script(
-        TOY + ["--total-timesteps", "400", "--save-model", "--checkpoint-freq", "5", "--no-cuda"], tmp_path / "first"
-    )
-    run_dir = only_run_dir(tmp_path / "first")
-    assert sorted(os.path.basename(p) for p in glob.glob(os.path.join(run_dir, "*.pt"))) == [
-        "ckpt_200.pt",
-        "ckpt_400.pt",
-        "final_ckpt.pt",
-    ]
-    ckpt = torch.load(os.path.join(run_dir, "final_ckpt.pt"), weights_only=True)
-    assert ckpt["iteration"] == 10 and ckpt["global_step"] == 400 and ckpt["optimizer"]["state"]  # RMSprop's averages
+def test_save_model_then_evaluate_then_continue_the_finished_run(tmp_path):
+    flags = TOY + ["--no-cuda", "--num-minibatches", "2"]
+    rows = check_save_model_then_evaluate_then_continue_the_finished_run(tmp_path, SCRIPT, flags)
+    # Cleanba's architecture, continued: pi_10 (the checkpoint's previous policy) makes rollout 11, pi_11 rollout 12
+    assert [r["cleanba/data_policy_version"] for r in rows] == [1, *range(1, 15)]
 
-    run_script(
-        TOY + ["--evaluate", "--checkpoint", os.path.join(run_dir, "final_ckpt.pt"), "--no-cuda"], tmp_path / "second"
-    )
-    evaluated, _, _ = read_run(tmp_path / "second")
-    assert evaluated["eval/episode_len"] == 20 and "eval/return" in evaluated and evaluated["global_step"] == 400
 
-    proc = run_script(
-        TOY + ["--total-timesteps", "800", "--checkpoint", os.path.join(run_dir, "ckpt_200.pt"), "--no-cuda"],
-        tmp_path / "third",
-    )
-    assert "resuming from" in proc.stdout
-    summary, rows, _ = read_run(tmp_path / "third")
-    assert summary["global_step"] == 800 and [r["cleanba/learner_policy_version"] for r in rows] == list(range(6, 21))
-    assert [r["cleanba/data_policy_version"] for r in rows][:4] == [6, 6, 7, 8]  # pi_6 makes the first two rollouts
+@pytest.mark.slow
+def test_a_resumed_run_ends_bit_identical_to_the_uninterrupted_run(tmp_path):
+    flags = TOY + ["--toy.progression-prob", "0.3", "--num-minibatches", "2"]  # Cleanba's architecture (the default)
+    check_a_resumed_run_ends_bit_identical_to_the_uninterrupted_run(tmp_path, SCRIPT, flags)
+
+
+def test_track_keeps_the_wandb_run_id_and_a_resume_goes_on_in_that_run(tmp_path, monkeypatch):
+    check_track_keeps_the_wandb_run_id_and_a_resume_goes_on_in_that_run(tmp_path, monkeypatch, ci, num_minibatches=2)
+
+
+@pytest.mark.slow
+def test_progress_lines_in_a_log_file_and_none_with_quiet(tmp_path):
+    check_progress_lines_in_a_log_file_and_none_with_quiet(tmp_path, SCRIPT, TOY + ["--num-minibatches", "2"])
+
+
+@pytest.mark.slow
+def test_capture_video_records_breakout(tmp_path):
+    breakout = ["--local-num-envs", "2", "--num-actor-threads", "1", "--num-steps", "8", "--num-minibatches", "1"]
+    check_capture_video_records_breakout(tmp_path, SCRIPT, breakout)
 
 
 def test_a_failing_actor_ends_the_run_with_its_error(tmp_path, monkeypatch):
     check_a_failing_actor_ends_the_run_with_its_error(tmp_path, monkeypatch, ci, num_minibatches=2)
 
 
-def test_ctrl_c_writes_the_summary_and_a_checkpoint(tmp_path):
-    check_ctrl_c_writes_the_summary_and_a_checkpoint(tmp_path, SCRIPT, TOY)
+def test_ctrl_c_in_an_update_leaves_the_last_finished_iteration(tmp_path, monkeypatch):
+    check_ctrl_c_in_an_update_leaves_the_last_finished_iteration(tmp_path, monkeypatch, ci, num_minibatches=2)
+
+
+def test_ctrl_c_while_the_pools_start(tmp_path, monkeypatch):
+    check_ctrl_c_while_the_pools_start(tmp_path, monkeypatch, ci, num_minibatches=2)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("phase", ["start", "training", "evaluation"])
+def test_ctrl_c_ends_the_run_within_10_s_and_writes_what_it_writes(tmp_path, phase):
+    check_ctrl_c(tmp_path, SCRIPT, phase)

@@ -9,13 +9,17 @@ import dataclasses
 import glob
 import json
 import os
+import re
+import shutil
 import signal
 import socket
 import subprocess
 import sys
 import threading
 import time
+import types
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -38,6 +42,7 @@ TOY = [
     "--local-num-envs",
     "8",
 ]
+TOY_EVALUATION = ["--env-id", "ToyChain-v0", "--toy.horizon", "20", "--num-eval-episodes", "4", "--no-cuda"]
 TIMERS = (
     "charts/SPS",
     "cleanba/rollout_queue_get_time",
@@ -314,6 +319,7 @@ OUT_OF_DOMAIN = [
     ("seed", -1, ">= 0"),
     ("checkpoint_freq", 0, ">= 1"),
     ("num_eval_episodes", -1, ">= 0"),
+    ("progress_interval", 0.5, ">= 1"),
     ("max_episode_steps", 0, ">= 1"),
     ("local_num_envs", 0, ">= 1"),
     ("local_num_envs", -4, ">= 1"),
@@ -373,24 +379,123 @@ def test_every_numeric_flag_has_a_row_in_the_out_of_domain_table():
     assert numeric == {name for name, _, _ in OUT_OF_DOMAIN}
 
 
-def test_settings_are_printed_in_field_order_in_lines_of_at_most_120_characters():
-    args = cp.resolve_args(cp.Args(env_id="ToyChain-v0", toy=cp.ToyChainConfig(horizon=40)))
-    lines = cp.format_settings(args).splitlines()
+def check_settings_show_the_device_and_the_toy_chain_only_on_the_toy_chain(script):
+    """Shared with test_cleanba_impala.py: the settings in field order, the device last, the toy chain's settings on
+    ToyChain-v0 only and never its test hook toy.crash_at_step."""
+    toy = script.resolve_args(script.Args(env_id="ToyChain-v0", toy=script.ToyChainConfig(horizon=40)))
+    lines = script.format_settings(toy, torch.device("cpu")).splitlines()
     assert lines[0] == "settings:" and 1 < len(lines) < 15 and all(len(line) <= 120 for line in lines)
     pairs = " ".join(lines[1:]).split(" ")
-    assert pairs[0] == "exp_name=cleanba_ppo" and pairs[-1] == "num_iterations=200"
-    assert pairs.index("env_id=ToyChain-v0") < pairs.index("toy.horizon=40") < pairs.index("local_num_envs=32")
+    assert pairs[0] == f"exp_name={script.SCRIPT[:-3]}" and pairs[-1] == "device=cpu"
+    assert pairs.index("env_id=ToyChain-v0") < pairs.index("toy.horizon=40") < pairs.index("num_iterations=200")
+    assert "toy.block_length=5" in pairs and not any("crash_at_step" in pair for pair in pairs)
+    breakout = script.format_settings(script.resolve_args(script.Args()), torch.device("cpu")).split()
+    assert "env_id=Breakout-v5" in breakout and not any(pair.startswith("toy.") for pair in breakout)
+    assert "max_episode_steps=27000" in breakout  # the Atari preset
+
+
+def test_settings_show_the_device_and_the_toy_chain_only_on_the_toy_chain():
+    check_settings_show_the_device_and_the_toy_chain_only_on_the_toy_chain(cp)
+    args = cp.resolve_args(cp.Args(env_id="ToyChain-v0"))
+    pairs = cp.format_settings(args, torch.device("cpu")).split()
     assert "clip_coef=0.1" in pairs and "total_timesteps=64000" in pairs  # the preset's values, resolved
 
 
-def test_evaluate_needs_an_episode_and_a_checkpoint_of_this_network(tmp_path):
+# (flags, the start of the refusal): flags that would do nothing where they are given
+IDLE_FLAGS = [
+    (dict(env_id="Breakout-v5", toy=cp.ToyChainConfig(horizon=40)), "--toy.horizon: does nothing on Breakout-v5"),
+    (dict(env_id="CartPole-v1", toy=cp.ToyChainConfig(crash_at_step=3)), "--toy.crash-at-step: does nothing on"),
+    (dict(env_id="ToyChain-v0", max_episode_steps=50), "--max-episode-steps 50: does nothing on ToyChain-v0"),
+    (dict(env_id="ToyChain-v0", capture_video=True), "--capture-video: does nothing on ToyChain-v0"),
+    (dict(env_id="CartPole-v1", capture_video=True, num_eval_episodes=0), "--capture-video: does nothing with --num"),
+    (dict(env_id="ToyChain-v0", checkpoint_freq=5), "--checkpoint-freq 5: does nothing without --save-model"),
+    (dict(env_id="ToyChain-v0", wandb_entity="me"), "--wandb-entity me: does nothing without --track"),
+    (dict(env_id="ToyChain-v0", evaluate=True, save_model=True), "--save-model: does nothing with --evaluate"),
+    (dict(env_id="ToyChain-v0", evaluate=True, total_timesteps=800), "--total-timesteps 800: does nothing with"),
+    (dict(env_id="ToyChain-v0", evaluate=True, debug_learner_delay=1.0), "--debug-learner-delay 1.0: does nothing"),
+    (dict(env_id="ToyChain-v0", evaluate=True, num_steps=5), "--num-steps 5: does nothing with --evaluate"),
+    (dict(env_id="ToyChain-v0", evaluate=True, quiet=True), "--quiet: does nothing with --evaluate"),
+    (dict(env_id="ToyChain-v0", checkpoint="ckpt.pt", output_dir="elsewhere"), "--output-dir elsewhere: does nothing"),
+]
+
+
+def check_flags_that_would_do_nothing_are_refused(script, kwargs, message, tmp_path):
+    """Shared with test_cleanba_impala.py: refused before any env starts, naming the flag and why."""
+    if kwargs.get("evaluate") or kwargs.get("checkpoint"):
+        kwargs = dict(kwargs, checkpoint=str(tmp_path / "missing.pt"))  # refused before the checkpoint is read
+    with pytest.raises(script.ArgsError) as error:
+        script.resolve_args(script.Args(**kwargs))
+    assert str(error.value).startswith(message), str(error.value)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    IDLE_FLAGS
+    + [
+        (dict(env_id="ToyChain-v0", norm_adv=False, adv_std_floor=1.0), "--adv-std-floor 1.0: does nothing with"),
+        (dict(env_id="ToyChain-v0", evaluate=True, concurrency=True), "--concurrency: does nothing with --evaluate"),
+    ],
+)
+def test_flags_that_would_do_nothing_are_refused(kwargs, message, tmp_path):
+    check_flags_that_would_do_nothing_are_refused(cp, kwargs, message, tmp_path)
+
+
+def check_max_episode_steps_sets_the_time_limit_of_classic_control(script):
+    """Shared with test_cleanba_impala.py: the task's own 500 steps by default, the flag's value when given."""
+    for value, expected in ((None, 500), (50, 50)):
+        pool = script.make_env(script.resolve_args(script.Args(env_id="Acrobot-v1", max_episode_steps=value)), 1, [1])
+        try:
+            assert pool.config["max_episode_steps"] == expected
+        finally:
+            pool.close()
+
+
+def test_max_episode_steps_sets_the_time_limit_of_classic_control():
+    check_max_episode_steps_sets_the_time_limit_of_classic_control(cp)
+
+
+def check_checkpoints_of_something_else_are_refused(script, tmp_path):
+    """Shared with test_cleanba_impala.py: before any env starts, one line naming --checkpoint and what it found."""
+    other = "cleanba_impala.py" if script.SCRIPT == "cleanba_ppo.py" else "cleanba_ppo.py"
+    (tmp_path / "text.pt").write_text("not a checkpoint")
+    torch.save({"model": {}, "iteration": 1}, tmp_path / "no_script.pt")
+    torch.save({"script": other, "env_id": "ToyChain-v0"}, tmp_path / "other_script.pt")
+    torch.save({"script": script.SCRIPT, "env_id": "CartPole-v1"}, tmp_path / "other_task.pt")
+    torch.save(
+        {"script": script.SCRIPT, "env_id": "ToyChain-v0", "iteration": 5, "global_step": 1600}, tmp_path / "at_1600.pt"
+    )
+    cases = [
+        ("text.pt", {}, f"--checkpoint {tmp_path / 'text.pt'}: not a checkpoint of {script.SCRIPT} (Unsupported"),
+        ("missing.pt", {}, f"--checkpoint {tmp_path / 'missing.pt'}: not a checkpoint of {script.SCRIPT} ([Errno 2]"),
+        ("no_script.pt", {}, f"--checkpoint {tmp_path / 'no_script.pt'}: not a checkpoint of {script.SCRIPT} (no"),
+        ("other_script.pt", {}, f"a checkpoint of {other} on ToyChain-v0, not of {script.SCRIPT} on ToyChain-v0"),
+        ("other_task.pt", {}, f"a checkpoint of {script.SCRIPT} on CartPole-v1, not of {script.SCRIPT} on ToyChain"),
+        (
+            "at_1600.pt",
+            dict(total_timesteps=1600),
+            "--total-timesteps 1600: the checkpoint is at global step 1600 already",
+        ),
+    ]
+    for name, kwargs, message in cases:
+        args = script.Args(
+            env_id="ToyChain-v0", local_num_envs=32, num_steps=10, checkpoint=str(tmp_path / name), **kwargs
+        )
+        with pytest.raises(script.ArgsError) as error:
+            script.resolve_args(args)
+        assert message in str(error.value) and "\n" not in str(error.value), (name, str(error.value))
+    assert script.resolve_args(script.Args(env_id="ToyChain-v0", checkpoint=str(tmp_path / "at_1600.pt"))).checkpoint
+
+
+def test_checkpoints_of_something_else_are_refused(tmp_path):
+    check_checkpoints_of_something_else_are_refused(cp, tmp_path)
+
+
+def test_evaluate_needs_an_episode_and_a_checkpoint(tmp_path):
     path = tmp_path / "model.pt"
     path.write_text("not a checkpoint")
     with pytest.raises(cp.ArgsError, match=r"\-\-num\-eval\-episodes 0: must be >= 1"):
         cp.resolve_args(cp.Args(env_id="ToyChain-v0", evaluate=True, checkpoint=str(path), num_eval_episodes=0))
     assert cp.resolve_args(cp.Args(env_id="ToyChain-v0", num_eval_episodes=0)).num_eval_episodes == 0
-    with pytest.raises(cp.ArgsError, match="no such file"):
-        cp.resolve_args(cp.Args(env_id="ToyChain-v0", checkpoint=str(tmp_path / "missing.pt")))
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -665,7 +770,8 @@ def test_two_gloo_learners_on_the_halves_make_the_step_of_one_learner_on_the_who
 # ----------------------------------------------------------------------------------------------------------------------
 def run_script(args, out, timeout=300, check=True, launcher=None, script=SCRIPT):
     env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
-    cmd = (launcher or [sys.executable]) + [script, "--output-dir", str(out), *args]
+    output = ["--output-dir", str(out)] if out else []  # None: a resumed run, or --evaluate (no new run directory)
+    cmd = (launcher or [sys.executable]) + [script, *output, *args]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
     if check:
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -686,6 +792,12 @@ def read_run(path):
     return summary, [row for row in rows if "cleanba/data_policy_version" in row], run_dir
 
 
+def evaluation_line(results):
+    """The line the scripts print for an evaluation."""
+    names = [name for name in ("eval/return", "eval/episode_len", "eval/success_at_end") if name in results]
+    return f"global_step={results['global_step']} " + " ".join(f"{name}={results[name]:.3f}" for name in names)
+
+
 def scalars(run_dir, tag):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -702,6 +814,9 @@ def test_toy_chain_run_trains_on_the_data_version_of_table_1(tmp_path, concurren
     summary, rows, run_dir = read_run(tmp_path)
     assert summary["global_step"] == 800 and summary["iteration"] == 20 and summary["sps"] > 0
     assert proc.stdout.count("settings:") == 1 and "toy.horizon=20" in proc.stdout and "local_num_envs=8" in proc.stdout
+    assert " device=cpu" in proc.stdout or device == "cuda"
+    # the final evaluation's line, in the format of --evaluate's
+    assert proc.stdout.splitlines()[-1] == evaluation_line(summary), proc.stdout[-500:]
     # Table 1: update i trains on data of pi_i (synchronous) or, from update 2 on, of pi_{i-1} (Cleanba's)
     expected = [max(i - 1, 1) for i in range(1, 21)] if concurrency else list(range(1, 21))
     assert [r["cleanba/data_policy_version"] for r in rows] == expected
@@ -827,42 +942,203 @@ def test_torchrun_two_learners_with_gloo(tmp_path):
     assert [r["cleanba/data_policy_version"] for r in rows] == [1, 1, 2, 3, 4, 5, 6, 7, 8, 9]
 
 
-@pytest.mark.slow
-def test_save_model_then_evaluate_then_resume(tmp_path):
+def check_save_model_then_evaluate_then_continue_the_finished_run(tmp_path, script_path, flags):
+    """Shared with test_cleanba_impala.py. --evaluate prints one result line and writes eval_<name>.json beside the
+    checkpoint, no run directory; a finished run goes on in its own directory up to a larger --total-timesteps, and
+    is refused at its own."""
     run_script(
-        TOY + ["--total-timesteps", "400", "--save-model", "--checkpoint-freq", "5", "--no-cuda"], tmp_path / "first"
+        [*flags, "--total-timesteps", "400", "--save-model", "--checkpoint-freq", "5"], tmp_path, script=script_path
     )
-    run_dir = only_run_dir(tmp_path / "first")
+    run_dir = only_run_dir(tmp_path)
     assert sorted(os.path.basename(p) for p in glob.glob(os.path.join(run_dir, "*.pt"))) == [
         "ckpt_200.pt",
         "ckpt_400.pt",
         "final_ckpt.pt",
     ]
-    ckpt = torch.load(os.path.join(run_dir, "final_ckpt.pt"), weights_only=True)
+    final = os.path.join(run_dir, "final_ckpt.pt")
+    ckpt = torch.load(final, weights_only=True)
     assert ckpt["iteration"] == 10 and ckpt["global_step"] == 400 and ckpt["optimizer"]["state"]
+    assert ckpt["script"] == os.path.basename(script_path) and ckpt["env_id"] == "ToyChain-v0"
 
-    run_script(
-        TOY + ["--evaluate", "--checkpoint", os.path.join(run_dir, "final_ckpt.pt"), "--no-cuda"], tmp_path / "second"
-    )
-    evaluated, _, _ = read_run(tmp_path / "second")
-    assert evaluated["eval/episode_len"] == 20 and "eval/return" in evaluated and evaluated["global_step"] == 400
+    proc = run_script([*TOY_EVALUATION, "--evaluate", "--checkpoint", final], None, script=script_path)
+    evaluated = json.load(open(os.path.join(run_dir, "eval_final_ckpt.json")))
+    assert evaluated["eval/episode_len"] == 20 and evaluated["global_step"] == 400 and evaluated["checkpoint"] == final
+    assert (evaluated["eval_seed"], evaluated["num_eval_episodes"]) == (1, 4)
+    assert proc.stdout.splitlines()[-1] == evaluation_line(evaluated) and "resuming" not in proc.stdout
+    assert only_run_dir(tmp_path) == run_dir and not os.path.exists(os.path.join(ROOT, "runs"))  # no run directory
 
     proc = run_script(
-        TOY
-        + [
-            "--total-timesteps",
-            "800",
-            "--checkpoint",
-            os.path.join(run_dir, "ckpt_200.pt"),
-            "--no-cuda",
-            "--concurrency",
-        ],
-        tmp_path / "third",
+        [*flags, "--total-timesteps", "400", "--checkpoint", final], None, check=False, script=script_path
     )
-    assert "resuming from" in proc.stdout
-    summary, rows, _ = read_run(tmp_path / "third")
-    assert summary["global_step"] == 800 and [r["cleanba/learner_policy_version"] for r in rows] == list(range(6, 21))
-    assert [r["cleanba/data_policy_version"] for r in rows][:4] == [6, 6, 7, 8]  # pi_6 makes the first two rollouts
+    assert proc.returncode == 2 and "--total-timesteps 400: the checkpoint is at global step 400 already" in proc.stderr
+    proc = run_script([*flags, "--total-timesteps", "600", "--checkpoint", final], None, script=script_path)
+    assert f"resuming {run_dir} at global step 400 (iteration 10)" in proc.stdout
+    summary, rows, resumed_dir = read_run(tmp_path)
+    assert resumed_dir == run_dir and summary["global_step"] == 600 and summary["iteration"] == 15
+    assert [r["cleanba/learner_policy_version"] for r in rows] == list(range(1, 16))  # one row per iteration
+    assert [step for step, _ in scalars(run_dir, "charts/SPS")] == list(range(40, 640, 40))
+    return rows
+
+
+@pytest.mark.slow
+def test_save_model_then_evaluate_then_continue_the_finished_run(tmp_path):
+    rows = check_save_model_then_evaluate_then_continue_the_finished_run(tmp_path, SCRIPT, TOY + ["--no-cuda"])
+    assert [r["cleanba/data_policy_version"] for r in rows] == list(range(1, 16))  # synchronous
+
+
+def check_a_resumed_run_ends_bit_identical_to_the_uninterrupted_run(tmp_path, script_path, flags):
+    """Shared with test_cleanba_impala.py. A run resumed from its iteration-5 checkpoint (in a copy of the finished
+    run's directory) ends with the same weights, per-iteration losses and returns, evaluation and TensorBoard steps as
+    the run that did not stop: the actors' carried state and the next rollout's policy are in the checkpoint."""
+    flags = [*flags, "--total-timesteps", "480", "--save-model", "--checkpoint-freq", "5", "--no-cuda", "--quiet"]
+    run_script(flags, tmp_path / "whole", script=script_path)
+    whole_dir = only_run_dir(tmp_path / "whole")
+    resumed_dir = tmp_path / "resumed" / "run"
+    shutil.copytree(whole_dir, resumed_dir)  # what the old run wrote after step 200 must be redone, not duplicated
+    proc = run_script([*flags, "--checkpoint", str(resumed_dir / "ckpt_200.pt")], None, script=script_path)
+    assert f"resuming {resumed_dir} at global step 200 (iteration 5)" in proc.stdout and "resume:" not in proc.stdout
+    assert os.listdir(resumed_dir.parent) == ["run"] and not os.path.exists(os.path.join(ROOT, "runs"))
+    whole, resumed = (torch.load(path / "final_ckpt.pt", weights_only=True) for path in (Path(whole_dir), resumed_dir))
+    assert whole["model"].keys() == resumed["model"].keys()
+    assert all(torch.equal(whole["model"][name], resumed["model"][name]) for name in whole["model"])
+    untimed = (*TIMERS, "time/eval")
+    timing_free = lambda rows: [{k: v for k, v in row.items() if k not in untimed} for row in rows]  # noqa: E731
+    lines = [[json.loads(line) for line in open(path / "updates.jsonl")] for path in (Path(whole_dir), resumed_dir)]
+    assert timing_free(lines[0]) == timing_free(lines[1]) and len(lines[0]) == 13  # 12 iterations, the evaluation
+    assert any("charts/episodic_return" in row for row in lines[1][5:])
+    assert scalars(str(resumed_dir), "charts/episodic_return") == scalars(whole_dir, "charts/episodic_return")
+    assert scalars(str(resumed_dir), "eval/return") == scalars(whole_dir, "eval/return")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("concurrency", [False, True])
+def test_a_resumed_run_ends_bit_identical_to_the_uninterrupted_run(tmp_path, concurrency):
+    flags = TOY + ["--toy.progression-prob", "0.3", "--concurrency" if concurrency else "--no-concurrency"]
+    check_a_resumed_run_ends_bit_identical_to_the_uninterrupted_run(tmp_path, SCRIPT, flags)
+
+
+def check_track_keeps_the_wandb_run_id_and_a_resume_goes_on_in_that_run(tmp_path, monkeypatch, script, **kwargs):
+    """Shared with test_cleanba_impala.py: wandb.init replaced (no network), the script's own code path otherwise."""
+    inits = []
+    ids = iter(["first-id", "second-id"])
+    fake = types.SimpleNamespace(
+        init=lambda **init: inits.append(init), util=types.SimpleNamespace(generate_id=lambda: next(ids))
+    )
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    args = script.Args(
+        env_id="ToyChain-v0",
+        output_dir=str(tmp_path),
+        local_num_envs=4,
+        num_steps=5,
+        total_timesteps=40,
+        num_eval_episodes=0,
+        cuda=False,
+        track=True,
+        save_model=True,
+        **kwargs,
+    )
+    try:
+        script.main(args)
+        final = os.path.join(only_run_dir(tmp_path), "final_ckpt.pt")
+        assert torch.load(final, weights_only=True)["wandb_id"] == "first-id"
+        script.main(dataclasses.replace(args, total_timesteps=80, checkpoint=final, output_dir="runs"))
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert [(init["id"], init["resume"]) for init in inits] == [("first-id", "allow"), ("first-id", "allow")]
+    assert torch.load(final, weights_only=True)["wandb_id"] == "first-id" and len(os.listdir(tmp_path)) == 1
+
+
+def test_track_keeps_the_wandb_run_id_and_a_resume_goes_on_in_that_run(tmp_path, monkeypatch):
+    check_track_keeps_the_wandb_run_id_and_a_resume_goes_on_in_that_run(tmp_path, monkeypatch, cp)
+
+
+PROGRESS = re.compile(
+    r"progress global_step=(\d+)/(\d+) \((\d+)%\) SPS=(\d+) elapsed=(\d+:\d\d:\d\d) left=(\d+:\d\d:\d\d|\?)"
+    r"( charts/episodic_return=-?[\d.e+-]+)?( charts/success_rate=[\d.e+-]+)?"
+)
+
+
+def check_progress_lines_in_a_log_file_and_none_with_quiet(tmp_path, script_path, flags):
+    """Shared with test_cleanba_impala.py. Stdout is a file, as in a job's log. The learner sleeps 0.25 s after each of
+    10 updates, so at least 2.5 s pass in training whatever the machine: with --progress-interval 1 there are at least
+    two progress lines (the first after one interval), in the format, steps increasing; --quiet prints none."""
+    flags = [
+        *flags,
+        "--total-timesteps",
+        "400",
+        "--no-cuda",
+        "--debug-learner-delay",
+        "0.25",
+        "--progress-interval",
+        "1",
+    ]
+    found = {}
+    for quiet in (False, True):
+        log_path = tmp_path / f"quiet_{quiet}.log"
+        with open(log_path, "w") as log:
+            command = [sys.executable, script_path, "--output-dir", str(tmp_path / str(quiet)), *flags]
+            proc = subprocess.run(
+                command + ["--quiet"] * quiet, stdout=log, stderr=subprocess.STDOUT, timeout=300, cwd=ROOT
+            )
+        text = log_path.read_text()
+        assert proc.returncode == 0 and "\r" not in text, text[-2000:]
+        found[quiet] = [line for line in text.splitlines() if line.startswith("progress")]
+    assert found[True] == [] and len(found[False]) >= 2, found
+    steps = []
+    for line in found[False]:
+        match = PROGRESS.fullmatch(line)
+        assert match, line
+        steps.append(int(match.group(1)))
+        assert int(match.group(2)) == 400 and int(match.group(3)) == 100 * steps[-1] // 400
+        sps = int(match.group(4))
+        seconds = [
+            sum(int(part) * 60**power for power, part in enumerate(reversed(hms.split(":"))))
+            for hms in match.group(5, 6)
+        ]
+        assert seconds[0] >= 1  # the first line comes one interval after training started
+        assert (400 - steps[-1]) / (sps + 0.5) - 1 <= seconds[1] <= (400 - steps[-1]) / max(sps - 0.5, 0.5), (
+            line
+        )  # at SPS
+    assert steps == sorted(set(steps)) and "charts/episodic_return=" in found[False][-1]
+
+
+@pytest.mark.slow
+def test_progress_lines_in_a_log_file_and_none_with_quiet(tmp_path):
+    check_progress_lines_in_a_log_file_and_none_with_quiet(tmp_path, SCRIPT, TOY)
+
+
+def check_capture_video_records_breakout(tmp_path, script_path, flags):
+    """Shared with test_cleanba_impala.py. A short Breakout run (episodes cut at 30 steps) records its final
+    evaluation's first episode in videos/, and --evaluate its own beside the checkpoint: mp4 files that imageio reads
+    back, one frame per step of the episode. Resumed, the run says that EnvPool's state is not in the checkpoint."""
+    import imageio
+
+    evaluation = ["--env-id", "Breakout-v5", "--max-episode-steps", "30", "--num-eval-episodes", "1", "--capture-video"]
+    evaluation.append("--no-cuda")
+    proc = run_script([*evaluation, *flags, "--save-model", "--total-timesteps", "16"], tmp_path, script=script_path)
+    summary, _, run_dir = read_run(tmp_path)
+    videos = glob.glob(os.path.join(run_dir, "videos", "*.mp4"))
+    assert len(videos) == 1 and f"video: {videos[0]}" in proc.stdout
+    final = os.path.join(run_dir, "final_ckpt.pt")
+    proc = run_script([*evaluation, "--evaluate", "--checkpoint", final], None, script=script_path)
+    beside = os.path.join(run_dir, "eval_final_ckpt.mp4")
+    assert f"video: {beside}" in proc.stdout
+    for video in (videos[0], beside):
+        frames = imageio.mimread(video)
+        assert len(frames) == summary["eval/episode_len"] == 30 and frames[0].shape == (210, 160, 3)
+    # a resumed Breakout run says, in one line, that EnvPool's state is not in the checkpoint
+    proc = run_script([*evaluation, *flags, "--total-timesteps", "32", "--checkpoint", final], None, script=script_path)
+    notes = [line for line in proc.stdout.splitlines() if line.startswith("resume:")]
+    assert notes == [
+        "resume: the envs' state is not in the checkpoint (EnvPool's cannot be saved): they start new episodes"
+    ]
+
+
+@pytest.mark.slow
+def test_capture_video_records_breakout(tmp_path):
+    breakout = ["--local-num-envs", "2", "--num-actor-threads", "1", "--num-steps", "8", "--num-minibatches", "1"]
+    breakout += ["--update-epochs", "1"]
+    check_capture_video_records_breakout(tmp_path, SCRIPT, breakout)
 
 
 def test_bad_flag_exits_early_with_a_message_and_writes_nothing(tmp_path):
@@ -877,7 +1153,7 @@ def test_bad_flag_exits_early_with_a_message_and_writes_nothing(tmp_path):
     [
         (["--gamma", "1.5"], "error: --gamma 1.5: must be in [0, 1]"),
         (["--toy.horizon", "0"], "--toy.horizon 0: must be >= 1"),
-        (["--checkpoint", "model.pt"], "error: --checkpoint model.pt: not a checkpoint of this network"),
+        (["--checkpoint", "model.pt"], "error: --checkpoint model.pt: not a checkpoint of cleanba_ppo.py ("),
     ],
 )
 def test_bad_input_at_the_command_line_exits_2_with_one_line_and_no_traceback(tmp_path, flags, message):
@@ -891,7 +1167,8 @@ def test_bad_input_at_the_command_line_exits_2_with_one_line_and_no_traceback(tm
 
 
 def check_a_failing_actor_ends_the_run_with_its_error(tmp_path, monkeypatch, script, **kwargs):
-    """Shared with test_cleanba_impala.py: the 31st env step raises; main() must raise that error and write summary.json."""
+    """Shared with test_cleanba_impala.py: the 31st env step raises; main() must raise that error and write
+    summary.json."""
     calls = {"n": 0}
     real_recv = script.ToyChainPool.recv
 
@@ -926,56 +1203,140 @@ def test_a_failing_actor_ends_the_run_with_its_error(tmp_path, monkeypatch):
     check_a_failing_actor_ends_the_run_with_its_error(tmp_path, monkeypatch, cp)
 
 
-def check_ctrl_c_writes_the_summary_and_a_checkpoint(tmp_path, script_path, toy_args):
-    """Shared with test_cleanba_impala.py. A background job ignores SIGINT and its children inherit that, so the child
-    restores Python's handler itself."""
+def interrupt(tmp_path, script_path, flags, ready):
+    """Starts the script in a process group of its own with stdout in a file, waits until ready() (a line it printed or
+    a file it wrote, never a guess at timing), sends SIGINT to the whole group as a terminal's Ctrl-C does, and returns
+    the seconds until the script exited, with its output. A background job ignores SIGINT and its children inherit
+    that, so the child restores Python's handler itself."""
     launcher = (
         "import runpy, signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
         "sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')"
     )
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-c",
-            launcher,
-            script_path,
-            "--output-dir",
-            str(tmp_path),
-            "--save-model",
-            "--no-cuda",
-            "--checkpoint-freq",
-            "5",
-            *toy_args,
-            "--total-timesteps",
-            str(10**8),
-        ],
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
+    log_path = tmp_path / "log.txt"
+    command = [sys.executable, "-c", launcher, script_path, "--output-dir", str(tmp_path / "runs"), *flags]
+    with open(log_path, "w") as log:
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        proc = subprocess.Popen(
+            command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
     try:
-        # wait for the first checkpoint however slow the start-up (a loaded machine); the run cannot end by itself,
-        # and the 10-minute guard only stops a hang
-        hang_guard = time.time() + 600
-        while not glob.glob(os.path.join(str(tmp_path), "*", "ckpt_*.pt")):
-            assert proc.poll() is None and time.time() < hang_guard, "no checkpoint was written"
-            time.sleep(0.2)
-        proc.send_signal(signal.SIGINT)
-        proc.communicate(timeout=60)
+        hang_guard = time.time() + 600  # the start may be slow on a loaded machine; this only stops a hang
+        while not ready(log_path.read_text()):
+            assert proc.poll() is None and time.time() < hang_guard, log_path.read_text()[-3000:]
+            time.sleep(0.1)
+        os.killpg(proc.pid, signal.SIGINT)
+        sent = time.monotonic()
+        proc.wait(timeout=60)
+        exited = time.monotonic() - sent
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
-    assert proc.returncode == 130
+    output = log_path.read_text()
+    assert proc.returncode == 130 and "Traceback" not in output, output[-3000:]
+    return exited, output
+
+
+def run_files(tmp_path, pattern):
+    return glob.glob(os.path.join(str(tmp_path), "runs", "*", pattern))
+
+
+def check_ctrl_c(tmp_path, script_path, phase):
+    """Shared with test_cleanba_impala.py. Ctrl-C ends the script within 10 s (plus 5 s for a loaded machine and the
+    interpreter's exit) in each phase: while the actor threads start EnvPool (Breakout, 2 x 16 envs; after the
+    settings line), in training (after the first checkpoint) and in the final evaluation (after final_ckpt.pt: the
+    toy chain's episodes there last 10^6 steps). summary.json (and final_ckpt.pt) are written whole."""
+    toy = ["--env-id", "ToyChain-v0", "--local-num-envs", "8", "--num-steps", "5", "--no-cuda", "--save-model"]
+    if phase == "start":
+        flags = ["--env-id", "Breakout-v5", "--local-num-envs", "32", "--no-cuda", "--save-model"]
+        exited, _ = interrupt(tmp_path, script_path, flags, lambda output: "settings:" in output)
+    elif phase == "training":
+        flags = [*toy, "--checkpoint-freq", "5", "--total-timesteps", str(10**8)]
+        exited, _ = interrupt(tmp_path, script_path, flags, lambda output: run_files(tmp_path, "ckpt_*.pt"))
+    else:
+        flags = [*toy, "--total-timesteps", "80", "--toy.horizon", "1000000", "--toy.block-length", "10000"]
+        exited, _ = interrupt(tmp_path, script_path, flags, lambda output: run_files(tmp_path, "final_ckpt.pt"))
+    assert exited < 15, exited
+    summary = json.load(open(run_files(tmp_path, "summary.json")[0]))
+    assert summary["interrupted"] is True and not run_files(tmp_path, "*.tmp")
+    if phase == "start":
+        assert summary["iteration"] == 0 and not run_files(tmp_path, "*.pt")
+    else:
+        ckpt = torch.load(run_files(tmp_path, "final_ckpt.pt")[0], weights_only=True)
+        assert ckpt["global_step"] == summary["global_step"] > 0 and ckpt["iteration"] == summary["iteration"]
+    if phase == "evaluation":
+        assert summary["iteration"] == 2 and "eval/return" not in summary
+
+
+def check_ctrl_c_while_the_pools_start(tmp_path, monkeypatch, script, **kwargs):
+    """Shared with test_cleanba_impala.py. Ctrl-C while the second actor thread makes its pool (EnvPool holds the GIL
+    while it builds one, so the KeyboardInterrupt comes out of that call): the first thread's pool, made but never
+    started, is closed, the run ends with KeyboardInterrupt and summary.json says so."""
+    made = []
+    closed = []
+    make_env = script.make_env
+
+    def interrupted_on_the_second(*make_args, **make_kwargs):
+        if made:
+            raise KeyboardInterrupt
+        made.append(make_env(*make_args, **make_kwargs))
+        return made[-1]
+
+    monkeypatch.setattr(script, "make_env", interrupted_on_the_second)
+    monkeypatch.setattr(script.ToyChainPool, "close", lambda pool: closed.append(pool))
+    args = script.Args(
+        env_id="ToyChain-v0", output_dir=str(tmp_path), local_num_envs=4, num_steps=5, cuda=False, **kwargs
+    )
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            script.main(args)
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert len(made) == 1 and closed == made
+    summary = json.load(open(os.path.join(only_run_dir(tmp_path), "summary.json")))
+    assert summary["interrupted"] is True and summary["iteration"] == 0
+
+
+def check_ctrl_c_in_an_update_leaves_the_last_finished_iteration(tmp_path, monkeypatch, script, **kwargs):
+    """Shared with test_cleanba_impala.py. Ctrl-C in the second update, after its first optimizer step: final_ckpt.pt
+    holds iteration 1's model and optimizer (as ckpt_20.pt does), not half an update that a resume would redo."""
+    steps_after_the_checkpoint = []
+    minibatch_step = script.Learner.minibatch_step
+
+    def interrupted(learner, minibatch):
+        if glob.glob(os.path.join(str(tmp_path), "*", "ckpt_20.pt")):
+            steps_after_the_checkpoint.append(1)
+            if len(steps_after_the_checkpoint) == 2:
+                raise KeyboardInterrupt
+        return minibatch_step(learner, minibatch)
+
+    monkeypatch.setattr(script.Learner, "minibatch_step", interrupted)
+    args = script.Args(
+        env_id="ToyChain-v0", output_dir=str(tmp_path), local_num_envs=4, num_steps=5, cuda=False, **kwargs
+    )
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            script.main(dataclasses.replace(args, num_actor_threads=1, save_model=True, checkpoint_freq=1))
+    finally:
+        torch.use_deterministic_algorithms(False)
     run_dir = only_run_dir(tmp_path)
-    summary = json.load(open(os.path.join(run_dir, "summary.json")))
-    assert summary["interrupted"] is True and summary["global_step"] > 0
-    ckpt = torch.load(os.path.join(run_dir, "final_ckpt.pt"), weights_only=True)
-    assert ckpt["global_step"] == summary["global_step"] and ckpt["iteration"] == summary["iteration"]
-    assert not glob.glob(os.path.join(run_dir, "*.tmp"))
+    final, first = (
+        torch.load(os.path.join(run_dir, name), weights_only=True) for name in ("final_ckpt.pt", "ckpt_20.pt")
+    )
+    assert final["iteration"] == first["iteration"] == 1 and final["model"].keys() == first["model"].keys()
+    assert all(torch.equal(final["model"][name], first["model"][name]) for name in first["model"])
+    for index, state in first["optimizer"]["state"].items():
+        assert all(torch.equal(value, final["optimizer"]["state"][index][name]) for name, value in state.items())
+
+
+def test_ctrl_c_in_an_update_leaves_the_last_finished_iteration(tmp_path, monkeypatch):
+    check_ctrl_c_in_an_update_leaves_the_last_finished_iteration(tmp_path, monkeypatch, cp)
+
+
+def test_ctrl_c_while_the_pools_start(tmp_path, monkeypatch):
+    check_ctrl_c_while_the_pools_start(tmp_path, monkeypatch, cp)
 
 
 @pytest.mark.slow
-def test_ctrl_c_writes_the_summary_and_a_checkpoint(tmp_path):
-    check_ctrl_c_writes_the_summary_and_a_checkpoint(tmp_path, SCRIPT, TOY)
+@pytest.mark.parametrize("phase", ["start", "training", "evaluation"])
+def test_ctrl_c_ends_the_run_within_10_s_and_writes_what_it_writes(tmp_path, phase):
+    check_ctrl_c(tmp_path, SCRIPT, phase)
