@@ -851,7 +851,10 @@ def train(args: Args, learner: Learner, actors: list, logger, run_dir, carry: di
             update_time = time.perf_counter() - start
             global_step = carry["global_step"] + args.batch_size
             carried = [rollout["carried"] for rollout in rollouts]
-            carry.update(iteration=iteration, global_step=global_step, actors=carried, previous_model=previous)
+            carry["iteration"] = iteration
+            carry["global_step"] = global_step
+            carry["actors"] = carried
+            carry["previous_model"] = previous
             if iteration < args.num_iterations:
                 publish_params(agent.state_dict(), actors, iteration + 1)
             if args.debug_learner_delay > 0:
@@ -866,6 +869,11 @@ def train(args: Args, learner: Learner, actors: list, logger, run_dir, carry: di
             data_version = rollouts[0]["policy_version"]  # the same in every actor thread
             params_queue_get_time = float(np.mean([rollout["params_queue_get_time"] for rollout in rollouts]))
             row = {
+                "losses/policy_loss": losses["policy_loss"],
+                "losses/value_loss": losses["value_loss"],
+                "losses/entropy": losses["entropy"],
+                "losses/approx_kl": losses["approx_kl"],
+                "losses/grad_norm": losses["grad_norm"],
                 "cleanba/rho_mean": losses["rho_mean"],  # how far behind the behaviour policy is
                 "cleanba/rho_clipfrac": losses["rho_clipfrac"],
                 "charts/learning_rate": losses["learning_rate"],
@@ -879,10 +887,6 @@ def train(args: Args, learner: Learner, actors: list, logger, run_dir, carry: di
                 "time/rollout": float(np.mean([rollout["rollout_time"] for rollout in rollouts])),
                 "time/update": update_time,
             }
-            row.update(
-                {f"losses/{name}": losses[name] for name in ("policy_loss", "value_loss", "entropy", "approx_kl")}
-            )
-            row["losses/grad_norm"] = losses["grad_norm"]
             if count > 0:
                 row["charts/episodic_return"] = returns / count
                 row["charts/episodic_length"] = lengths / count
@@ -944,8 +948,14 @@ def main(args: Args) -> dict:
         path = Path(args.checkpoint)
         video = path.with_name(f"eval_{path.stem}.mp4") if args.capture_video else None
         results = evaluate(args, agent, learner_device, carry["global_step"], video)
-        results.update(checkpoint=str(path), global_step=carry["global_step"], eval_seed=args.seed)
-        write_json(path.with_name(f"eval_{path.stem}.json"), {**results, "num_eval_episodes": args.num_eval_episodes})
+        evaluation = {
+            "checkpoint": str(path),
+            "global_step": carry["global_step"],
+            "eval_seed": args.seed,
+            "num_eval_episodes": args.num_eval_episodes,
+            **results,
+        }
+        write_json(path.with_name(f"eval_{path.stem}.json"), evaluation)
         return results
     start_iteration = carry["iteration"] + 1
     start_step = carry["global_step"]
