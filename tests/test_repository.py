@@ -40,8 +40,8 @@ def test_no_file_names_a_path_that_leaves_the_repository():
 
 
 def test_no_file_names_a_file_that_lies_beside_the_repository_and_not_in_it():
-    """Where folders lie beside the repository (a team's notes, say; not other git checkouts), none of their files'
-    names is cited here, unless the repository has a file of that name too."""
+    """Where folders lie beside the repository (a team's notes, say; not other git checkouts, nor what lies in them),
+    none of their files' names is cited here, unless the repository has a file of that name too."""
     root = Path(ROOT).resolve()
     own_names = {path.name for path in root.rglob("*") if ".git" not in path.parts}
     beside = set()
@@ -52,7 +52,9 @@ def test_no_file_names_a_file_that_lies_beside_the_repository_and_not_in_it():
             and not sibling.name.startswith(".")
             and not (sibling / ".git").exists()
         ):
-            beside |= {path.name for path in sibling.rglob("*") if path.is_file() and not path.name.startswith(".")}
+            checkouts = [git.parent for git in sibling.rglob(".git")]  # (other checkouts inside it: not notes)
+            files = [path for path in sibling.rglob("*") if path.is_file() and not path.name.startswith(".")]
+            beside |= {path.name for path in files if not any(path.is_relative_to(git) for git in checkouts)}
     names = beside - own_names
     found = []
     for path, text in tracked_text_files().items():
