@@ -23,12 +23,10 @@ Map from the paper to this file
   Not in VER         RunningMeanStd (obs_rms): observation normalization as ppo_staggered.py, Box observations only
 Autoreset (Gymnasium's vector autoreset modes): none in the collector. Each env worker resets its own env in the step
 that ends an episode and reports the true last observation with the reset one (ToyChain in same_step mode for that).
-Progress (rank 0, every --progress-interval s) ends with ver/straggler_share: the share of envs (of all ranks) that gave
-fewer than T steps to the last rollout, i.e. that VER did not wait for (a preempted rank's envs count); NoVER and --sync
-wait for every env's T steps, so it is 0 there unless a rank is preempted.
-Checkpoints (main's save) hold the weights, Adam, obs_rms, the counters, rank 0's random generators and (toy chain) its
-envs' states; --checkpoint continues their run in its folder. A resume is not bit-identical (dynamic batching depends on
-timing); ManiSkill envs start anew (the simulator's state is not saved), as do the other ranks' envs and generators.
+ver/straggler_share (logged, and in the progress line): the share of envs (all ranks) that gave fewer than T steps to
+the last rollout, those VER did not wait for; 0 with NoVER and --sync (every env gives T) unless a rank is preempted.
+A resume (main's save) is not bit-identical: dynamic batching depends on timing. Checkpoints hold rank 0's generators
+and toy chains; ManiSkill's envs (the simulator's state is not saved) and the other ranks' start anew.
 
 Examples
   python ppo_ver.py --toy.step-time-mean 0.004 --toy.step-time-spread 1  # VER, heterogeneous simulation time
@@ -74,7 +72,7 @@ class Args:
     exp_name: str = os.path.basename(__file__)[: -len(".py")]
     """name of this experiment (part of the run directory name)"""
     seed: int = 1
-    """seed of python, numpy, torch and the environments (env e of rank r is seeded seed + r * N + e)"""
+    """seed of torch, of the minibatch shuffling and of the environments (env e of rank r is seeded seed + r * N + e)"""
     torch_deterministic: bool = True
     """sets torch.backends.cudnn.deterministic"""
     cuda: bool = True
@@ -143,7 +141,7 @@ class Args:
     sync: bool = False
     """SyncOnRL (DD-PPO's collection): step all envs, wait for all of them, then act; implies NoVER"""
     inference_min_batch: Optional[int] = None
-    """dynamic batching: act once this many envs are waiting (default: N / 1.5, as habitat-lab; N with --sync)"""
+    """dynamic batching: act once this many envs are waiting (default: N / 1.5, as habitat-lab; --sync waits for N)"""
     sync_frac: float = 0.6
     """DD-PPO's preemption (--sync under torchrun), in [0, 1]: stop once this fraction of the ranks have finished"""
 
@@ -213,12 +211,10 @@ def check_domains(args: Args) -> None:
         raise ArgsError(f"--checkpoint {args.checkpoint}: no such file")
 
 
-EVALUATION_USES = {"checkpoint", "evaluate", "env_id", "seed", "cuda", "torch_deterministic", "num_eval_episodes"}
-
-
 def check_unused(args: Args, given: dict) -> None:
     """Refuses a flag given (`given`: the fields that differ from their defaults, as given) where it would do nothing."""
     resuming = args.checkpoint is not None and not args.evaluate
+    evaluation_uses = ("checkpoint", "evaluate", "env_id", "seed", "cuda", "torch_deterministic", "num_eval_episodes")
     rules = [  # (field, does nothing here, the reason)
         ("sync_frac", not (args.sync and args.world_size > 1), "without --sync under torchrun (DD-PPO's preemption)"),
         ("target_entropy", not args.learned_ent_coef, "without --learned-ent-coef"),
@@ -236,7 +232,7 @@ def check_unused(args: Args, given: dict) -> None:
         policy_or_task = (
             name in ("recurrent", "learned_ent_coef", "ent_coef") or name.startswith("toy.") and not toy_timing
         )
-        rules.append((name, args.evaluate and not (name in EVALUATION_USES or policy_or_task), "with --evaluate"))
+        rules.append((name, args.evaluate and not (name in evaluation_uses or policy_or_task), "with --evaluate"))
     for name, unused, reason in rules:
         if name in given and unused:
             raise ArgsError(f"--{name.replace('_', '-')} {given[name]}: does nothing {reason}")
@@ -1278,7 +1274,8 @@ def main(args: Args) -> dict:
     def evaluate_and_log() -> dict:  # rank 0: one line, and (training) TensorBoard
         eval_start = time.perf_counter()
         metrics = evaluate(agent, eval_env, obs_rms, args.num_eval_episodes, args.seed + 10_000 + iteration, device)
-        print(f"global_step={global_step} " + " ".join(f"{name}={value:.4g}" for name, value in metrics.items()))
+        line = " ".join(f"{name}={value:.4g}" for name, value in metrics.items())
+        print(f"global_step={global_step} {line}", flush=True)
         if writer is not None:
             log(metrics, global_step)
             log({"time/eval": time.perf_counter() - eval_start}, global_step)
@@ -1323,9 +1320,8 @@ def main(args: Args) -> dict:
                     optimizer.load_state_dict(checkpoint["optimizer"])
             except (RuntimeError, KeyError, ValueError) as error:
                 raise ArgsError(f"--checkpoint {args.checkpoint}: not a checkpoint of this configuration ({error})")
-            obs_rms.mean = checkpoint["obs_rms"]["mean"].to(device)
-            obs_rms.var = checkpoint["obs_rms"]["var"].to(device)
-            obs_rms.count = checkpoint["obs_rms"]["count"].to(device)
+            for name in ("mean", "var", "count"):
+                setattr(obs_rms, name, checkpoint["obs_rms"][name].to(device))
             obs_rms.merged = obs_rms.totals()  # (every rank loads the same)
             global_step = checkpoint["global_step"]
             iteration = checkpoint["iteration"]
