@@ -229,10 +229,8 @@ def check_unused(args: Args, given: dict) -> None:
         toy_timing = name.startswith(("toy.step_time", "toy.slow"))  # (ToyChain evaluates without delays)
         rules.append((name, toy_timing and args.toy.step_time_mean == 0, "without --toy.step-time-mean > 0"))
         rules.append((name, name.startswith("toy.") and args.env_kind != "toy", f"on {args.env_id} (ToyChain-v0's)"))
-        policy_or_task = (
-            name in ("recurrent", "learned_ent_coef", "ent_coef") or name.startswith("toy.") and not toy_timing
-        )
-        rules.append((name, args.evaluate and not (name in evaluation_uses or policy_or_task), "with --evaluate"))
+        policy = name in ("recurrent", "learned_ent_coef", "ent_coef") or name.startswith("toy.") and not toy_timing
+        rules.append((name, args.evaluate and not (name in evaluation_uses or policy), "with --evaluate"))
     for name, unused, reason in rules:
         if name in given and unused:
             raise ArgsError(f"--{name.replace('_', '-')} {given[name]}: does nothing {reason}")
@@ -251,11 +249,10 @@ def check_checkpoint(args: Args) -> None:
         if found != expected:
             raise ArgsError(f"--checkpoint {args.checkpoint}: a checkpoint of {found}, not of {expected}")
     step = checkpoint["global_step"]
-    if not args.evaluate and step >= args.total_timesteps:
-        larger = "pass a larger value"
-        raise ArgsError(
-            f"--total-timesteps {args.total_timesteps}: the checkpoint is at global step {step} already; {larger}"
-        )
+    total = args.total_timesteps
+    if not args.evaluate and step >= total:
+        message = f"--total-timesteps {total}: the checkpoint is at global step {step} already; pass a larger value"
+        raise ArgsError(message)
 
 
 def resolve_args(args: Args, world_size: Optional[int] = None) -> Args:

@@ -1,9 +1,11 @@
 """ppo_ver.py: sequences and packing, the packed LSTM, GAE over variable-length sequences, VER minibatches,
 importance weights, the PPO loss and learned entropy coefficient, the preemption rules, the recurrent collector
 (VER, NoVER, sync; inflight actions; --bootstrap-at-done) against a step-by-step recomputation, the observation
-normalizer (obs_rms: statistics, DD-PPO merge, what the collector and evaluate feed the policy), argument validation,
-and runs as a user runs the script (ToyChain with heterogeneous step times, ManiSkill, --recurrent,
-torchrun with a straggling rank, worker crashes, Ctrl-C)."""
+normalizer (obs_rms: statistics, DD-PPO merge, what the collector and evaluate feed the policy), argument validation
+(flags that would do nothing, checkpoints of other files), the progress line, checkpoints (generators, the toy chains'
+states from the workers), and runs as a user runs the script (ToyChain with heterogeneous step times, ManiSkill,
+--recurrent, resume and --evaluate, torchrun with a straggling rank, worker crashes, Ctrl-C at start, in training and
+in an evaluation)."""
 
 import copy
 import glob
