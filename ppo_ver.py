@@ -258,10 +258,8 @@ def check_checkpoint(args: Args) -> None:
 def resolve_args(args: Args, world_size: Optional[int] = None) -> Args:
     """Fills the presets and derived sizes into a copy of `args` and validates it. Raises ArgsError."""
     defaults = Args()
-    given = {name: value for name, value in vars(args).items() if name != "toy" and value != getattr(defaults, name)}
-    given.update(
-        {f"toy.{name}": value for name, value in vars(args.toy).items() if value != getattr(defaults.toy, name)}
-    )
+    given = {f"toy.{name}": value for name, value in vars(args.toy).items() if value != getattr(defaults.toy, name)}
+    given.update({key: value for key, value in vars(args).items() if key != "toy" and value != getattr(defaults, key)})
     resolved = replace(args, toy=replace(args.toy))
     resolved.world_size = world_size if world_size is not None else int(os.environ.get("WORLD_SIZE", "1"))
     resolved.env_kind = "toy" if resolved.env_id == "ToyChain-v0" else "maniskill"
@@ -1191,13 +1189,9 @@ def progress_line(global_step: int, total: int, sps: float, elapsed: float, late
     left = hms(max(total - global_step, 0) / sps) if sps > 0 else "?"
     line = f"progress global_step={global_step}/{total} ({100 * global_step // total}%) SPS={sps:.0f}"
     line += f" elapsed={hms(elapsed)} left={left}"
-    for name, spec in (
-        ("charts/episodic_return", ".4g"),
-        ("charts/success_rate", ".4g"),
-        ("ver/straggler_share", ".2f"),
-    ):
+    for name in ("charts/episodic_return", "charts/success_rate", "ver/straggler_share"):
         if name in latest:
-            line += f" {name}={latest[name]:{spec}}"
+            line += f" {name}={latest[name]:{'.2f' if name == 'ver/straggler_share' else '.4g'}}"
     return line
 
 
@@ -1330,19 +1324,19 @@ def main(args: Args) -> dict:
         if args.evaluate:  # one line, and eval_<checkpoint name>.json beside the checkpoint
             metrics = evaluate_and_log()
             metrics.update(
-                checkpoint=args.checkpoint, global_step=global_step, eval_seed=args.seed + 10_000 + iteration
+                checkpoint=args.checkpoint, global_step=global_step, num_eval_episodes=args.num_eval_episodes
             )
-            metrics["num_eval_episodes"] = args.num_eval_episodes
-            path = Path(args.checkpoint)
-            write_whole(
-                path.with_name(f"eval_{path.stem}.json"), lambda tmp: tmp.write_text(json.dumps(metrics, indent=2))
-            )
+            metrics["eval_seed"] = args.seed + 10_000 + iteration
+            path = Path(args.checkpoint).with_name(f"eval_{Path(args.checkpoint).stem}.json")
+            write_whole(path, lambda tmp: tmp.write_text(json.dumps(metrics, indent=2)))
             return metrics
         if rank == 0:
             run_dir = Path(args.output_dir) / f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}"
             if resuming:  # the same run directory, TensorBoard stream and W&B run
                 run_dir = Path(args.checkpoint).parent
                 print(f"resuming {run_dir} at global step {global_step} (iteration {iteration})")
+                if checkpoint["envs"] is None:  # ManiSkill's simulator state cannot be saved
+                    print(f"resume: the envs' state is not in the checkpoint ({args.env_id}): they start anew")
             run_dir.mkdir(parents=True, exist_ok=resuming)
             write_whole(run_dir / "config.json", lambda tmp: tmp.write_text(json.dumps(asdict(args), indent=2)))
             if args.track:
@@ -1360,10 +1354,7 @@ def main(args: Args) -> dict:
                 ).id
             # TensorBoard drops the old files' events logged after the checkpoint: no duplicated or backward steps
             writer = SummaryWriter(str(run_dir), purge_step=global_step + 1 if resuming else None)
-        saved_envs = checkpoint["envs"] if resuming and rank == 0 else None
-        if resuming and rank == 0 and saved_envs is None:  # ManiSkill's simulator state cannot be saved
-            print(f"resume: the envs' state is not in the checkpoint ({args.env_id}): they start anew")
-        workers = EnvWorkers(args, slots, rank, saved_envs)
+        workers = EnvWorkers(args, slots, rank, checkpoint["envs"] if resuming and rank == 0 else None)
         collector = Collector(args, workers, slots, agent, obs_rms, device)
         if args.env_kind == "toy":
             targets = draw_target_actions(args.toy).to(device)
