@@ -463,9 +463,8 @@ class EnvWorkers:
         return arrived
 
     def fetch_states(self) -> Optional[list]:
-        """Each env's state_dict (the toy chain's), asked through its pipe for a checkpoint; a step result read on the
-        way is left to the next poll(). Ctrl-C waits until they are in (a read cut short would leave half a message in
-        the pipe); None if a pipe fails (as after a read of poll() that Ctrl-C cut short)."""
+        """Each env's state_dict (toy chain) for a checkpoint; a step result read on the way is left to the next poll().
+        Ctrl-C waits for them (not half a message in a pipe); None if a pipe fails (a poll() read that Ctrl-C cut)."""
         states = []
         mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
         try:
