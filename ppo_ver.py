@@ -50,6 +50,7 @@ import textwrap
 import time
 import traceback
 from dataclasses import asdict, dataclass, field, replace
+from multiprocessing import forkserver
 from multiprocessing.connection import wait as wait_for_connections
 from pathlib import Path
 from typing import Callable, Literal, Optional
@@ -419,6 +420,11 @@ class EnvWorkers:
         ctx = mp.get_context("forkserver")
         preload = ["torch", "gymnasium", "numpy", "toy_chain_env"]
         ctx.set_forkserver_preload(preload + (["mani_skill.envs"] if args.env_kind == "maniskill" else []))
+        ignored = signal.signal(signal.SIGINT, signal.SIG_IGN)  # inherited by the forkserver, its imports (seconds with
+        try:  # ManiSkill) and its children: Ctrl-C is the main process's to handle, and it ends them
+            forkserver.ensure_running()
+        finally:
+            signal.signal(signal.SIGINT, ignored)
         self.processes = []
         self.conns = []
         self.pending = []  # envs whose step result fetch_states() read: the next poll() returns them
