@@ -342,37 +342,24 @@ def make_env(args: Args, evaluation: bool = False, rank: int = 0, env_index: int
 
 
 # ---- Env workers (Sec. 2.1, Fig. 2): processes that write into preallocated shared CPU memory ------------------------
-@dataclass
 class SharedSlots:
     """Shared CPU memory, one slot per env (Sec. 2.1): step results and actions; a pipe only says which env is ready."""
 
-    obs: torch.Tensor  # (N, *obs_shape): the observation to act on
-    final_obs: torch.Tensor  # (N, *obs_shape): the true last observation of an episode that ended in this step
-    action: torch.Tensor  # (N, *act_shape)
-    reward: torch.Tensor  # (N,) float64
-    terminated: torch.Tensor  # (N,) bool
-    truncated: torch.Tensor  # (N,) bool
-    success: torch.Tensor  # (N,) bool
-    busy_time: torch.Tensor  # (N,) float64: seconds the env's last step took in its worker (simulation time)
-
-    @staticmethod
-    def allocate(num_envs: int, env) -> "SharedSlots":
+    def __init__(self, num_envs: int, env):
         def shared(shape, dtype):
             return torch.zeros((num_envs, *shape), dtype=dtype).share_memory_()
 
         def slot_for(space: gym.Space) -> torch.Tensor:  # a Box (ManiSkill) as float32, a Discrete (ToyChain) as int64
             return shared(space.shape, torch.int64 if isinstance(space, gym.spaces.Discrete) else torch.float32)
 
-        return SharedSlots(
-            obs=slot_for(env.observation_space),
-            final_obs=slot_for(env.observation_space),
-            action=slot_for(env.action_space),
-            reward=shared((), torch.float64),
-            terminated=shared((), torch.bool),
-            truncated=shared((), torch.bool),
-            success=shared((), torch.bool),
-            busy_time=shared((), torch.float64),
-        )
+        self.obs = slot_for(env.observation_space)  # (N, *obs_shape): the observation to act on
+        self.final_obs = slot_for(env.observation_space)  # the true last observation of an episode that ended in a step
+        self.action = slot_for(env.action_space)  # (N, *act_shape)
+        self.reward = shared((), torch.float64)
+        self.terminated = shared((), torch.bool)
+        self.truncated = shared((), torch.bool)
+        self.success = shared((), torch.bool)
+        self.busy_time = shared((), torch.float64)  # seconds the env's last step took in its worker (simulation time)
 
 
 def env_worker(env_index: int, args: Args, slots: SharedSlots, conn, rank: int, resume: Optional[tuple]) -> None:
@@ -826,21 +813,21 @@ def fill_from_previous(batch: dict, previous: dict, size: int, rng: np.random.Ge
 STEPPING, ARRIVED, COMPLETED, HELD = 0, 1, 2, 3  # an env's state in Collector.env_state (see its docstring)
 
 
-@dataclass
 class Rollout:
     """What one rollout of Collector.collect() gave on this rank."""
 
-    start_time: float  # Collector.clock() at its start
-    steps_per_env: np.ndarray  # (N,) steps each env completed
-    arrival_interval_sum: np.ndarray  # (N,) seconds between consecutive arrivals of each env
-    arrival_interval_count: np.ndarray  # (N,)
-    step_times: Optional[np.ndarray] = None  # (N,) Sec. 2.3's Time(S) per env, filled in at the end
-    env_steps: int = 0  # steps completed: T x N unless preempted
-    env_busy_time: float = 0.0  # seconds the envs spent simulating those steps, in their workers
-    inference_batch_sizes: list = field(default_factory=list)  # envs in each policy call
-    episode_returns: list = field(default_factory=list)  # of the episodes that ended in this rollout
-    episode_lengths: list = field(default_factory=list)
-    episode_successes: list = field(default_factory=list)  # success at any step of the episode
+    def __init__(self, num_envs: int, start_time: float):
+        self.start_time = start_time  # Collector.clock() at its start
+        self.steps_per_env = np.zeros(num_envs, dtype=np.int64)  # steps each env completed
+        self.arrival_interval_sum = np.zeros(num_envs)  # seconds between consecutive arrivals of each env
+        self.arrival_interval_count = np.zeros(num_envs)
+        self.step_times = None  # (N,) Sec. 2.3's Time(S) per env, filled in at the end
+        self.env_steps = 0  # steps completed: T x N unless preempted
+        self.env_busy_time = 0.0  # seconds the envs spent simulating those steps, in their workers
+        self.inference_batch_sizes = []  # envs in each policy call
+        self.episode_returns = []  # of the episodes that ended in this rollout
+        self.episode_lengths = []
+        self.episode_successes = []  # success at any step of the episode
 
 
 class Collector:
@@ -885,12 +872,7 @@ class Collector:
 
     def collect(self, stop_early: Optional[Callable[[int, float], bool]] = None) -> Rollout:
         """One rollout: T x N steps, fewer if `stop_early(steps so far, seconds in)` preempts it (Sec. 2.3)."""
-        rollout = Rollout(
-            start_time=self.clock(),
-            steps_per_env=np.zeros(self.num_envs, dtype=np.int64),
-            arrival_interval_sum=np.zeros(self.num_envs),
-            arrival_interval_count=np.zeros(self.num_envs),
-        )
+        rollout = Rollout(self.num_envs, start_time=self.clock())
         self.env_state[self.env_state == HELD] = COMPLETED  # held envs (NoVER) are ready for an action again
         poll_at_most = 0.005 if stop_early is not None and self.min_batch < self.num_envs else math.inf
         while True:
@@ -1303,7 +1285,7 @@ def main(args: Args) -> dict:
     eval_env = None
     try:  # from here on (env construction included), Ctrl-C or an error still writes summary.json (once there is a run)
         eval_env = make_env(args, evaluation=True)  # its spaces shape the shared slots and the network
-        slots = SharedSlots.allocate(args.num_envs, eval_env)
+        slots = SharedSlots(args.num_envs, eval_env)
         agent = Agent(
             eval_env.observation_space, eval_env.action_space, args.recurrent, args.ent_coef, args.learned_ent_coef
         ).to(device)

@@ -434,7 +434,7 @@ def test_the_collector_stops_where_the_preemption_rule_says_and_the_batch_is_fil
     env = ver.make_env(args)
     torch.manual_seed(0)
     agent = ver.Agent(env.observation_space, env.action_space, False, args.ent_coef, False, hidden_sizes=(16,))
-    slots, clock = ver.SharedSlots.allocate(N, env), SimulatedClock()
+    slots, clock = ver.SharedSlots(N, env), SimulatedClock()
     obs_rms = ver.RunningMeanStd((), "cpu", enabled=False)  # ToyChain's block index: not normalized
     collector = ver.Collector(
         args, TimedFakeWorkers(args, slots, [slow_step_time] * N, clock), slots, agent, obs_rms, "cpu"
@@ -638,7 +638,7 @@ def test_recurrent_collector_matches_a_step_by_step_recomputation_over_the_logge
         hidden_sizes=(16,),
         lstm_hidden_size=8,
     )
-    slots = ver.SharedSlots.allocate(N, env)
+    slots = ver.SharedSlots(N, env)
     test_state = {"version": 0}
     workers = FakeWorkers(args, slots, [0.9, 0.6, 0.3, 0.15], test_state)
     obs_rms = ver.RunningMeanStd((), "cpu", enabled=False)  # ToyChain's block index: not normalized
@@ -820,7 +820,7 @@ def test_the_collector_acts_on_and_stores_normalized_box_observations_and_bootst
         ver.Args(num_envs=N, num_steps=4, num_minibatches=1, cuda=False, inference_min_batch=1), world_size=1
     )
     env = BoxEnv()
-    slots = ver.SharedSlots.allocate(N, env)
+    slots = ver.SharedSlots(N, env)
     obs_rms = ver.RunningMeanStd(slots.obs.shape[1:], "cpu", enabled=True)
     torch.manual_seed(0)
     agent = ver.Agent(env.observation_space, env.action_space, False, 0.0, False, hidden_sizes=(16,))
@@ -1378,7 +1378,7 @@ def test_toy_chain_workers_send_their_state_and_restart_from_it():
     args = ver.resolve_args(ver.Args(cuda=False, num_envs=2, toy=ToyChainWorkerConfig(horizon=50)), world_size=1)
     env = ver.make_env(args, evaluation=True)
     targets = draw_target_actions(args.toy)
-    slots = [ver.SharedSlots.allocate(2, env) for _ in range(2)]
+    slots = [ver.SharedSlots(2, env) for _ in range(2)]
     first = ver.EnvWorkers(args, slots[0], rank=0)
     second = None
     try:
