@@ -23,6 +23,10 @@ Map from the paper to this file
   Not in VER         RunningMeanStd (obs_rms): observation normalization as ppo_staggered.py, Box observations only
 Autoreset (Gymnasium's vector autoreset modes): none in the collector. Each env worker resets its own env in the step
 that ends an episode and reports the true last observation with the reset one (ToyChain in same_step mode for that).
+ver/straggler_share (logged, and in the progress line): the share of envs (all ranks) that gave fewer than T steps to
+the last rollout, those VER did not wait for; 0 with NoVER and --sync (every env gives T) unless a rank is preempted.
+A resume (main's save) is not bit-identical: dynamic batching depends on timing. Checkpoints hold rank 0's generators
+and toy chains; ManiSkill's envs (the simulator's state is not saved) and the other ranks' start anew.
 
 Examples
   python ppo_ver.py --toy.step-time-mean 0.004 --toy.step-time-spread 1  # VER, heterogeneous simulation time
@@ -33,10 +37,12 @@ Examples
 from __future__ import annotations
 
 import glob
+import io
 import json
 import math
 import os
 import pickle
+import random
 import signal
 import socket
 import sys
@@ -44,6 +50,7 @@ import textwrap
 import time
 import traceback
 from dataclasses import asdict, dataclass, field, replace
+from multiprocessing import forkserver
 from multiprocessing.connection import wait as wait_for_connections
 from pathlib import Path
 from typing import Callable, Literal, Optional
@@ -66,7 +73,7 @@ class Args:
     exp_name: str = os.path.basename(__file__)[: -len(".py")]
     """name of this experiment (part of the run directory name)"""
     seed: int = 1
-    """seed of python, numpy, torch and the environments (env e of rank r is seeded seed + r * N + e)"""
+    """seed of torch, of the minibatch shuffling and of the environments (env e of rank r is seeded seed + r * N + e)"""
     torch_deterministic: bool = True
     """sets torch.backends.cudnn.deterministic"""
     cuda: bool = True
@@ -82,9 +89,13 @@ class Args:
     save_model: bool = False
     """write checkpoints (ckpt_{global_step}.pt at every evaluation, final_ckpt.pt at the end and on Ctrl-C)"""
     checkpoint: Optional[str] = None
-    """a checkpoint to resume training from (or to evaluate, with --evaluate)"""
+    """a checkpoint of this script: continue its run, in its folder (or evaluate it, with --evaluate)"""
     evaluate: bool = False
-    """only evaluate the policy of --checkpoint, then exit"""
+    """only evaluate the policy of --checkpoint (one line, and eval_<checkpoint name>.json beside it), then exit"""
+    progress_interval: float = 15.0
+    """seconds between two progress lines, >= 1"""
+    quiet: bool = False
+    """no progress lines (settings, evaluations and errors still print)"""
 
     env_id: str = "ToyChain-v0"
     """ToyChain-v0 or a ManiSkill3 task id (PickCube-v1, StackCube-v1, ...)"""
@@ -131,7 +142,7 @@ class Args:
     sync: bool = False
     """SyncOnRL (DD-PPO's collection): step all envs, wait for all of them, then act; implies NoVER"""
     inference_min_batch: Optional[int] = None
-    """dynamic batching: act once this many envs are waiting (default: N / 1.5, as habitat-lab; N with --sync)"""
+    """dynamic batching: act once this many envs are waiting (default: N / 1.5, as habitat-lab; --sync waits for N)"""
     sync_frac: float = 0.6
     """DD-PPO's preemption (--sync under torchrun), in [0, 1]: stop once this fraction of the ranks have finished"""
 
@@ -146,28 +157,16 @@ class Args:
     env_kind: tyro.conf.Suppress[str] = ""
 
 
-PRESETS: dict[str, dict] = {  # defaults per kind of env (any flag overrides them)
-    "toy": dict(
-        num_envs=16,
-        num_steps=32,
-        total_timesteps=300_000,
-        learning_rate=2.5e-4,
-        gamma=0.99,
-        gae_lambda=0.95,
-        ent_coef=0.01,
-        bootstrap_at_done="truncated",
-    ),
-    "maniskill": dict(  # ManiSkill's PPO baseline, for a few CPU envs
-        num_envs=8,
-        num_steps=16,
-        total_timesteps=2_000_000,
-        learning_rate=3e-4,
-        gamma=0.8,
-        gae_lambda=0.9,
-        target_kl=0.1,
-        ent_coef=0.0,
-        bootstrap_at_done="always",
-    ),
+PRESETS = {  # defaults (ToyChain-v0, ManiSkill3 tasks): any flag overrides them; ManiSkill's PPO baseline on few envs
+    "num_envs": (16, 8),
+    "num_steps": (32, 16),
+    "total_timesteps": (300_000, 2_000_000),
+    "learning_rate": (2.5e-4, 3e-4),
+    "gamma": (0.99, 0.8),
+    "gae_lambda": (0.95, 0.9),
+    "target_kl": (None, 0.1),
+    "ent_coef": (0.01, 0.0),
+    "bootstrap_at_done": ("truncated", "always"),
 }
 
 
@@ -202,6 +201,7 @@ def check_domains(args: Args) -> None:
         ("--sync-frac", args.sync_frac, 0 <= args.sync_frac <= 1, "in [0, 1]"),
         ("--eval-freq", args.eval_freq, args.eval_freq >= 0, ">= 0 (0: only at the end)"),
         ("--num-eval-episodes", args.num_eval_episodes, args.num_eval_episodes >= 1, ">= 1"),
+        ("--progress-interval", args.progress_interval, args.progress_interval >= 1, ">= 1"),
     ]
     for flag, value, ok, domain in rows:
         if not ok:
@@ -212,14 +212,61 @@ def check_domains(args: Args) -> None:
         raise ArgsError(f"--checkpoint {args.checkpoint}: no such file")
 
 
+def check_unused(args: Args, given: dict) -> None:
+    """Refuses a flag given (`given`: the fields that differ from their defaults, as given) where it would do nothing."""
+    resuming = args.checkpoint is not None and not args.evaluate
+    evaluation_uses = ("checkpoint", "evaluate", "env_id", "seed", "cuda", "torch_deterministic", "num_eval_episodes")
+    rules = [  # (field, does nothing here, the reason)
+        ("sync_frac", not (args.sync and args.world_size > 1), "without --sync under torchrun (DD-PPO's preemption)"),
+        ("target_entropy", not args.learned_ent_coef, "without --learned-ent-coef"),
+        ("inference_min_batch", args.sync, "with --sync, which acts once all N envs are ready"),
+        ("wandb_project_name", not args.track, "without --track"),
+        ("wandb_entity", not args.track, "without --track"),
+        ("toy.slow_rank_factor", args.world_size == 1, "on one rank (it slows rank 0 of two or more, under torchrun)"),
+        ("output_dir", resuming, "on a resume, which continues in the checkpoint's folder"),
+        ("exp_name", resuming, "on a resume, which continues in the checkpoint's folder"),
+    ]
+    for name in given:
+        toy_timing = name.startswith(("toy.step_time", "toy.slow"))  # (ToyChain evaluates without delays)
+        rules.append((name, toy_timing and args.toy.step_time_mean == 0, "without --toy.step-time-mean > 0"))
+        rules.append((name, name.startswith("toy.") and args.env_kind != "toy", f"on {args.env_id} (ToyChain-v0's)"))
+        policy = name in ("recurrent", "learned_ent_coef", "ent_coef") or name.startswith("toy.") and not toy_timing
+        rules.append((name, args.evaluate and not (name in evaluation_uses or policy), "with --evaluate"))
+    for name, unused, reason in rules:
+        if name in given and unused:
+            raise ArgsError(f"--{name.replace('_', '-')} {given[name]}: does nothing {reason}")
+
+
+def check_checkpoint(args: Args) -> None:
+    """--checkpoint: a checkpoint of this script and task, and (to resume) short of --total-timesteps."""
+    try:
+        checkpoint = torch.load(args.checkpoint, map_location="cpu", weights_only=True)
+    except (OSError, RuntimeError, EOFError, ValueError, pickle.UnpicklingError) as error:
+        first_line = (str(error) or type(error).__name__).splitlines()[0]
+        raise ArgsError(f"--checkpoint {args.checkpoint}: not a checkpoint of ppo_ver.py ({first_line})") from error
+    if not isinstance(checkpoint, dict) or "script" not in checkpoint:
+        raise ArgsError(f'--checkpoint {args.checkpoint}: not a checkpoint of ppo_ver.py (no "script" in it)')
+    for found, expected in ((checkpoint["script"], "ppo_ver.py"), (checkpoint.get("env_id"), args.env_id)):
+        if found != expected:
+            raise ArgsError(f"--checkpoint {args.checkpoint}: a checkpoint of {found}, not of {expected}")
+    step = checkpoint["global_step"]
+    total = args.total_timesteps
+    if not args.evaluate and step >= total:
+        message = f"--total-timesteps {total}: the checkpoint is at global step {step} already; pass a larger value"
+        raise ArgsError(message)
+
+
 def resolve_args(args: Args, world_size: Optional[int] = None) -> Args:
     """Fills the presets and derived sizes into a copy of `args` and validates it. Raises ArgsError."""
+    defaults = Args()
+    given = {f"toy.{name}": value for name, value in vars(args.toy).items() if value != getattr(defaults.toy, name)}
+    given.update({key: value for key, value in vars(args).items() if key != "toy" and value != getattr(defaults, key)})
     resolved = replace(args, toy=replace(args.toy))
     resolved.world_size = world_size if world_size is not None else int(os.environ.get("WORLD_SIZE", "1"))
     resolved.env_kind = "toy" if resolved.env_id == "ToyChain-v0" else "maniskill"
-    for name, value in PRESETS[resolved.env_kind].items():
+    for name, (toy, maniskill) in PRESETS.items():
         if getattr(resolved, name) is None:
-            setattr(resolved, name, value)
+            setattr(resolved, name, toy if resolved.env_kind == "toy" else maniskill)
     if resolved.sync:  # step all N envs, wait for all of them, act on all
         resolved.variable_experience = False
         resolved.inference_min_batch = resolved.num_envs
@@ -245,14 +292,19 @@ def resolve_args(args: Args, world_size: Optional[int] = None) -> Args:
     if resolved.batch_size % resolved.num_minibatches != 0:
         batch = f"T*N = {resolved.num_steps}*{resolved.num_envs} = {resolved.batch_size}"
         raise ArgsError(f"--num-minibatches {resolved.num_minibatches}: must divide the batch {batch} (Sec. 2.2)")
+    if resolved.checkpoint:  # (after the checks above: --checkpoint may name a file that is no checkpoint at all)
+        check_checkpoint(resolved)
+    check_unused(resolved, given)
     return resolved
 
 
-def format_settings(args: Args) -> str:
-    """The resolved settings as `name=value` pairs in field order (toy.horizon=200 on the toy chain only)."""
+def format_settings(args: Args, device) -> str:
+    """The resolved settings as `name=value` pairs in field order (toy.horizon=200 on the toy chain only, never the test
+    hook toy.crash_at_step), then the device."""
     pairs = [f"{name}={value}" for name, value in asdict(args).items() if name != "toy"]
     if args.env_kind == "toy":
-        pairs += [f"toy.{name}={value}" for name, value in asdict(args.toy).items()]
+        pairs += [f"toy.{name}={value}" for name, value in asdict(args.toy).items() if name != "crash_at_step"]
+    pairs.append(f"device={device}")
     lines = textwrap.wrap(" ".join(pairs), width=120, break_long_words=False, break_on_hyphens=False)
     return "\n".join(["settings:", *lines])
 
@@ -290,49 +342,45 @@ def make_env(args: Args, evaluation: bool = False, rank: int = 0, env_index: int
 
 
 # ---- Env workers (Sec. 2.1, Fig. 2): processes that write into preallocated shared CPU memory ------------------------
-@dataclass
 class SharedSlots:
     """Shared CPU memory, one slot per env (Sec. 2.1): step results and actions; a pipe only says which env is ready."""
 
-    obs: torch.Tensor  # (N, *obs_shape): the observation to act on
-    final_obs: torch.Tensor  # (N, *obs_shape): the true last observation of an episode that ended in this step
-    action: torch.Tensor  # (N, *act_shape)
-    reward: torch.Tensor  # (N,) float64
-    terminated: torch.Tensor  # (N,) bool
-    truncated: torch.Tensor  # (N,) bool
-    success: torch.Tensor  # (N,) bool
-    busy_time: torch.Tensor  # (N,) float64: seconds the env's last step took in its worker (simulation time)
-
-    @staticmethod
-    def allocate(num_envs: int, env) -> "SharedSlots":
+    def __init__(self, num_envs: int, env):
         def shared(shape, dtype):
             return torch.zeros((num_envs, *shape), dtype=dtype).share_memory_()
 
         def slot_for(space: gym.Space) -> torch.Tensor:  # a Box (ManiSkill) as float32, a Discrete (ToyChain) as int64
             return shared(space.shape, torch.int64 if isinstance(space, gym.spaces.Discrete) else torch.float32)
 
-        return SharedSlots(
-            obs=slot_for(env.observation_space),
-            final_obs=slot_for(env.observation_space),
-            action=slot_for(env.action_space),
-            reward=shared((), torch.float64),
-            terminated=shared((), torch.bool),
-            truncated=shared((), torch.bool),
-            success=shared((), torch.bool),
-            busy_time=shared((), torch.float64),
-        )
+        self.obs = slot_for(env.observation_space)  # (N, *obs_shape): the observation to act on
+        self.final_obs = slot_for(env.observation_space)  # the true last observation of an episode that ended in a step
+        self.action = slot_for(env.action_space)  # (N, *act_shape)
+        self.reward = shared((), torch.float64)
+        self.terminated = shared((), torch.bool)
+        self.truncated = shared((), torch.bool)
+        self.success = shared((), torch.bool)
+        self.busy_time = shared((), torch.float64)  # seconds the env's last step took in its worker (simulation time)
 
 
-def env_worker(env_index: int, args: Args, slots: SharedSlots, conn, rank: int) -> None:
-    """An env worker process (Sec. 2.1): steps its env as the main process asks, never waiting for the others."""
+def env_worker(env_index: int, args: Args, slots: SharedSlots, conn, rank: int, resume: Optional[tuple]) -> None:
+    """An env worker process (Sec. 2.1): steps its env as the main process asks, never waiting for the others; sends
+    its env's state for a checkpoint and (`resume`: a state and observation) starts from one (the toy chain)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the main process's to handle: it shuts the workers down
     torch.set_num_threads(1)
     view = {name: slot[env_index].numpy() for name, slot in vars(slots).items()}
     try:
         env = make_env(args, rank=rank, env_index=env_index)
         view["obs"][...] = env.reset(seed=args.seed + rank * args.num_envs + env_index)
+        if resume is not None:
+            env.load_state_dict(resume[0])
+            view["obs"][...] = resume[1].numpy()
         conn.send("ready")
-        while conn.recv() == "step":
+        while True:
+            if conn.recv() == "state":  # as torch.save's bytes (a tensor sent as such would go by shared memory)
+                buffer = io.BytesIO()
+                torch.save(env.state_dict(), buffer)
+                conn.send(buffer.getvalue())
+                continue
             start = time.perf_counter()
             obs, reward, terminated, truncated, final_obs, success = env.step(view["action"].copy())
             view["busy_time"][...] = time.perf_counter() - start
@@ -354,20 +402,34 @@ def env_worker(env_index: int, args: Args, slots: SharedSlots, conn, rank: int) 
 class EnvWorkers:
     """This rank's env workers, one per env and pipe, from a forkserver (no CUDA or thread state inherited)."""
 
-    def __init__(self, args: Args, slots: SharedSlots, rank: int):
+    def __init__(self, args: Args, slots: SharedSlots, rank: int, saved: Optional[dict] = None):
+        """`saved`: the toy chains' {"states", "obs"} in a checkpoint, to resume from."""
         ctx = mp.get_context("forkserver")
         preload = ["torch", "gymnasium", "numpy", "toy_chain_env"]
         ctx.set_forkserver_preload(preload + (["mani_skill.envs"] if args.env_kind == "maniskill" else []))
+        ignored = signal.signal(signal.SIGINT, signal.SIG_IGN)  # inherited by the forkserver, its imports (seconds with
+        try:  # ManiSkill) and its children: Ctrl-C is the main process's to handle, and it ends them
+            forkserver.ensure_running()
+        finally:
+            signal.signal(signal.SIGINT, ignored)
         self.processes = []
         self.conns = []
-        for env_index in range(args.num_envs):
-            parent, child = ctx.Pipe(duplex=True)
-            worker_args = (env_index, args, slots, child, rank)
-            process = ctx.Process(target=env_worker, args=worker_args, daemon=True, name=f"ver-env-worker-{env_index}")
-            process.start()
-            child.close()
-            self.processes.append(process)
-            self.conns.append(parent)
+        self.pending = []  # envs whose step result fetch_states() read: the next poll() returns them
+        try:
+            for env_index in range(args.num_envs):
+                parent, child = ctx.Pipe(duplex=True)
+                resumes = saved is not None and env_index < len(saved["states"])  # (more envs: the others start anew)
+                resume = (saved["states"][env_index], saved["obs"][env_index]) if resumes else None
+                worker_args = (env_index, args, slots, child, rank, resume)
+                name = f"ver-env-worker-{env_index}"
+                process = ctx.Process(target=env_worker, args=worker_args, daemon=True, name=name)
+                process.start()
+                child.close()
+                self.processes.append(process)
+                self.conns.append(parent)
+        except BaseException:  # Ctrl-C while they start: those started end too
+            self.close()
+            raise
 
     def send_step(self, env_ids) -> None:
         for env in env_ids:
@@ -378,8 +440,10 @@ class EnvWorkers:
 
     def poll(self, timeout: float) -> list[int]:
         """Env ids whose result arrived within `timeout` s (math.inf: until one has). Raises WorkerError."""
-        arrived = []
-        for conn in wait_for_connections(self.conns, timeout=None if timeout == math.inf else max(timeout, 0)):
+        arrived = self.pending
+        self.pending = []
+        wait = 0 if arrived else None if timeout == math.inf else max(timeout, 0)
+        for conn in wait_for_connections(self.conns, timeout=wait):
             env = self.conns.index(conn)
             while conn.poll():  # a process that ended may have sent its traceback first; then its pipe is at EOF
                 try:
@@ -390,6 +454,26 @@ class EnvWorkers:
                     raise WorkerError(message)
                 arrived.append(env)
         return arrived
+
+    def fetch_states(self) -> Optional[list]:
+        """Each env's state_dict (toy chain) for a checkpoint; a step result read on the way is left to the next poll().
+        Ctrl-C waits for them (not half a message in a pipe); None if a pipe fails (a poll() read that Ctrl-C cut)."""
+        states = []
+        mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+        try:
+            for conn in self.conns:
+                conn.send("state")
+            for env, conn in enumerate(self.conns):
+                while (message := conn.recv()) == "ready":
+                    self.pending.append(env)
+                if not isinstance(message, bytes):
+                    raise WorkerError(message)
+                states.append(torch.load(io.BytesIO(message), weights_only=True))
+        except (OSError, EOFError, pickle.UnpicklingError):
+            return None
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+        return states
 
     def _raise_dead(self, env: int):
         process = self.processes[env]
@@ -443,14 +527,7 @@ def pack_layout(lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray
     return select, batch_sizes.astype(np.int64), sorted_sequences
 
 
-def compute_gae_packed(
-    rewards: torch.Tensor,
-    values: torch.Tensor,
-    next_values: torch.Tensor,
-    batch_sizes: np.ndarray,
-    gamma: float,
-    gae_lambda: float,
-) -> torch.Tensor:
+def compute_gae_packed(rewards, values, next_values, batch_sizes: np.ndarray, gamma: float, gae_lambda: float):
     """GAE over variable-length sequences in packed order (pack_layout): A_t = delta_t + gamma * lambda * A_{t+1} inside
     a sequence, delta_t at its last step; next_values holds V(s_{t+1}), V(true last obs) or 0 at an episode end."""
     deltas = rewards + gamma * next_values - values
@@ -465,9 +542,7 @@ def compute_gae_packed(
     return advantages
 
 
-def make_minibatches(
-    lengths: np.ndarray, num_minibatches: int, rng: np.random.Generator
-) -> list[tuple[np.ndarray, np.ndarray]]:
+def make_minibatches(lengths: np.ndarray, num_minibatches: int, rng: np.random.Generator) -> list[tuple]:
     """Sec. 2.2, Fig. 3B: shuffle the sequences, concatenate, cut into equal chunks: (step indices, piece lengths)."""
     lengths = np.asarray(lengths, dtype=np.int64)
     total = int(lengths.sum())
@@ -618,10 +693,8 @@ class Agent(nn.Module):
         """The recurrent state (h, c), each (layers, num_envs, hidden), of episode starts; None for the MLP."""
         if not self.recurrent:
             return None
-        layers, hidden_size = self.lstm_shape
-        hidden = torch.zeros(layers, num_envs, hidden_size, device=device)
-        cell = torch.zeros(layers, num_envs, hidden_size, device=device)
-        return hidden, cell
+        hidden = torch.zeros(self.lstm_shape[0], num_envs, self.lstm_shape[1], device=device)
+        return hidden, torch.zeros_like(hidden)
 
     def _heads(self, features):
         out = self.actor(features)
@@ -740,21 +813,21 @@ def fill_from_previous(batch: dict, previous: dict, size: int, rng: np.random.Ge
 STEPPING, ARRIVED, COMPLETED, HELD = 0, 1, 2, 3  # an env's state in Collector.env_state (see its docstring)
 
 
-@dataclass
 class Rollout:
     """What one rollout of Collector.collect() gave on this rank."""
 
-    start_time: float  # Collector.clock() at its start
-    steps_per_env: np.ndarray  # (N,) steps each env completed
-    arrival_interval_sum: np.ndarray  # (N,) seconds between consecutive arrivals of each env
-    arrival_interval_count: np.ndarray  # (N,)
-    step_times: Optional[np.ndarray] = None  # (N,) Sec. 2.3's Time(S) per env, filled in at the end
-    env_steps: int = 0  # steps completed: T x N unless preempted
-    env_busy_time: float = 0.0  # seconds the envs spent simulating those steps, in their workers
-    inference_batch_sizes: list = field(default_factory=list)  # envs in each policy call
-    episode_returns: list = field(default_factory=list)  # of the episodes that ended in this rollout
-    episode_lengths: list = field(default_factory=list)
-    episode_successes: list = field(default_factory=list)  # success at any step of the episode
+    def __init__(self, num_envs: int, start_time: float):
+        self.start_time = start_time  # Collector.clock() at its start
+        self.steps_per_env = np.zeros(num_envs, dtype=np.int64)  # steps each env completed
+        self.arrival_interval_sum = np.zeros(num_envs)  # seconds between consecutive arrivals of each env
+        self.arrival_interval_count = np.zeros(num_envs)
+        self.step_times = None  # (N,) Sec. 2.3's Time(S) per env, filled in at the end
+        self.env_steps = 0  # steps completed: T x N unless preempted
+        self.env_busy_time = 0.0  # seconds the envs spent simulating those steps, in their workers
+        self.inference_batch_sizes = []  # envs in each policy call
+        self.episode_returns = []  # of the episodes that ended in this rollout
+        self.episode_lengths = []
+        self.episode_successes = []  # success at any step of the episode
 
 
 class Collector:
@@ -799,12 +872,7 @@ class Collector:
 
     def collect(self, stop_early: Optional[Callable[[int, float], bool]] = None) -> Rollout:
         """One rollout: T x N steps, fewer if `stop_early(steps so far, seconds in)` preempts it (Sec. 2.3)."""
-        rollout = Rollout(
-            start_time=self.clock(),
-            steps_per_env=np.zeros(self.num_envs, dtype=np.int64),
-            arrival_interval_sum=np.zeros(self.num_envs),
-            arrival_interval_count=np.zeros(self.num_envs),
-        )
+        rollout = Rollout(self.num_envs, start_time=self.clock())
         self.env_state[self.env_state == HELD] = COMPLETED  # held envs (NoVER) are ready for an action again
         poll_at_most = 0.005 if stop_early is not None and self.min_batch < self.num_envs else math.inf
         while True:
@@ -1026,9 +1094,7 @@ def ppo_loss(agent: Agent, minibatch: dict, state0, piece_lengths, args: Args) -
     return loss, {name: value.detach() for name, value in stats.items()}
 
 
-def ppo_update(
-    args: Args, agent: Agent, optimizer: torch.optim.Optimizer, batch: dict, rng: np.random.Generator
-) -> dict:
+def ppo_update(args: Args, agent: Agent, optimizer: torch.optim.Optimizer, batch: dict, rng: np.random.Generator):
     """PPO epochs over VER minibatches (Sec. 2.2), gradients averaged over the ranks (DD-PPO), alpha in [1e-4, 1]."""
     device = batch["obs"].device
     policy_params = [param for name, param in agent.named_parameters() if name != "log_ent_coef"]
@@ -1065,23 +1131,55 @@ def ppo_update(
     return means
 
 
-# ---- Checkpoints, evaluation -----------------------------------------------------------------------------------------
-def save_checkpoint(path: Path, agent, optimizer, obs_rms: RunningMeanStd, global_step: int, iteration: int) -> None:
-    """{model, optimizer, global_step, iteration, obs_rms: {mean, var, count}}, written to a temporary file and renamed:
-    Ctrl-C never leaves half a checkpoint."""
-    state = {
-        "model": agent.state_dict(),
-        "optimizer": optimizer.state_dict(),
-        "global_step": global_step,
-        "iteration": iteration,
-        "obs_rms": {"mean": obs_rms.mean, "var": obs_rms.var, "count": obs_rms.count},
-    }
+# ---- Checkpoints, evaluation, progress -------------------------------------------------------------------------------
+def write_whole(path: Path, write: Callable[[Path], object]) -> None:
+    """write(a temporary file), then renamed to `path`: Ctrl-C never leaves half a checkpoint or summary."""
     tmp = path.with_name(path.name + ".tmp")
     try:
-        torch.save(state, tmp)
+        write(tmp)
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def rng_state(rng: np.random.Generator, device) -> dict:
+    """This process's random generators, in types that weights_only loads (numpy's global key as a tensor)."""
+    numpy_state = np.random.get_state(legacy=False)
+    numpy_state["state"]["key"] = torch.from_numpy(numpy_state["state"]["key"].astype(np.int64))
+    return {
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None,
+        "numpy": numpy_state,
+        "python": random.getstate(),
+        "generator": rng.bit_generator.state,  # minibatches and fill_from_previous
+    }
+
+
+def set_rng_state(state: dict, rng: np.random.Generator, device) -> None:
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] is not None and device.type == "cuda":
+        torch.cuda.set_rng_state(state["cuda"], device)
+    state["numpy"]["state"]["key"] = state["numpy"]["state"]["key"].numpy().astype(np.uint32)
+    np.random.set_state(state["numpy"])
+    random.setstate(state["python"])
+    rng.bit_generator.state = state["generator"]
+
+
+def hms(seconds: float) -> str:
+    minutes, secs = divmod(int(seconds), 60)
+    return f"{minutes // 60}:{minutes % 60:02d}:{secs:02d}"
+
+
+def progress_line(global_step: int, total: int, sps: float, elapsed: float, latest: dict) -> str:
+    """Steps done of the total, SPS (charts/SPS), elapsed and left (H:MM:SS, "?" while SPS is 0), then the latest
+    episodic return and success rate, and ver/straggler_share (the module docstring defines it), once logged."""
+    left = hms(max(total - global_step, 0) / sps) if sps > 0 else "?"
+    line = f"progress global_step={global_step}/{total} ({100 * global_step // total}%) SPS={sps:.0f}"
+    line += f" elapsed={hms(elapsed)} left={left}"
+    for name in ("charts/episodic_return", "charts/success_rate", "ver/straggler_share"):
+        if name in latest:
+            line += f" {name}={latest[name]:{'.2f' if name == 'ver/straggler_share' else '.4g'}}"
+    return line
 
 
 @torch.no_grad()
@@ -1125,10 +1223,10 @@ def main(args: Args) -> dict:
     rank = int(os.environ.get("RANK", "0"))
     distributed = args.world_size > 1
     launcher = os.getppid()  # torchrun: if it is killed, the ranks are adopted by another process and stop
-    if rank == 0:
-        print(format_settings(args))
     use_cuda = args.cuda and torch.cuda.is_available()
     device = torch.device(f"cuda:{os.environ.get('LOCAL_RANK', '0')}" if use_cuda else "cpu")
+    if rank == 0:
+        print(format_settings(args, device), flush=True)
     if use_cuda:
         torch.cuda.set_device(device)
     synchronize = torch.cuda.synchronize if use_cuda else (lambda: None)  # queued GPU work, before a timer is read
@@ -1139,34 +1237,45 @@ def main(args: Args) -> dict:
         torch.set_num_threads(1)  # leave the cores to the env workers
     torch.manual_seed(args.seed)  # DD-PPO: the same initial weights on every rank (or the same checkpoint)
     torch.backends.cudnn.deterministic = args.torch_deterministic
-
-    writer = None  # rank 0 logs, evaluates and saves
+    checkpoint = torch.load(args.checkpoint, map_location="cpu", weights_only=True) if args.checkpoint else None
+    resuming = checkpoint is not None and not args.evaluate
+    writer = None  # rank 0 logs, evaluates and saves, in the run directory (none with --evaluate)
     run_dir = None
-    last = {}  # the last value of each metric, for summary.json
-    if rank == 0:
-        run_name = f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}"
-        run_dir = Path(args.output_dir) / run_name
-        run_dir.mkdir(parents=True)
-        (run_dir / "config.json").write_text(json.dumps(asdict(args), indent=2))
-        if args.track:
-            import wandb
-
-            wandb.init(
-                project=args.wandb_project_name,
-                entity=args.wandb_entity,
-                sync_tensorboard=True,
-                config=asdict(args),
-                name=run_name,
-                save_code=True,
-            )
-        writer = SummaryWriter(str(run_dir))
+    wandb_id = None
+    last = {}  # the last value of each metric, for summary.json and the progress line
 
     def log(metrics: dict, step: int) -> None:
         for name, value in metrics.items():
             last[name] = float(value)
             writer.add_scalar(name, float(value), step)
 
-    summary: dict = {"run_dir": str(run_dir), "interrupted": False}
+    def evaluate_and_log() -> dict:  # rank 0: one line, and (training) TensorBoard
+        eval_start = time.perf_counter()
+        metrics = evaluate(agent, eval_env, obs_rms, args.num_eval_episodes, args.seed + 10_000 + iteration, device)
+        line = " ".join(f"{name}={value:.4g}" for name, value in metrics.items())
+        print(f"global_step={global_step} {line}", flush=True)
+        if writer is not None:
+            log(metrics, global_step)
+            log({"time/eval": time.perf_counter() - eval_start}, global_step)
+        return metrics
+
+    def save(name: str) -> None:  # rank 0: with its random generators and (toy chain) envs, not the other ranks'
+        states = workers.fetch_states() if args.env_kind == "toy" else None  # (None if Ctrl-C cut a pipe read short)
+        checkpoint = {
+            "script": "ppo_ver.py",
+            "env_id": args.env_id,
+            "model": agent.state_dict(),
+            "optimizer": optimizer.state_dict(),
+            "global_step": global_step,
+            "iteration": summary["iteration"],  # (that of global_step: Ctrl-C may come in the middle of one)
+            "obs_rms": {"mean": obs_rms.mean, "var": obs_rms.var, "count": obs_rms.count},
+            "rng": rng_state(rng, device),
+            "envs": None if states is None else {"states": states, "obs": slots.obs.clone()},
+            "wandb_id": wandb_id,
+        }
+        write_whole(run_dir / name, lambda tmp: torch.save(checkpoint, tmp))
+
+    summary: dict = {"interrupted": False}
     env_busy_time = 0.0
     global_step = 0
     iteration = 0  # updates made
@@ -1174,39 +1283,65 @@ def main(args: Args) -> dict:
     start_step = 0
     workers = None  # (the finally below needs them)
     eval_env = None
-    try:  # from here on (env construction included), Ctrl-C or an error still writes summary.json
+    try:  # from here on (env construction included), Ctrl-C or an error still writes summary.json (once there is a run)
         eval_env = make_env(args, evaluation=True)  # its spaces shape the shared slots and the network
-        slots = SharedSlots.allocate(args.num_envs, eval_env)
+        slots = SharedSlots(args.num_envs, eval_env)
         agent = Agent(
             eval_env.observation_space, eval_env.action_space, args.recurrent, args.ent_coef, args.learned_ent_coef
         ).to(device)
         optimizer = torch.optim.Adam(agent.parameters(), lr=args.learning_rate, eps=1e-5)
         obs_rms = RunningMeanStd(slots.obs.shape[1:], device, enabled=slots.obs.is_floating_point())  # Box (float) only
-        if args.checkpoint:
+        if checkpoint is not None:  # (before the run directory: a checkpoint of another policy changes nothing there)
             try:
-                ckpt = torch.load(args.checkpoint, map_location=device, weights_only=True)
-                agent.load_state_dict(ckpt["model"])
-                if not args.evaluate:
-                    optimizer.load_state_dict(ckpt["optimizer"])
-            except (OSError, RuntimeError, KeyError, ValueError, pickle.UnpicklingError) as error:
+                agent.load_state_dict(checkpoint["model"])
+                if resuming:
+                    optimizer.load_state_dict(checkpoint["optimizer"])
+            except (RuntimeError, KeyError, ValueError) as error:
                 raise ArgsError(f"--checkpoint {args.checkpoint}: not a checkpoint of this configuration ({error})")
-            obs_rms.mean = ckpt["obs_rms"]["mean"]
-            obs_rms.var = ckpt["obs_rms"]["var"]
-            obs_rms.count = ckpt["obs_rms"]["count"]
+            for name in ("mean", "var", "count"):
+                setattr(obs_rms, name, checkpoint["obs_rms"][name].to(device))
             obs_rms.merged = obs_rms.totals()  # (every rank loads the same)
-            global_step = ckpt["global_step"]
-            iteration = ckpt["iteration"]
+            global_step = checkpoint["global_step"]
+            iteration = checkpoint["iteration"]
             start_step = global_step  # SPS counts the steps of this run
-            if not args.evaluate:
-                print(f"resuming from {args.checkpoint} at iteration {iteration}, global step {global_step}")
         torch.manual_seed(args.seed + 1000 * rank + iteration)  # per-rank action sampling
         rng = np.random.default_rng(args.seed + 7919 * rank + iteration)
-        if args.evaluate:
-            metrics = evaluate(agent, eval_env, obs_rms, args.num_eval_episodes, args.seed + 10_000 + iteration, device)
-            log(metrics, global_step)
-            print(" ".join(f"{name}={value:.4f}" for name, value in last.items()))
-            return summary
-        workers = EnvWorkers(args, slots, rank)
+        if resuming and rank == 0:  # (the other ranks' generators and envs start anew)
+            set_rng_state(checkpoint["rng"], rng, device)
+        if args.evaluate:  # one line, and eval_<checkpoint name>.json beside the checkpoint
+            metrics = evaluate_and_log()
+            metrics.update(
+                checkpoint=args.checkpoint, global_step=global_step, num_eval_episodes=args.num_eval_episodes
+            )
+            metrics["eval_seed"] = args.seed + 10_000 + iteration
+            path = Path(args.checkpoint).with_name(f"eval_{Path(args.checkpoint).stem}.json")
+            write_whole(path, lambda tmp: tmp.write_text(json.dumps(metrics, indent=2)))
+            return metrics
+        if rank == 0:
+            run_dir = Path(args.output_dir) / f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}"
+            if resuming:  # the same run directory, TensorBoard stream and W&B run
+                run_dir = Path(args.checkpoint).parent
+                print(f"resuming {run_dir} at global step {global_step} (iteration {iteration})")
+                if checkpoint["envs"] is None:  # ManiSkill's simulator state cannot be saved
+                    print(f"resume: the envs' state is not in the checkpoint ({args.env_id}): they start anew")
+            run_dir.mkdir(parents=True, exist_ok=resuming)
+            write_whole(run_dir / "config.json", lambda tmp: tmp.write_text(json.dumps(asdict(args), indent=2)))
+            if args.track:
+                import wandb
+
+                wandb_id = wandb.init(
+                    project=args.wandb_project_name,
+                    entity=args.wandb_entity,
+                    sync_tensorboard=True,
+                    config=asdict(args),
+                    name=run_dir.name,
+                    save_code=True,
+                    id=(checkpoint or {}).get("wandb_id"),  # None: W&B makes one, then stored in every checkpoint
+                    resume="allow",
+                ).id
+            # TensorBoard drops the old files' events logged after the checkpoint: no duplicated or backward steps
+            writer = SummaryWriter(str(run_dir), purge_step=global_step + 1 if resuming else None)
+        workers = EnvWorkers(args, slots, rank, checkpoint["envs"] if resuming and rank == 0 else None)
         collector = Collector(args, workers, slots, agent, obs_rms, device)
         if args.env_kind == "toy":
             targets = draw_target_actions(args.toy).to(device)
@@ -1214,6 +1349,7 @@ def main(args: Args) -> dict:
         rollout = None
         update_time = 0.0
         train_start = time.time()
+        next_progress = train_start + args.progress_interval
         while global_step < args.total_timesteps:
             iteration += 1
 
@@ -1256,6 +1392,7 @@ def main(args: Args) -> dict:
                 "return": sum(rollout.episode_returns),
                 "length": sum(rollout.episode_lengths),
                 "success": sum(rollout.episode_successes),
+                "stragglers": np.count_nonzero(rollout.steps_per_env < args.num_steps),  # (module docstring)
                 "preempted_ranks": float(fresh < args.batch_size),
                 "launchers_gone": float(distributed and os.getppid() != launcher),
             }
@@ -1273,6 +1410,7 @@ def main(args: Args) -> dict:
                 "charts/learning_rate": args.learning_rate,  # constant: CleanRL anneals it, VER a cosine (Sec. 4)
                 "ver/steps_per_env_min": rollout.steps_per_env.min(),
                 "ver/steps_per_env_max": rollout.steps_per_env.max(),
+                "ver/straggler_share": counts["stragglers"] / (args.num_envs * args.world_size),
                 "ver/importance_weight_min": batch["weights"].min(),
                 "ver/inference_batch_size_mean": np.mean(rollout.inference_batch_sizes or [0]),
                 "ver/inflight_carried": carried,
@@ -1293,17 +1431,14 @@ def main(args: Args) -> dict:
                 metrics["toy/accuracy"] = correct.float().mean()
             log(losses, global_step)  # losses/* (ppo_update)
             log(metrics, global_step)
+            if not args.quiet and time.time() >= next_progress:
+                next_progress = time.time() + args.progress_interval
+                elapsed = time.time() - train_start
+                print(progress_line(global_step, args.total_timesteps, last["charts/SPS"], elapsed, last), flush=True)
             if args.eval_freq and iteration % args.eval_freq == 0 and global_step < args.total_timesteps:
-                eval_start = time.perf_counter()
-                metrics = evaluate(
-                    agent, eval_env, obs_rms, args.num_eval_episodes, args.seed + 10_000 + iteration, device
-                )
-                metrics["time/eval"] = time.perf_counter() - eval_start
-                log(metrics, global_step)
+                evaluate_and_log()
                 if args.save_model:
-                    save_checkpoint(
-                        run_dir / f"ckpt_{global_step}.pt", agent, optimizer, obs_rms, global_step, iteration
-                    )
+                    save(f"ckpt_{global_step}.pt")
         if distributed:  # DD-PPO keeps the ranks' weights (and obs_rms) identical: check it (summary.json)
             weights = torch.cat([tensor.detach().reshape(-1) for tensor in [*agent.parameters(), obs_rms.totals()]])
             rank0_weights = weights.clone()
@@ -1312,10 +1447,9 @@ def main(args: Args) -> dict:
             dist.all_reduce(difference, op=dist.ReduceOp.MAX)
             summary["ddp/max_weight_difference"] = float(difference)
         if rank == 0:
-            metrics = evaluate(agent, eval_env, obs_rms, args.num_eval_episodes, args.seed + 10_000 + iteration, device)
-            log(metrics, global_step)
+            evaluate_and_log()
             if args.save_model:
-                save_checkpoint(run_dir / "final_ckpt.pt", agent, optimizer, obs_rms, global_step, iteration)
+                save("final_ckpt.pt")
     except WorkerError as error:
         summary["error"] = str(error)
         raise
@@ -1323,22 +1457,21 @@ def main(args: Args) -> dict:
         summary["interrupted"] = True
         if rank == 0 and args.save_model and "iteration" in summary:
             print("interrupted: writing summary.json and a checkpoint", file=sys.stderr)
-            save_checkpoint(run_dir / "final_ckpt.pt", agent, optimizer, obs_rms, global_step, summary["iteration"])
+            save("final_ckpt.pt")
         raise
     finally:
         if workers is not None:
             workers.close()
         if eval_env is not None:
             eval_env.close()
-        if rank == 0:
+        if writer is not None:  # rank 0 of a training run
             wall = time.time() - start_time
-            summary["global_step"] = global_step
-            summary["wall_time_s"] = wall
+            summary.update(
+                run_dir=str(run_dir), global_step=global_step, wall_time_s=wall, env_busy_time_s=env_busy_time
+            )
             summary["sps"] = (global_step - start_step) / wall
-            summary["env_busy_time_s"] = env_busy_time
-            for name, value in last.items():  # the last value of each metric
-                summary[name] = value
-            (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+            summary.update(last)  # the last value of each metric
+            write_whole(run_dir / "summary.json", lambda tmp: tmp.write_text(json.dumps(summary, indent=2)))
             writer.close()
         if distributed:
             dist.destroy_process_group()

@@ -149,6 +149,7 @@ def throughput_args(o: Options, mode: str, spread: float, seed: int, cuda: bool)
         "--num-eval-episodes",
         "1",
         "--cuda" if cuda else "--no-cuda",
+        "--quiet",
         *MODES[mode],
     ]
 
@@ -196,6 +197,7 @@ def efficiency_args(o: Options, mode: str, seed: int) -> list[str]:
         "--num-eval-episodes",
         "32",
         "--no-cuda",
+        "--quiet",
         *MODES[mode],
     ]
 

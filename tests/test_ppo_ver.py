@@ -1,21 +1,25 @@
 """ppo_ver.py: sequences and packing, the packed LSTM, GAE over variable-length sequences, VER minibatches,
 importance weights, the PPO loss and learned entropy coefficient, the preemption rules, the recurrent collector
 (VER, NoVER, sync; inflight actions; --bootstrap-at-done) against a step-by-step recomputation, the observation
-normalizer (obs_rms: statistics, DD-PPO merge, what the collector and evaluate feed the policy), argument validation,
-and runs as a user runs the script (ToyChain with heterogeneous step times, ManiSkill, --recurrent,
-torchrun with a straggling rank, worker crashes, Ctrl-C)."""
+normalizer (obs_rms: statistics, DD-PPO merge, what the collector and evaluate feed the policy), argument validation
+(flags that would do nothing, checkpoints of other files), the progress line, checkpoints (generators, the toy chains'
+states from the workers), and runs as a user runs the script (ToyChain with heterogeneous step times, ManiSkill,
+--recurrent, resume and --evaluate, torchrun with a straggling rank, worker crashes, Ctrl-C at start, in training and
+in an evaluation)."""
 
 import copy
 import glob
 import json
 import math
 import os
+import random
 import re
 import signal
 import subprocess
 import sys
 import time
 from dataclasses import replace
+from types import SimpleNamespace
 
 import gymnasium as gym
 import numpy as np
@@ -24,7 +28,7 @@ import torch
 from conftest import DEVICES, ROOT
 
 import ppo_ver as ver
-from toy_chain_env import ToyChainWorkerConfig
+from toy_chain_env import ToyChainWorkerConfig, draw_target_actions
 
 GAMMA, LAM = 0.9, 0.8
 
@@ -421,16 +425,16 @@ def test_the_collector_stops_where_the_preemption_rule_says_and_the_batch_is_fil
             toy=ToyChainWorkerConfig(horizon=8, block_length=2, num_actions=3),
             num_minibatches=1,
             cuda=False,
-            inference_min_batch=1,
+            inference_min_batch=None if rule == "ddppo" else 1,  # (--sync acts on all N at once)
             sync=rule == "ddppo",
-            sync_frac=0.5,
+            sync_frac=0.5 if rule == "ddppo" else 0.6,  # (DD-PPO's rule alone reads it)
         ),
         world_size=2,
     )
     env = ver.make_env(args)
     torch.manual_seed(0)
     agent = ver.Agent(env.observation_space, env.action_space, False, args.ent_coef, False, hidden_sizes=(16,))
-    slots, clock = ver.SharedSlots.allocate(N, env), SimulatedClock()
+    slots, clock = ver.SharedSlots(N, env), SimulatedClock()
     obs_rms = ver.RunningMeanStd((), "cpu", enabled=False)  # ToyChain's block index: not normalized
     collector = ver.Collector(
         args, TimedFakeWorkers(args, slots, [slow_step_time] * N, clock), slots, agent, obs_rms, "cpu"
@@ -634,7 +638,7 @@ def test_recurrent_collector_matches_a_step_by_step_recomputation_over_the_logge
         hidden_sizes=(16,),
         lstm_hidden_size=8,
     )
-    slots = ver.SharedSlots.allocate(N, env)
+    slots = ver.SharedSlots(N, env)
     test_state = {"version": 0}
     workers = FakeWorkers(args, slots, [0.9, 0.6, 0.3, 0.15], test_state)
     obs_rms = ver.RunningMeanStd((), "cpu", enabled=False)  # ToyChain's block index: not normalized
@@ -816,7 +820,7 @@ def test_the_collector_acts_on_and_stores_normalized_box_observations_and_bootst
         ver.Args(num_envs=N, num_steps=4, num_minibatches=1, cuda=False, inference_min_batch=1), world_size=1
     )
     env = BoxEnv()
-    slots = ver.SharedSlots.allocate(N, env)
+    slots = ver.SharedSlots(N, env)
     obs_rms = ver.RunningMeanStd(slots.obs.shape[1:], "cpu", enabled=True)
     torch.manual_seed(0)
     agent = ver.Agent(env.observation_space, env.action_space, False, 0.0, False, hidden_sizes=(16,))
@@ -924,6 +928,7 @@ OUT_OF_DOMAIN = [  # (flag, a value outside its domain): every numeric flag of t
     ("--sync-frac", 1.2),
     ("--eval-freq", -3),
     ("--num-eval-episodes", 0),
+    ("--progress-interval", 0.5),
     ("--toy.horizon", 0),
     ("--toy.block-length", 0),
     ("--toy.num-actions", 1),
@@ -976,6 +981,144 @@ def test_other_bad_values_are_refused_naming_the_flag(kwargs, message):
         ver.resolve_args(ver.Args(cuda=False, **kwargs), world_size=1)
 
 
+DELAYS = ToyChainWorkerConfig(step_time_mean=0.001)
+DOES_NOTHING = [  # (flags, ranks, the refusal): options of one mode given in another
+    (dict(sync_frac=0.5), 1, "--sync-frac 0.5: does nothing without --sync under torchrun (DD-PPO's preemption)"),
+    (dict(sync_frac=0.5, sync=True), 1, "--sync-frac 0.5: does nothing without --sync under torchrun"),
+    (dict(sync_frac=0.5), 2, "--sync-frac 0.5: does nothing without --sync under torchrun"),
+    (dict(target_entropy=-1.0), 1, "--target-entropy -1.0: does nothing without --learned-ent-coef"),
+    (dict(inference_min_batch=3, sync=True), 1, "--inference-min-batch 3: does nothing with --sync"),
+    (dict(wandb_entity="team"), 1, "--wandb-entity team: does nothing without --track"),
+    (dict(wandb_project_name="p"), 1, "--wandb-project-name p: does nothing without --track"),
+    (dict(toy=replace(DELAYS, slow_rank_factor=9.0)), 1, "--toy.slow-rank-factor 9.0: does nothing on one rank"),
+    (
+        dict(toy=ToyChainWorkerConfig(slow_env_factor=9.0)),
+        1,
+        "--toy.slow-env-factor 9.0: does nothing without --toy.step-time-mean > 0",
+    ),
+    (dict(toy=ToyChainWorkerConfig(step_time_spread=1.0)), 1, "--toy.step-time-spread 1.0: does nothing without --toy"),
+    (dict(toy=ToyChainWorkerConfig(step_time_jitter=0.0)), 1, "--toy.step-time-jitter 0.0: does nothing without --toy"),
+    (
+        dict(env_id="PushCube-v1", toy=ToyChainWorkerConfig(horizon=50)),
+        1,
+        "--toy.horizon 50: does nothing on PushCube-v1",
+    ),
+    (
+        dict(env_id="PushCube-v1", toy=replace(DELAYS, crash_at_step=3)),
+        1,
+        "--toy.step-time-mean 0.001: does nothing on",
+    ),
+]
+ACTS = [  # the same options where they act: accepted
+    (dict(sync_frac=0.5, sync=True), 2),
+    (dict(target_entropy=-1.0, learned_ent_coef=True), 1),
+    (dict(inference_min_batch=3), 1),
+    (dict(wandb_entity="team", wandb_project_name="p", track=True), 1),
+    (
+        dict(
+            toy=replace(DELAYS, slow_rank_factor=9.0, slow_env_factor=9.0, step_time_spread=1.0, step_time_jitter=0.0)
+        ),
+        2,
+    ),
+    (dict(toy=ToyChainWorkerConfig(horizon=50)), 1),
+]
+
+
+@pytest.mark.parametrize("kwargs, world_size, message", DOES_NOTHING)
+def test_a_flag_given_where_it_does_nothing_is_refused_naming_what_it_needs(kwargs, world_size, message):
+    with pytest.raises(ver.ArgsError, match="^" + re.escape(message)):
+        ver.resolve_args(ver.Args(cuda=False, **kwargs), world_size=world_size)
+
+
+@pytest.mark.parametrize("kwargs, world_size", ACTS)
+def test_the_same_flags_are_accepted_where_they_act(kwargs, world_size):
+    ver.resolve_args(ver.Args(cuda=False, **kwargs), world_size=world_size)
+
+
+def saved(tmp_path, contents, name="ckpt.pt"):
+    """A file at tmp_path/name: bytes as they are, anything else torch.save'd."""
+    path = tmp_path / name
+    if isinstance(contents, bytes):
+        path.write_bytes(contents)
+    else:
+        torch.save(contents, path)
+    return str(path)
+
+
+OURS = {"script": "ppo_ver.py", "env_id": "ToyChain-v0", "global_step": 1000}
+
+
+@pytest.mark.parametrize(
+    "contents, message",
+    [
+        (b"localhost\n", "--checkpoint {}: not a checkpoint of ppo_ver.py (Weights only load failed"),
+        ({"model": {}, "global_step": 3}, '--checkpoint {}: not a checkpoint of ppo_ver.py (no "script" in it)'),
+        ([1, 2], '--checkpoint {}: not a checkpoint of ppo_ver.py (no "script" in it)'),
+        ({**OURS, "script": "cleanba_ppo.py"}, "--checkpoint {}: a checkpoint of cleanba_ppo.py, not of ppo_ver.py"),
+        ({**OURS, "env_id": "PickCube-v1"}, "--checkpoint {}: a checkpoint of PickCube-v1, not of ToyChain-v0"),
+        (OURS, "--total-timesteps 1000: the checkpoint is at global step 1000 already; pass a larger value"),
+    ],
+)
+def test_a_checkpoint_that_is_not_this_scripts_or_already_at_the_total_is_refused(tmp_path, contents, message):
+    path = saved(tmp_path, contents)
+    with pytest.raises(ver.ArgsError, match="^" + re.escape(message.format(path))):
+        ver.resolve_args(ver.Args(cuda=False, checkpoint=path, total_timesteps=1000), world_size=1)
+    if contents is OURS:  # a larger total continues it; an evaluation has no total
+        ver.resolve_args(ver.Args(cuda=False, checkpoint=path, total_timesteps=1001), world_size=1)
+        ver.resolve_args(ver.Args(cuda=False, checkpoint=path, evaluate=True), world_size=1)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(output_dir="elsewhere"), "--output-dir elsewhere: does nothing on a resume, which continues in the"),
+        (dict(exp_name="other"), "--exp-name other: does nothing on a resume"),
+        (dict(evaluate=True, num_envs=4), "--num-envs 4: does nothing with --evaluate"),
+        (dict(evaluate=True, save_model=True), "--save-model True: does nothing with --evaluate"),
+        (dict(evaluate=True, toy=DELAYS), "--toy.step-time-mean 0.001: does nothing with --evaluate"),
+        (dict(evaluate=True, quiet=True), "--quiet True: does nothing with --evaluate"),
+    ],
+)
+def test_flags_that_do_nothing_on_a_resume_or_an_evaluation_are_refused(tmp_path, kwargs, message):
+    path = saved(tmp_path, OURS)
+    with pytest.raises(ver.ArgsError, match="^" + re.escape(message)):
+        total = {} if kwargs.get("evaluate") else dict(total_timesteps=2000)
+        ver.resolve_args(ver.Args(cuda=False, checkpoint=path, **total, **kwargs), world_size=1)
+    evaluation = dict(evaluate=True, seed=3, num_eval_episodes=2, recurrent=True, toy=ToyChainWorkerConfig(horizon=50))
+    ver.resolve_args(ver.Args(cuda=False, checkpoint=path, **evaluation), world_size=1)  # what an evaluation uses
+
+
+def test_random_generators_go_into_a_checkpoint_and_come_back(tmp_path):
+    """rng_state and set_rng_state, through torch.save and torch.load(weights_only=True): torch's, numpy's global,
+    Python's and the numpy Generator of minibatches and fill_from_previous draw again what they drew after the save."""
+    rng = np.random.default_rng(5)
+    torch.manual_seed(3)
+    np.random.seed(4)
+    random.seed(6)
+    path = saved(tmp_path, ver.rng_state(rng, torch.device("cpu")))
+
+    def draws():
+        return torch.rand(3).tolist(), np.random.rand(3).tolist(), random.random(), rng.random(3).tolist()
+
+    expected = draws()
+    draws()  # every generator moved on
+    ver.set_rng_state(torch.load(path, weights_only=True), rng, torch.device("cpu"))
+    assert draws() == expected
+
+
+def test_the_progress_line_format():
+    latest = {"charts/episodic_return": -12.3, "charts/success_rate": 0.41, "ver/straggler_share": 0.1875}
+    line = ver.progress_line(245760, 3000000, 4096.4, 60.0, {**latest, "losses/value_loss": 1.0})
+    assert line == (
+        "progress global_step=245760/3000000 (8%) SPS=4096 elapsed=0:01:00 left=0:11:12 "
+        "charts/episodic_return=-12.3 charts/success_rate=0.41 ver/straggler_share=0.19"
+    )
+    assert (
+        ver.progress_line(0, 100, 0.0, 97390.0, {}) == "progress global_step=0/100 (0%) SPS=0 elapsed=27:03:10 left=?"
+    )
+    assert ver.progress_line(99, 100, 0.5, 1.0, {}).endswith("(99%) SPS=0 elapsed=0:00:01 left=0:00:02")
+
+
 def test_the_toy_chain_runs_in_same_step_mode_only_and_another_mode_is_refused_not_replaced():
     """An env worker resets its chain in the step that ends an episode: --toy.autoreset-mode offers same_step alone,
     and a config that asks for next_step is refused naming the flag."""
@@ -988,17 +1131,19 @@ def test_the_toy_chain_runs_in_same_step_mode_only_and_another_mode_is_refused_n
     assert proc.returncode == 2 and "--toy.autoreset-mode" in proc.stderr
 
 
-def test_the_settings_block_lists_every_resolved_field_in_order_within_120_columns_the_toy_chains_last():
+def test_the_settings_block_lists_every_resolved_field_in_order_within_120_columns_then_the_device():
     args = ver.resolve_args(ver.Args(cuda=False, num_envs=4), world_size=1)
-    text = ver.format_settings(args)
+    text = ver.format_settings(args, torch.device("cpu"))
     lines = text.splitlines()
     assert lines[0] == "settings:" and max(len(line) for line in lines) <= 120
     pairs = " ".join(lines[1:]).split(" ")
     assert pairs[:3] == [f"exp_name={args.exp_name}", "seed=1", "torch_deterministic=True"]
     assert "num_envs=4" in pairs and "toy.horizon=200" in pairs and "toy.autoreset_mode=same_step" in pairs
     assert pairs.index("num_envs=4") < pairs.index("bootstrap_at_done=truncated") < pairs.index("toy.horizon=200")
-    assert len(pairs) == len(vars(args)) - 1 + len(vars(args.toy))
-    maniskill = ver.format_settings(ver.resolve_args(ver.Args(env_id="PushCube-v1", cuda=False), world_size=1))
+    assert len(pairs) == len(vars(args)) - 1 + len(vars(args.toy)) - 1 + 1 and pairs[-1] == "device=cpu"
+    assert "crash_at_step" not in text  # a test hook, not a setting
+    maniskill_args = ver.resolve_args(ver.Args(env_id="PushCube-v1", cuda=False), world_size=1)
+    maniskill = ver.format_settings(maniskill_args, torch.device("cpu"))
     assert "env_id=PushCube-v1" in maniskill and "toy." not in maniskill  # the toy chain's settings on it only
 
 
@@ -1028,23 +1173,33 @@ HETEROGENEOUS_TOY = [
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
 
 
+def output_dir_flag(args, tmp_path):
+    """--output-dir tmp_path, except with --checkpoint: a resume continues in the checkpoint's folder, an evaluation
+    writes beside the checkpoint (and both refuse the flag)."""
+    return [] if "--checkpoint" in args else ["--output-dir", str(tmp_path)]
+
+
 def run_script(args, tmp_path, timeout=300, check=True, launcher=None):
-    """Runs the script in its own process group, killed whole if it runs past `timeout` (no orphans)."""
-    command = (launcher or [sys.executable]) + [SCRIPT, "--output-dir", str(tmp_path), *args]
-    proc = subprocess.Popen(
-        command,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        cwd=ROOT,
-        env=dict(os.environ, PYTHONUNBUFFERED="1"),
-        start_new_session=True,
-    )
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        raise
+    """Runs the script in its own process group, killed whole if it runs past `timeout` (no orphans), its stdout into a
+    file beside `tmp_path` (as a log file: progress lines are plain lines), with --output-dir tmp_path unless resuming."""
+    command = (launcher or [sys.executable]) + [SCRIPT, *output_dir_flag(args, tmp_path), *args]
+    with open(f"{tmp_path}.stdout.txt", "w+") as stdout:
+        proc = subprocess.Popen(
+            command,
+            stdout=stdout,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=ROOT,
+            env=dict(os.environ, PYTHONUNBUFFERED="1"),
+            start_new_session=True,
+        )
+        try:
+            _, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            raise
+        stdout.seek(0)
+        out = stdout.read()
     if check:
         assert proc.returncode == 0, out[-3000:] + err[-5000:]
     return subprocess.CompletedProcess(command, proc.returncode, out, err)
@@ -1066,6 +1221,18 @@ def scalars(run_dir):
     acc = EventAccumulator(run_dir, size_guidance={"scalars": 0})
     acc.Reload()
     return {tag: [e.value for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+
+
+def steps_of(run_dir, tag):
+    """The global steps at which TensorBoard shows `tag` (events a resume purged left out)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(run_dir, size_guidance={"scalars": 0})
+    acc.Reload()
+    return [e.step for e in acc.Scalars(tag)]
+
+
+EVALUATION_LINE = r"global_step=\d+ eval/return=\S+ eval/episode_len=\S+ eval/success_once=\S+ eval/success_at_end=\S+"
 
 
 @pytest.mark.parametrize("mode", ["ver", "nover", "sync"])
@@ -1098,11 +1265,41 @@ def test_toy_chain_with_heterogeneous_step_times(tmp_path, mode):
     if mode == "ver":  # no per-env quota: fast envs give more; inflight actions are carried over
         assert min(b - a for a, b in zip(steps_min, steps_max)) > 0 and max(s["ver/inflight_carried"]) > 0
         assert max(s["ver/importance_weight_min"]) < 1.0
+        # env 0 (fewer than T steps) at least, and never all 4 (the rollout's T x N steps: some env gave T or more)
+        assert 0.25 <= min(s["ver/straggler_share"]) <= max(s["ver/straggler_share"]) <= 0.75
     else:
         assert steps_min == steps_max == [16.0] * 10 and set(s["ver/importance_weight_min"]) == {1.0}
+        assert set(s["ver/straggler_share"]) == {0.0}  # every env gave its T steps
     if mode == "sync":  # step all envs, wait for all of them, act on all
         assert set(s["ver/inference_batch_size_mean"]) == {4.0}
     assert len(s["eval/return"]) == 2  # at iteration 5 and at the end
+
+
+PROGRESS_LINE = re.compile(
+    r"progress global_step=(\d+)/320 \((\d+)%\) SPS=\d+ elapsed=\d+:\d\d:\d\d left=(\d+:\d\d:\d\d|\?)"
+    r"( charts/episodic_return=\S+ charts/success_rate=\S+)? ver/straggler_share=(\d\.\d\d)"
+)
+
+
+@pytest.mark.slow
+def test_progress_lines_in_a_log_file_and_none_with_quiet(tmp_path):
+    """Progress lines every --progress-interval 1 s, in a file as a log would hold them. Every step of the chains
+    sleeps 50 ms (env 0's 200 ms, no jitter): each rollout of T x N = 64 steps from 4 envs takes 0.75 s at least, so the
+    5 rollouts print 2 lines at least, however fast the machine; env 0 gives fewer than T steps (a straggler)."""
+    flags = ["--num-envs", "4", "--num-steps", "16", "--total-timesteps", "320", "--toy.step-time-mean", "0.05"]
+    flags += ["--toy.step-time-jitter", "0", "--toy.slow-env-factor", "4", "--eval-freq", "0", "--no-cuda"]
+    flags += ["--num-eval-episodes", "1", "--progress-interval", "1"]
+    out = run_script(flags, tmp_path / "loud").stdout
+    lines = [line for line in out.splitlines() if line.startswith("progress")]
+    assert len(lines) >= 2 and "\r" not in out, out
+    matches = [PROGRESS_LINE.fullmatch(line) for line in lines]
+    assert all(matches), lines
+    steps = [int(match[1]) for match in matches]
+    assert steps == sorted(set(steps)) and all(int(m[2]) == 100 * int(m[1]) // 320 for m in matches)
+    assert max(float(match[5]) for match in matches) >= 0.25  # (env 0, 4x slower than the others)
+    assert "ver/straggler_share" in scalars(only_run_dir(tmp_path / "loud"))
+    quiet = run_script(flags + ["--quiet", "--total-timesteps", "128"], tmp_path / "quiet").stdout  # (1.5 s at least)
+    assert "\nprogress " not in quiet and "settings:" in quiet and "eval/return=" in quiet
 
 
 @pytest.mark.slow
@@ -1124,26 +1321,142 @@ def test_recurrent_save_resume_and_evaluate(tmp_path, device):
         "ckpt_128.pt",
         "final_ckpt.pt",
     ]
-    ckpt = torch.load(os.path.join(run_dir, "final_ckpt.pt"), weights_only=False)
+    ckpt = torch.load(os.path.join(run_dir, "final_ckpt.pt"), weights_only=True)
     assert ckpt["global_step"] == 256 and ckpt["iteration"] == 4
+    assert ckpt["script"] == "ppo_ver.py" and ckpt["env_id"] == "ToyChain-v0" and ckpt["wandb_id"] is None
     assert any(k.startswith("lstm.") for k in ckpt["model"]) and ckpt["optimizer"]["state"]
     assert set(ckpt["obs_rms"]) == {"mean", "var", "count"}  # the checkpoint's layout; ToyChain's block index is
     assert float(ckpt["obs_rms"]["count"]) == pytest.approx(1e-4)  # not normalized: obs_rms was never updated
+    assert set(ckpt["rng"]) == {"torch", "cuda", "numpy", "python", "generator"}
+    assert len(ckpt["envs"]["states"]) == 4 and ckpt["envs"]["obs"].shape == (4,)  # the 4 chains' states
 
-    second = tmp_path / "second"
+    # A resume from the checkpoint at iteration 2 continues that run: same directory, TensorBoard from step 128 on.
+    middle = os.path.join(run_dir, "ckpt_128.pt")
     proc = run_script(
-        common + ["--total-timesteps", "512", "--checkpoint", os.path.join(run_dir, "final_ckpt.pt")], second
+        common + ["--total-timesteps", "512", "--save-model", "--checkpoint", middle], tmp_path / "second"
     )
-    assert "resuming from" in proc.stdout
-    resumed = load_summary(only_run_dir(second))
+    assert f"resuming {run_dir} at global step 128 (iteration 2)\n" in proc.stdout
+    assert (
+        "start anew" not in proc.stdout and only_run_dir(first) == run_dir and not os.path.exists(tmp_path / "second")
+    )
+    resumed = load_summary(run_dir)
     assert resumed["global_step"] == 512 and resumed["iteration"] == 8
-    assert len(scalars(only_run_dir(second))["charts/SPS"]) == 4
+    assert steps_of(run_dir, "charts/SPS") == list(range(64, 513, 64))  # no duplicated or backward steps
+    assert json.load(open(os.path.join(run_dir, "config.json")))["total_timesteps"] == 512
+    assert sorted(os.path.basename(p) for p in glob.glob(os.path.join(run_dir, "*.pt"))) == [
+        "ckpt_128.pt",
+        "ckpt_256.pt",
+        "ckpt_384.pt",
+        "final_ckpt.pt",
+    ]
 
-    third = tmp_path / "third"
-    run_script(common + ["--evaluate", "--checkpoint", os.path.join(run_dir, "final_ckpt.pt")], third)
-    evaluated = load_summary(only_run_dir(third))
-    assert evaluated["global_step"] == ckpt["global_step"] and "eval/return" in evaluated
-    assert "charts/SPS" not in evaluated
+    # --evaluate: one line as the evaluations print, eval_final_ckpt.json beside the checkpoint, no run directory.
+    flags = ["--toy.horizon", "20", "--recurrent", "--num-eval-episodes", "4", common[-1]]
+    final = os.path.join(run_dir, "final_ckpt.pt")
+    proc = run_script(flags + ["--evaluate", "--checkpoint", final], tmp_path / "third")
+    evaluation = [line for line in proc.stdout.splitlines() if line.startswith("global_step=")]
+    assert len(evaluation) == 1 and re.fullmatch(EVALUATION_LINE, evaluation[0]) and "resuming" not in proc.stdout
+    assert evaluation[0].startswith("global_step=512 ")
+    result = json.load(open(os.path.join(run_dir, "eval_final_ckpt.json")))
+    assert result["checkpoint"] == final and result["global_step"] == 512 and result["num_eval_episodes"] == 4
+    assert result["eval_seed"] == 1 + 10_000 + 8 and f"eval/return={result['eval/return']:.4g} " in evaluation[0]
+    assert os.listdir(first) == [os.path.basename(run_dir)] and not os.path.exists(tmp_path / "third")
+
+
+def wait_for(workers, envs):
+    """Polls `workers` until every env in `envs` has arrived."""
+    waiting = set(envs)
+    while waiting:
+        waiting -= set(workers.poll(math.inf))
+
+
+@pytest.mark.slow
+def test_toy_chain_workers_send_their_state_and_restart_from_it():
+    """Two toy chains in worker processes step 12 times (their targets: they move on to block 2), env 0 once more
+    (in flight while the states are fetched: its result is left to the next poll()). Workers started from the fetched
+    states report the saved observations first, then step exactly as the originals (same actions, 40 steps)."""
+    args = ver.resolve_args(ver.Args(cuda=False, num_envs=2, toy=ToyChainWorkerConfig(horizon=50)), world_size=1)
+    env = ver.make_env(args, evaluation=True)
+    targets = draw_target_actions(args.toy)
+    slots = [ver.SharedSlots(2, env) for _ in range(2)]
+    first = ver.EnvWorkers(args, slots[0], rank=0)
+    second = None
+    try:
+        wait_for(first, [0, 1])
+        for _ in range(12):
+            slots[0].action[:] = targets[slots[0].obs]
+            first.send_step([0, 1])
+            wait_for(first, [0, 1])
+        first.send_step([0])
+        states = first.fetch_states()
+        assert first.poll(0) == [0] and len(states) == 2  # env 0's result, read on the way, is not lost
+        saved_obs = slots[0].obs.clone()
+        assert saved_obs.tolist() != [0, 0]  # (not where a reset starts)
+        second = ver.EnvWorkers(args, slots[1], 0, {"states": states, "obs": saved_obs})
+        wait_for(second, [0, 1])
+        assert torch.equal(slots[1].obs, saved_obs)
+        actions = torch.randint(0, args.toy.num_actions, (40, 2), generator=torch.Generator().manual_seed(0))
+        for action in actions:
+            for workers, slot in zip((first, second), slots):
+                slot.action[:] = action
+                workers.send_step([0, 1])
+                wait_for(workers, [0, 1])
+            for name in ("obs", "reward", "terminated", "truncated", "success"):
+                assert torch.equal(getattr(slots[0], name), getattr(slots[1], name)), name
+    finally:
+        first.close()
+        if second is not None:
+            second.close()
+
+
+@pytest.mark.slow
+def test_a_resume_continues_the_run_its_tensorboard_wandb_run_generators_and_toy_chains(tmp_path, monkeypatch, capsys):
+    """In this process (W&B's init replaced: no network): a run with --track saves ckpt_32.pt at iteration 2 and ends
+    at 64; resumed from ckpt_32.pt to 96, it continues in the same folder, TensorBoard from step 32 on (the first run's
+    later events dropped), the same W&B run (the id W&B gave, stored), with the checkpoint's random generators and its
+    chains' states (the restored workers first report the saved observations)."""
+    import wandb
+
+    inits = []
+    monkeypatch.setattr(
+        wandb, "init", lambda **kwargs: inits.append(kwargs) or SimpleNamespace(id=kwargs["id"] or "a1")
+    )
+    restored = {}
+    set_rng_state = ver.set_rng_state
+    monkeypatch.setattr(
+        ver, "set_rng_state", lambda state, *more: set_rng_state(restored.setdefault("rng", state), *more)
+    )
+
+    class FirstObservations(ver.EnvWorkers):
+        def __init__(self, args, slots, rank, saved=None):
+            super().__init__(args, slots, rank, saved)
+            self.slots = slots
+
+        def poll(self, timeout):
+            arrived = super().poll(timeout)
+            for env in arrived:
+                restored.setdefault("first_obs", {}).setdefault(env, int(self.slots.obs[env]))
+            return arrived
+
+    monkeypatch.setattr(ver, "EnvWorkers", FirstObservations)
+    sigterm = signal.getsignal(signal.SIGTERM)
+    common = dict(cuda=False, num_envs=2, num_steps=8, num_minibatches=1, eval_freq=2, num_eval_episodes=2, track=True)
+    common.update(save_model=True, toy=ToyChainWorkerConfig(horizon=20))
+    try:
+        ver.main(ver.Args(**common, total_timesteps=64, output_dir=str(tmp_path)))
+        run_dir = only_run_dir(tmp_path)
+        checkpoint = torch.load(os.path.join(run_dir, "ckpt_32.pt"), weights_only=True)
+        restored.clear()
+        summary = ver.main(ver.Args(**common, total_timesteps=96, checkpoint=os.path.join(run_dir, "ckpt_32.pt")))
+    finally:
+        signal.signal(signal.SIGTERM, sigterm)
+    assert f"resuming {run_dir} at global step 32 (iteration 2)\n" in capsys.readouterr().out
+    assert summary["global_step"] == 96 and summary["iteration"] == 6 and only_run_dir(tmp_path) == run_dir
+    assert steps_of(run_dir, "charts/SPS") == [16, 32, 48, 64, 80, 96]
+    assert [(init["id"], init["resume"]) for init in inits] == [(None, "allow"), ("a1", "allow")]
+    assert checkpoint["wandb_id"] == "a1" and restored["rng"]["generator"] == checkpoint["rng"]["generator"]
+    assert torch.equal(restored["rng"]["torch"], checkpoint["rng"]["torch"])
+    assert restored["first_obs"] == dict(enumerate(checkpoint["envs"]["obs"].tolist()))
 
 
 @pytest.mark.slow
@@ -1216,12 +1529,12 @@ def test_maniskill_cpu_task_with_two_workers(tmp_path):
     """A ManiSkill3 task on CPU simulation, one physx_cpu env per worker process (continuous actions, a recurrent
     policy with a learned entropy coefficient); ManiSkill tasks bootstrap at every episode end by default. Its Box
     observations are normalized: the checkpoint holds obs_rms, updated with every observation acted on; a resume
-    restores it (a run resumed at its last step saves it unchanged and evaluates as the first run did at its end), and
-    --evaluate uses it (the same evaluation again)."""
-    common = ["--env-id", "PickCube-v1", "--num-envs", "2", "--num-steps", "20", "--num-minibatches", "2"]
-    common += ["--total-timesteps", "120", "--eval-freq", "0", "--num-eval-episodes", "1"]
-    common += ["--save-model", "--no-cuda", "--recurrent", "--learned-ent-coef", "--ent-coef", "0.01"]
-    run_script(common, tmp_path / "first", timeout=600)
+    restores it and goes on updating it (its envs start anew, as it says), and --evaluate uses it (the resumed run's
+    final evaluation again)."""
+    policy = ["--env-id", "PickCube-v1", "--no-cuda", "--recurrent", "--learned-ent-coef", "--ent-coef", "0.01"]
+    common = policy + ["--num-envs", "2", "--num-steps", "20", "--num-minibatches", "2", "--eval-freq", "0"]
+    common += ["--num-eval-episodes", "1", "--save-model"]
+    run_script(common + ["--total-timesteps", "120"], tmp_path / "first", timeout=600)
     run_dir = only_run_dir(tmp_path / "first")
     summary = load_summary(run_dir)
     assert summary["global_step"] == 120 and summary["eval/episode_len"] == 50
@@ -1230,18 +1543,25 @@ def test_maniskill_cpu_task_with_two_workers(tmp_path):
     assert config["bootstrap_at_done"] == "always"
     assert math.isfinite(summary["losses/value_loss"]) and summary["losses/ent_coef"] != 0.01  # alpha was learned
     checkpoint = os.path.join(run_dir, "final_ckpt.pt")
-    obs_rms = torch.load(checkpoint, weights_only=True)["obs_rms"]
+    saved = torch.load(checkpoint, weights_only=True)
+    obs_rms = saved["obs_rms"]
     assert 120 <= obs_rms["count"] <= 122 + 1e-3  # the 120 steps' observations, and those of the (<= 2) in flight
     assert obs_rms["mean"].abs().max() > 0.01 and (obs_rms["var"] - 1).abs().max() > 0.01
+    assert saved["envs"] is None and saved["env_id"] == "PickCube-v1"  # (ManiSkill's state cannot be saved)
 
-    proc = run_script(common + ["--checkpoint", checkpoint], tmp_path / "resumed", timeout=600)
-    assert "resuming from" in proc.stdout
-    resumed_dir = only_run_dir(tmp_path / "resumed")
-    resumed = torch.load(os.path.join(resumed_dir, "final_ckpt.pt"), weights_only=True)["obs_rms"]
-    assert all(torch.equal(resumed[key], obs_rms[key]) for key in ("mean", "var", "count"))
-    assert load_summary(resumed_dir)["eval/return"] == summary["eval/return"]
-    run_script(common + ["--checkpoint", checkpoint, "--evaluate"], tmp_path / "evaluated", timeout=600)
-    assert load_summary(only_run_dir(tmp_path / "evaluated"))["eval/return"] == summary["eval/return"]
+    proc = run_script(
+        common + ["--total-timesteps", "160", "--checkpoint", checkpoint], tmp_path / "resumed", timeout=600
+    )
+    assert f"resuming {run_dir} at global step 120 (iteration 3)" in proc.stdout
+    assert "resume: the envs' state is not in the checkpoint (PickCube-v1): they start anew" in proc.stdout
+    resumed = torch.load(checkpoint, weights_only=True)["obs_rms"]  # (the resumed run's, in the same folder)
+    assert 160 <= resumed["count"] <= 164 + 1e-3  # the checkpoint's 120-122 and the 40 new steps' observations
+    assert load_summary(run_dir)["global_step"] == 160
+    proc = run_script(
+        policy + ["--num-eval-episodes", "1", "--checkpoint", checkpoint, "--evaluate"], tmp_path / "eval"
+    )
+    result = json.load(open(os.path.join(run_dir, "eval_final_ckpt.json")))
+    assert result["eval/return"] == load_summary(run_dir)["eval/return"] and result["global_step"] == 160
 
 
 @pytest.mark.slow
@@ -1310,7 +1630,7 @@ class Watched:
 
     def __init__(self, args, tmp_path, launcher=None):
         self.proc = subprocess.Popen(
-            (launcher or [sys.executable]) + [SCRIPT, "--output-dir", str(tmp_path), *args],
+            (launcher or [sys.executable]) + [SCRIPT, *output_dir_flag(args, tmp_path), *args],
             cwd=ROOT,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
@@ -1393,45 +1713,93 @@ def test_a_killed_worker_ends_the_run_and_nothing_is_left_behind(tmp_path):
     run.assert_nothing_left()
 
 
+def ctrl_c(run):
+    """SIGINT to the run's process group, as from a terminal; returns (exit code, stderr, seconds to its exit)."""
+    run.watch()
+    os.killpg(run.proc.pid, signal.SIGINT)
+    sent = time.time()
+    code, _, err, _ = run.wait(timeout=60)  # (a run that ignored it would be killed there and fail below)
+    return code, err, time.time() - sent
+
+
 @pytest.mark.slow
-def test_ctrl_c_writes_the_summary_and_a_checkpoint(tmp_path):
+def test_ctrl_c_in_training_writes_the_summary_and_a_checkpoint_within_10_s(tmp_path):
     run = Watched(HETEROGENEOUS_TOY + ["--total-timesteps", "1000000", "--eval-freq", "2", "--save-model"], tmp_path)
     deadline = time.time() + 120
     while time.time() < deadline and not glob.glob(os.path.join(str(tmp_path), "*", "ckpt_*.pt")):
         run.watch()
         time.sleep(0.2)
     time.sleep(1.0)
-    run.watch()
-    run.proc.send_signal(signal.SIGINT)
-    code, _, err, _ = run.wait(timeout=60)
-    assert code == 130, err[-3000:]
+    code, err, seconds = ctrl_c(run)
+    assert code == 130 and seconds < 10, (seconds, err[-3000:])
     run.assert_nothing_left()
     run_dir = only_run_dir(tmp_path)
     summary = load_summary(run_dir)
     assert summary["interrupted"] is True and summary["global_step"] > 0
-    ckpt = torch.load(os.path.join(run_dir, "final_ckpt.pt"), weights_only=False)
+    ckpt = torch.load(os.path.join(run_dir, "final_ckpt.pt"), weights_only=True)
     assert ckpt["global_step"] == summary["global_step"] and ckpt["iteration"] == summary["iteration"]
+    periodic = torch.load(glob.glob(os.path.join(run_dir, "ckpt_*.pt"))[0], weights_only=True)
+    assert len(periodic["envs"]["states"]) == 4  # (at Ctrl-C, a pipe read it cut short would leave them out)
+
+
+def forkserver_processes(run):
+    """(pid, depth) of the run's forkserver (depth 1) and its workers (depth 2; helpers of its imports have other
+    command lines)."""
+    found = []
+    for pid, depth in process_tree(run.proc.pid):
+        try:
+            if "multiprocessing.forkserver" in open(f"/proc/{pid}/cmdline").read():
+                found.append((pid, depth))
+        except OSError:
+            continue
+    return found
 
 
 @pytest.mark.slow
-def test_ctrl_c_during_start_up_writes_the_summary(tmp_path):
-    """Ctrl-C before training starts: the run is held in start-up by a --checkpoint that is a FIFO (its open() blocks
-    until a writer comes, which never happens); SIGINT is sent a second after the TensorBoard writer made its file,
-    so the run is between its run directory and its first env worker, however slow the machine."""
-    fifo = tmp_path / "never_written.pt"
-    os.mkfifo(fifo)
-    run = Watched(HETEROGENEOUS_TOY + ["--checkpoint", str(fifo), "--save-model", "--exp-name", "startup"], tmp_path)
-    deadline = time.time() + 60
-    while time.time() < deadline and not glob.glob(os.path.join(str(tmp_path), "*startup*", "events.out.tfevents.*")):
-        time.sleep(0.05)
-    time.sleep(1.0)  # past the end of SummaryWriter(); the FIFO holds the run in start-up for as long as it takes
-    run.proc.send_signal(signal.SIGINT)
-    code, _, err, _ = run.wait(timeout=60)
-    assert code == 130, err[-3000:]
-    run_dir = only_run_dir(tmp_path, "*startup*")
-    summary = load_summary(run_dir)
+@pytest.mark.parametrize("phase", ["forkserver", "workers"])
+def test_ctrl_c_while_the_maniskill_env_workers_start_ends_the_run_within_10_s(tmp_path, phase):
+    """SIGINT once the forkserver exists (it imports ManiSkill for seconds before it can start a worker), or once the
+    4 workers exist (each builds its scene for seconds on 2 cores): the run ends within 10 s, no process prints a
+    traceback (the forkserver and the workers leave Ctrl-C to the main process), and none is left behind."""
+    flags = ["--env-id", "PickCube-v1", "--num-envs", "4", "--num-steps", "4", "--num-minibatches", "1", "--no-cuda"]
+    run = Watched(flags + ["--total-timesteps", "100000", "--save-model"], tmp_path)
+    wanted = [(1, 1)] if phase == "forkserver" else [(1, 1)] + [(4, 2)]
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        depths = [depth for _, depth in forkserver_processes(run)]
+        if all(depths.count(depth) >= count for count, depth in wanted):
+            break
+        time.sleep(0.02)
+    time.sleep(
+        1.0
+    )  # (the forkserver past its interpreter's start-up, into its imports: a KeyboardInterrupt would show)
+    code, err, seconds = ctrl_c(run)
+    assert code == 130 and seconds < 10 and "Traceback" not in err, (depths, seconds, err[-3000:])
+    assert depths.count(1) == 1 and depths.count(2) >= (4 if phase == "workers" else 0), depths
+    run.assert_nothing_left()
+    summary = load_summary(only_run_dir(tmp_path))
     assert summary["interrupted"] is True and summary["global_step"] == 0 and "iteration" not in summary
-    assert not glob.glob(os.path.join(run_dir, "*.pt"))  # nothing trained, nothing saved
+    assert not glob.glob(os.path.join(only_run_dir(tmp_path), "*.pt"))  # nothing trained, nothing saved
+
+
+@pytest.mark.slow
+def test_ctrl_c_in_an_evaluation_ends_it_within_10_s_and_writes_nothing(tmp_path):
+    """--evaluate of 100,000 episodes of 200 steps (hours): SIGINT a second after the settings are printed."""
+    env = ver.make_env(ver.resolve_args(ver.Args(cuda=False), world_size=1), evaluation=True)
+    agent = ver.Agent(env.observation_space, env.action_space, False, 0.01, False)
+    rms = ver.RunningMeanStd((), "cpu", enabled=False)
+    contents = {"script": "ppo_ver.py", "env_id": "ToyChain-v0", "model": agent.state_dict(), "global_step": 64}
+    path = saved(
+        tmp_path, {**contents, "iteration": 1, "obs_rms": {"mean": rms.mean, "var": rms.var, "count": rms.count}}
+    )
+    run = Watched(["--evaluate", "--checkpoint", path, "--num-eval-episodes", "100000", "--no-cuda"], tmp_path)
+    for line in run.proc.stdout:  # (the settings end with the device)
+        if "device=" in line:
+            break
+    time.sleep(1.0)
+    code, err, seconds = ctrl_c(run)
+    assert code == 130 and seconds < 10 and "Traceback" not in err, (seconds, err[-3000:])
+    assert os.listdir(tmp_path) == ["ckpt.pt"]  # no eval_ckpt.json, no run directory
 
 
 @pytest.mark.slow
@@ -1442,6 +1810,7 @@ def test_ctrl_c_during_start_up_writes_the_summary(tmp_path):
         (["--num-envs", "0"], "error: --num-envs 0: must be >= 1"),  # (it hung)
         (["--num-steps", "0"], "error: --num-steps 0: must be >= 1"),
         (["--checkpoint", "no_such_checkpoint.pt"], "error: --checkpoint no_such_checkpoint.pt: no such file"),
+        (["--checkpoint", "/etc/hostname"], "error: --checkpoint /etc/hostname: not a checkpoint of ppo_ver.py ("),
     ],
 )
 def test_bad_flags_exit_early_with_a_message_and_start_nothing(tmp_path, flags, message):
