@@ -259,8 +259,10 @@ def check_checkpoint(args: Args) -> None:
 def resolve_args(args: Args, world_size: Optional[int] = None) -> Args:
     """Fills the presets and derived sizes into a copy of `args` and validates it. Raises ArgsError."""
     defaults = Args()
-    given = {f"toy.{name}": value for name, value in vars(args.toy).items() if value != getattr(defaults.toy, name)}
-    given.update({key: value for key, value in vars(args).items() if key != "toy" and value != getattr(defaults, key)})
+    given = {key: value for key, value in vars(args).items() if key != "toy" and value != getattr(defaults, key)}
+    for name, value in vars(args.toy).items():
+        if value != getattr(defaults.toy, name):
+            given[f"toy.{name}"] = value
     resolved = replace(args, toy=replace(args.toy))
     resolved.world_size = world_size if world_size is not None else int(os.environ.get("WORLD_SIZE", "1"))
     resolved.env_kind = "toy" if resolved.env_id == "ToyChain-v0" else "maniskill"
@@ -1309,11 +1311,13 @@ def main(args: Args) -> dict:
         if resuming and rank == 0:  # (the other ranks' generators and envs start anew)
             set_rng_state(checkpoint["rng"], rng, device)
         if args.evaluate:  # one line, and eval_<checkpoint name>.json beside the checkpoint
-            metrics = evaluate_and_log()
-            metrics.update(
-                checkpoint=args.checkpoint, global_step=global_step, num_eval_episodes=args.num_eval_episodes
-            )
-            metrics["eval_seed"] = args.seed + 10_000 + iteration
+            metrics = {
+                "checkpoint": args.checkpoint,
+                "global_step": global_step,
+                "eval_seed": args.seed + 10_000 + iteration,
+                "num_eval_episodes": args.num_eval_episodes,
+                **evaluate_and_log(),
+            }
             path = Path(args.checkpoint).with_name(f"eval_{Path(args.checkpoint).stem}.json")
             write_whole(path, lambda tmp: tmp.write_text(json.dumps(metrics, indent=2)))
             return metrics
@@ -1466,11 +1470,13 @@ def main(args: Args) -> dict:
             eval_env.close()
         if writer is not None:  # rank 0 of a training run
             wall = time.time() - start_time
-            summary.update(
-                run_dir=str(run_dir), global_step=global_step, wall_time_s=wall, env_busy_time_s=env_busy_time
-            )
+            summary["run_dir"] = str(run_dir)
+            summary["global_step"] = global_step
+            summary["wall_time_s"] = wall
+            summary["env_busy_time_s"] = env_busy_time
             summary["sps"] = (global_step - start_step) / wall
-            summary.update(last)  # the last value of each metric
+            for name, value in last.items():  # the last value of each metric
+                summary[name] = value
             write_whole(run_dir / "summary.json", lambda tmp: tmp.write_text(json.dumps(summary, indent=2)))
             writer.close()
         if distributed:
