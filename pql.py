@@ -77,8 +77,6 @@ class Args:
     """name of this experiment (part of the run directory name)"""
     seed: int = 1
     """seed of torch and the environments, >= 0 (the learners sample with seed + 1 and seed + 2)"""
-    torch_deterministic: bool = True
-    """sets torch.backends.cudnn.deterministic"""
     cuda: bool = True
     """use CUDA when it is available: the default device of all three processes (and ManiSkill's GPU simulation)"""
     output_dir: str = "runs"
@@ -202,8 +200,8 @@ class ProcessFailed(RuntimeError):
 
 
 # What --evaluate uses (the checkpoint, the evaluation's envs and device, the networks' shape): other flags are refused
-EVALUATE_USES = ("env_id", "seed", "torch_deterministic", "cuda", "checkpoint", "evaluate", "capture_video", "horizon")
-EVALUATE_USES += ("num_eval_envs", "toy", "actor_device", "distributional")
+EVALUATE_USES = ("env_id", "seed", "cuda", "checkpoint", "evaluate", "capture_video", "horizon", "num_eval_envs", "toy")
+EVALUATE_USES += ("actor_device", "distributional")
 
 
 def resolve_args(args: Args) -> Args:
@@ -212,9 +210,7 @@ def resolve_args(args: Args) -> Args:
     is_toy = args.env_id == TOY_ENV_ID
     defaults = Args()
     given = [item.name for item in fields(Args) if getattr(args, item.name) != getattr(defaults, item.name)]
-    toy_given = [
-        item.name for item in fields(args.toy) if getattr(args.toy, item.name) != getattr(defaults.toy, item.name)
-    ]
+    toy_given = [name for name, value in asdict(args.toy).items() if value != getattr(defaults.toy, name)]
     if not is_toy:
         from mani_skill.utils.registration import REGISTERED_ENVS
 
@@ -232,36 +228,26 @@ def resolve_args(args: Args) -> Args:
     gpus = [f"cuda:{index}" for index in range(torch.cuda.device_count())]
     devices = ["cpu"] + (["cuda"] if gpus else []) + gpus  # the values of --*-device that this machine has
     checks = [  # (flag, value, within its domain, the domain)
-        ("--actor-device", args.actor_device, args.actor_device in devices, f"one of {devices}"),
-        ("--v-learner-device", args.v_learner_device, args.v_learner_device in devices, f"one of {devices}"),
-        ("--p-learner-device", args.p_learner_device, args.p_learner_device in devices, f"one of {devices}"),
-        ("--seed", args.seed, args.seed >= 0, ">= 0"),
-        ("--num-envs", args.num_envs, args.num_envs >= 1, ">= 1"),
-        ("--num-eval-envs", args.num_eval_envs, args.num_eval_envs >= 1, ">= 1"),
         ("--horizon", args.horizon, args.horizon is None or args.horizon >= 1, ">= 1"),
-        ("--beta-a-v", args.beta_a_v, args.beta_a_v > 0, "> 0"),
         ("--beta-a-v", args.beta_a_v, args.beta_a_v <= 1 or not args.ddpg_n, "<= 1 with --ddpg-n (whole updates)"),
-        ("--beta-p-v", args.beta_p_v, args.beta_p_v > 0, "> 0"),
-        ("--total-timesteps", args.total_timesteps, args.total_timesteps >= 1, ">= 1"),
         ("--gamma", args.gamma, 0 <= args.gamma <= 1, "in [0, 1]"),
-        ("--nstep", args.nstep, args.nstep >= 1, ">= 1"),
         ("--tau", args.tau, 0 <= args.tau <= 1, "in [0, 1]"),
-        ("--batch-size", args.batch_size, args.batch_size >= 1, ">= 1"),
-        ("--buffer-size", args.buffer_size, args.buffer_size >= 1, ">= 1"),
-        ("--learning-rate", args.learning_rate, args.learning_rate > 0, "> 0"),
-        ("--max-grad-norm", args.max_grad_norm, args.max_grad_norm > 0, "> 0"),
-        ("--warm-up-steps", args.warm_up_steps, args.warm_up_steps >= 0, ">= 0"),
-        ("--reward-scale", args.reward_scale, args.reward_scale > 0, "> 0"),
-        ("--sigma-min", args.sigma_min, args.sigma_min >= 0, ">= 0"),
         ("--sigma-max", args.sigma_max, args.sigma_max >= args.sigma_min, f">= --sigma-min ({args.sigma_min})"),
-        ("--target-noise-std", args.target_noise_std, args.target_noise_std >= 0, ">= 0"),
         ("--eval-freq", args.eval_freq, args.eval_freq >= 0, ">= 0 (0: only at the end)"),
-        ("--progress-interval", args.progress_interval, args.progress_interval >= 1, ">= 1"),
         ("--toy.autoreset-mode", args.toy.autoreset_mode, args.toy.autoreset_mode == "same_step", "same_step"),
     ]
+    shared_domains = [  # (flags, the domain they share, within it)
+        (("actor_device", "v_learner_device", "p_learner_device"), f"one of {devices}", lambda value: value in devices),
+        (("seed", "warm_up_steps", "sigma_min", "target_noise_std"), ">= 0", lambda value: value >= 0),
+        (("num_envs", "num_eval_envs", "total_timesteps", "nstep", "batch_size"), ">= 1", lambda value: value >= 1),
+        (("buffer_size", "progress_interval"), ">= 1", lambda value: value >= 1),
+        (("beta_a_v", "beta_p_v", "learning_rate", "max_grad_norm", "reward_scale"), "> 0", lambda value: value > 0),
+    ]
+    for names, domain, within in shared_domains:
+        checks += [(f"--{name}", getattr(args, name), within(getattr(args, name)), domain) for name in names]
     for flag, value, ok, domain in checks:
         if not ok:
-            raise ArgsError(f"{flag} {value}: must be {domain}")
+            raise ArgsError(f"{flag.replace('_', '-')} {value}: must be {domain}")
     if is_toy:
         try:
             args.toy.validate()  # the --toy.* flags, each named in its message
@@ -282,9 +268,7 @@ def resolve_args(args: Args) -> Args:
         "exp_name": resuming and "a resumed run continues in the directory of its checkpoint",
     }
     for name in given:
-        reason = why_unused.get(name) or (
-            args.evaluate and name not in EVALUATE_USES and "--evaluate only evaluates the checkpoint"
-        )
+        reason = why_unused.get(name) or (args.evaluate and name not in EVALUATE_USES and "--evaluate only evaluates")
         if reason:
             flag = f"toy.{toy_given[0]}" if name == "toy" else name
             value = getattr(args.toy, toy_given[0]) if name == "toy" else getattr(args, name)
@@ -353,13 +337,9 @@ def format_settings(args: Args) -> str:
         if name != "toy":
             pairs.append(f"{name}={value}".replace(" ", ""))  # (a tuple's spaces would split it)
         elif args.env_id == TOY_ENV_ID:
-            pairs += [
-                f"toy.{nested}={nested_value}" for nested, nested_value in value.items() if nested != "crash_at_step"
-            ]
-    devices = (
-        [args.actor_device] if args.evaluate else [args.actor_device, args.v_learner_device, args.p_learner_device]
-    )
-    pairs.append("device=" + ",".join(dict.fromkeys(devices)))
+            pairs += [f"toy.{key}={nested}" for key, nested in value.items() if key != "crash_at_step"]
+    devices = dict.fromkeys([args.actor_device, args.v_learner_device, args.p_learner_device])  # (in use, once each)
+    pairs.append("device=" + ",".join(devices))
     return "settings:\n" + textwrap.fill(" ".join(pairs), width=120, break_long_words=False, break_on_hyphens=False)
 
 
@@ -391,9 +371,8 @@ def make_maniskill_env(args: Args, num_envs: int, evaluation: bool, video_dir: O
         reconfiguration_freq=int(evaluation),
     )
     if video_dir:
-        env = RecordEpisode(
-            FirstFrames(env), str(video_dir), save_trajectory=False, max_steps_per_video=args.resolved_horizon
-        )
+        horizon = args.resolved_horizon
+        env = RecordEpisode(FirstFrames(env), video_dir, save_trajectory=False, max_steps_per_video=horizon)
     if isinstance(env.action_space, gym.spaces.Dict):
         env = FlattenActionSpaceWrapper(env)
     if args.sim_backend == "physx_cpu":
@@ -421,7 +400,9 @@ class ManiSkillVecEnv(gym.vector.VectorEnv):
         if self.gpu:
             self.env = make(num_envs=num_envs, video_dir=video_dir)
         else:  # a worker process per env; the first VIDEO_ENVS record a video each, in video_dir/env{i}
-            video_dirs = [video_dir / f"env{i}" if video_dir and i < VIDEO_ENVS else None for i in range(num_envs)]
+            video_dirs = [
+                video_dir / f"env{index}" if video_dir and index < VIDEO_ENVS else None for index in range(num_envs)
+            ]
             self.env = gym.vector.AsyncVectorEnv(
                 [partial(make, num_envs=1, video_dir=env_video_dir) for env_video_dir in video_dirs],
                 context="forkserver",
@@ -806,12 +787,11 @@ def network_sent_back(role: str, learner) -> dict:
 
 # ---- Moving data and networks between the processes (Sec. 3.1: "Data Transfer", "Network Transfer") ------------------
 class SlotRing:
-    """A one-way channel between two processes: `num_slots` preallocated slots (dicts of tensors) in shared memory
-    (CPU) or CUDA memory shared by CUDA IPC, and two counts (written, read). A slot is written only when the reader is
-    done with it (has_room): no lock, nothing pickled, no transfer left half done by a process that stops. On CUDA the
-    host never waits for the GPU: the writer's stream waits for a slot's interprocess `read` event before it overwrites
-    the slot and records `written` after; the reader's stream waits for `written` and records `read`. An event is
-    recorded before the count that announces it moves (cudaStreamWaitEvent, cudaIpcGetEventHandle)."""
+    """A one-way channel between two processes: `num_slots` preallocated slots (dicts of tensors) in shared memory (CPU)
+    or CUDA memory shared by CUDA IPC, and two counts (written, read). A slot is written only when the reader is done
+    with it (has_room): no lock, nothing pickled, no transfer left half done. On CUDA the host never waits: the streams
+    wait for each slot's interprocess events (`read` before a write, `written` before a read), recorded before the
+    count that announces them moves."""
 
     def __init__(self, shapes: dict, device, num_slots: int):
         self.device, self.num_slots = torch.device(device), num_slots
@@ -888,7 +868,6 @@ def learner_process(role, args, sizes, inbox, outbox, counters, stop, run_dir, t
     checkpoint requests and updates as the ratios allow (Sec. 3.2) until `stop` (errors set it) or the Actor ends."""
     try:
         torch.set_num_threads(threads)
-        torch.backends.cudnn.deterministic = args.torch_deterministic
         device = torch.device(args.v_learner_device if role == "v_learner" else args.p_learner_device)
         mine = counters.v_learner if role == "v_learner" else counters.p_learner  # the shared counts it writes
         if device.type == "cuda" and device.index is not None:  # plain "cuda" is the current device already
@@ -905,8 +884,10 @@ def learner_process(role, args, sizes, inbox, outbox, counters, stop, run_dir, t
             if may_update(role, counters, args) and learner.buffer.size > 0:
                 result = learner.update()
                 mine.updates += 1
+                if mine.updates % 64 == 0:  # its loss for the Actor's log, not at every update (a GPU sync)
+                    mine.loss = result.loss.item()
                 continue
-            if result is not None:  # idle: its last loss for the Actor's log (no GPU sync per update)
+            if result is not None:  # idle: its last loss
                 mine.loss = result.loss.item()
             if not mp.parent_process().is_alive():  # the Actor was killed (SIGKILL): no orphans
                 return
@@ -982,21 +963,19 @@ class SerialLearners:
 
 # ---- The Actor's safe points, evaluation, checkpoints --------------------------------------------------------------
 class Supervisor:
-    """The Actor's safe points: Ctrl-C / SIGTERM (on_signal) and failed learners (they set the event `stop`)."""
+    """The Actor's safe points: Ctrl-C / SIGTERM and failed learners (they set the event `stop`)."""
 
     def __init__(self, run_dir: Path, stop):
         self.run_dir, self.stop = run_dir, stop
         self.processes: dict = {}
         self.stop_requested: list = []  # the signals received
-        self.starting = True  # while envs and processes start, a signal interrupts at once: nothing is half done
 
-    def on_signal(self, signum, frame) -> None:
-        """Ctrl-C / SIGTERM: at once while the run starts, else at the Actor's next safe point (a step, a wait, an
-        evaluation step), never inside a transfer."""
-        self.stop_requested.append(signum)
-        if self.starting:
-            self.starting = False
-            raise KeyboardInterrupt
+    def handle_signals(self, at_once: bool) -> None:
+        """Ctrl-C / SIGTERM: at once (KeyboardInterrupt) while nothing can be left half done (envs and processes
+        starting), else noted for the Actor's next safe point (a step, a wait, an evaluation step)."""
+        noted = lambda signum, frame: self.stop_requested.append(signum)  # noqa: E731
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(signum, signal.default_int_handler if at_once else noted)
 
     def check(self, interruptible: bool = True) -> None:
         """Raises KeyboardInterrupt after Ctrl-C, ProcessFailed when a learner failed or died."""
@@ -1058,8 +1037,7 @@ def format_eval(global_step: int, metrics: dict) -> str:
 
 def hms(seconds: float) -> str:
     """H:MM:SS (hours may exceed 24)."""
-    seconds = int(seconds)
-    return f"{seconds // 3600}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"
+    return f"{int(seconds) // 3600}:{int(seconds) % 3600 // 60:02d}:{int(seconds) % 60:02d}"
 
 
 def progress_line(args: Args, global_step: int, sps: float, elapsed: float, last: dict, counters) -> str:
@@ -1069,41 +1047,28 @@ def progress_line(args: Args, global_step: int, sps: float, elapsed: float, last
     left = hms((total - global_step) / sps) if sps > 0 else "?"
     line = f"progress global_step={global_step}/{total} ({100 * global_step // total}%) SPS={sps:.0f}"
     line += f" elapsed={hms(elapsed)} left={left}"
-    for name in ("charts/episodic_return", "charts/success_rate"):
-        if name in last:
-            line += f" {name}={last[name]:.4g}"
+    line += "".join(
+        f" {name}={last[name]:.4g}" for name in ("charts/episodic_return", "charts/success_rate") if name in last
+    )
     v_updates = counters.v_learner.updates
     a_v = f"{counters.actor_steps / v_updates:.3f}" if v_updates else "?"
     p_v = f"{counters.p_learner.updates / v_updates:.3f}" if v_updates else "?"
-    line += f" actor_steps={counters.actor_steps} v_updates={v_updates} p_updates={counters.p_learner.updates}"
     target_p_v = 1.0 if args.ddpg_n else args.beta_p_v  # DDPG(n): a policy update with every critic update
+    line += f" actor_steps={counters.actor_steps} v_updates={v_updates} p_updates={counters.p_learner.updates}"
     return f"{line} a:v={a_v}/{args.beta_a_v:.3f} p:v={p_v}/{target_p_v:.3f}"
 
 
-def rng_states(explore_rng: torch.Generator) -> dict:
-    """The Actor's random generators: torch's (CPU, CUDA), numpy's and Python's global ones and its exploration's."""
-    numpy_state = np.random.get_state()
-    return {
-        "torch": torch.get_rng_state(),
-        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
-        "numpy": (numpy_state[0], numpy_state[1].tolist(), *numpy_state[2:]),  # (weights_only: no numpy arrays)
-        "python": random.getstate(),
-        "explore": explore_rng.get_state(),
-    }
+def rng_states() -> dict:
+    """The global random generators: torch's (CPU, CUDA), numpy's and Python's."""
+    kind, key, *position = np.random.get_state()
+    numpy_state = (kind, key.tolist(), *position)  # (weights_only: no numpy arrays)
+    cuda = torch.cuda.get_rng_state_all()
+    return {"torch": torch.get_rng_state(), "cuda": cuda, "numpy": numpy_state, "python": random.getstate()}
 
 
-def set_rng_states(states: dict, explore_rng: torch.Generator) -> None:
-    torch.set_rng_state(states["torch"])
-    if len(states["cuda"]) == torch.cuda.device_count() > 0:
-        torch.cuda.set_rng_state_all(states["cuda"])
-    np.random.set_state(states["numpy"])
-    random.setstate(states["python"])
-    explore_rng.set_state(states["explore"])
-
-
-def save_checkpoint(path: Path, args, supervisor, counters, serial, actor: dict) -> None:
-    """The learners' networks, optimizers and generators (the learner processes write their parts), the shared counts
-    and the Actor's `actor` (global_step, iteration, obs_rms, wandb_id, its generators and carried state); no replay
+def save_checkpoint(path: Path, args, supervisor, counters, serial, actor: dict, carried: dict) -> None:
+    """The learners' networks, optimizers and generators (the learner processes write their parts), the shared counts,
+    the Actor's `actor` (global_step, iteration, obs_rms, wandb_id) and its generators and `carried` state; no replay
     buffers (a resumed run refills them). Written to a temporary file, then renamed."""
     if serial is None:
         counters.checkpoint_requests += 1
@@ -1117,16 +1082,16 @@ def save_checkpoint(path: Path, args, supervisor, counters, serial, actor: dict)
     else:
         v_part = serial.v_learner.state_dict()
         p_part = serial.p_learner.state_dict()
-    counts = {"actor_steps": counters.actor_steps, "v_updates": counters.v_learner.updates}
-    counts["p_updates"] = counters.p_learner.updates
+    counts = dict(actor_steps=counters.actor_steps, v_updates=counters.v_learner.updates)
     state = {
         "script": "pql.py",
         "env_id": args.env_id,
         "model": {**v_part["model"], **p_part["model"]},
         "optimizer": {**v_part["optimizer"], **p_part["optimizer"]},
         "rng": {**v_part["rng"], **p_part["rng"]},
-        "counts": counts,
+        "counts": {**counts, "p_updates": counters.p_learner.updates},
         **actor,
+        "actor": carried,
         "args": json.dumps(asdict(args)),
     }
     temporary = path.with_name(path.name + ".tmp")
@@ -1162,33 +1127,20 @@ def actor_networks(args: Args, envs, device: torch.device) -> tuple:
     return policy, critic, obs_rms, bounds, ckpt
 
 
-def shut_down(envs: list, learners: dict) -> None:
-    """Closes the envs, gives the learners (told to stop) 5 s to end, then kills every process left: a learner that
-    did not end, the env workers of an env whose start was interrupted."""
-    for env in envs:
-        if env is not None:
-            env.close()
-    deadline = time.time() + 5.0
-    for process in mp.active_children():
-        if process in learners.values():
-            process.join(max(0.0, deadline - time.time()))
-        process.kill()
-
-
 def evaluate_checkpoint(args: Args) -> dict:
     """--evaluate: one evaluation of the checkpoint's policy, with the seed of its run's evaluation at that step; prints
     its line and writes eval_<checkpoint stem>.json (and the videos) beside the checkpoint. No run directory."""
     path = Path(args.checkpoint)
     device = torch.device(args.actor_device)
     video_dir = path.parent / "videos" if args.capture_video else None
-    eval_envs = None
+    # (a Ctrl-C while its env workers start: multiprocessing ends them, daemons, as this process exits)
+    eval_envs = make_env(args, args.num_eval_envs, device, evaluation=True, video_dir=video_dir)
     try:
-        eval_envs = make_env(args, args.num_eval_envs, device, evaluation=True, video_dir=video_dir)
         policy, _, obs_rms, bounds, ckpt = actor_networks(args, eval_envs, device)
         seed = args.seed + 10_000 + ckpt["iteration"]
         metrics = evaluate(policy, eval_envs, obs_rms, bounds, args.resolved_horizon, lambda: None, seed)
     finally:
-        shut_down([eval_envs], {})
+        eval_envs.close()
     print(format_eval(ckpt["global_step"], metrics), flush=True)
     if video_dir:
         print(f"videos: {video_dir}", flush=True)
@@ -1222,7 +1174,6 @@ def main(args: Args) -> dict:
     threads = max(1, cores // 3) if parallel else cores  # torch threads per process: the cores split among them
     threads = min(threads, int(os.environ.get("OMP_NUM_THREADS", threads)))  # a user's OMP_NUM_THREADS caps them
     torch.set_num_threads(threads)
-    torch.backends.cudnn.deterministic = args.torch_deterministic
     device = torch.device(args.actor_device)
     ctx = mp.get_context("spawn")
     supervisor = Supervisor(run_dir, ctx.Event())
@@ -1249,12 +1200,12 @@ def main(args: Args) -> dict:
             writer.add_scalar(name, float(value), global_step)
             last[name] = float(value)
 
-    def checkpoint(path: Path) -> None:  # what the Actor carries from step to step, at this moment
-        carried = {"rng": rng_states(explore_rng), "obs": raw_obs, "episode": episode}
-        carried["window"] = [list(step) for step in assembler.window]
-        carried["env"] = envs.unwrapped.state_dict() if is_toy else None
-        actor = {"global_step": global_step, "iteration": iteration, "obs_rms": vars(obs_rms), "wandb_id": wandb_id}
-        save_checkpoint(path, args, supervisor, counters, serial, {**actor, "actor": carried})
+    def checkpoint(path: Path) -> None:  # with what the Actor carries from step to step, at this moment
+        window = [list(step) for step in assembler.window]
+        env_state = envs.unwrapped.state_dict() if is_toy else None
+        carried = dict(obs=raw_obs, window=window, episode=episode, env=env_state, explore=explore_rng.get_state())
+        actor = dict(global_step=global_step, iteration=iteration, obs_rms=vars(obs_rms), wandb_id=wandb_id)
+        save_checkpoint(path, args, supervisor, counters, serial, actor, {"rng": rng_states(), **carried})
 
     summary: dict = {"interrupted": False, "eval_time_s": 0.0}
     envs = eval_envs = serial = None
@@ -1271,8 +1222,7 @@ def main(args: Args) -> dict:
     first_step = iteration  # of this run (or resumed segment), and its env steps
     start_step = global_step
     start_time = time.time()
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(signum, supervisor.on_signal)
+    supervisor.handle_signals(at_once=True)
     try:
         # ---- build: envs, networks, the learners (a Ctrl-C meanwhile ends the run at once) -----------------------
         video_dir = run_dir / "videos" if args.capture_video else None
@@ -1295,12 +1245,11 @@ def main(args: Args) -> dict:
             "ended": torch.zeros(4, device=device),  # count, return, length, success
         }
         if ckpt is not None and is_toy:  # the toy chain's state is in the checkpoint: all continues where it was
-            envs.unwrapped.load_state_dict(ckpt["actor"]["env"])
-            raw_obs = ckpt["actor"]["obs"].to(device)
-            assembler.window.extend(
-                WindowStep(*[value.to(device) for value in step]) for step in ckpt["actor"]["window"]
-            )
-            episode = {name: value.to(device) for name, value in ckpt["actor"]["episode"].items()}
+            carried = ckpt["actor"]
+            envs.unwrapped.load_state_dict(carried["env"])
+            raw_obs = carried["obs"].to(device)
+            assembler.window.extend(WindowStep(*[value.to(device) for value in step]) for step in carried["window"])
+            episode = {name: value.to(device) for name, value in carried["episode"].items()}
         else:
             raw_obs, _ = envs.reset(seed=args.seed + iteration)
         critic_vector = parameters_to_vector(critic.parameters()).detach().to(args.p_learner_device)
@@ -1310,11 +1259,15 @@ def main(args: Args) -> dict:
             to_learner, from_learner = start_learners(args, ctx, supervisor, counters, sizes, numels, threads)
         else:
             serial = SerialLearners(args, sizes)
-        if ckpt is not None:  # (after the networks' seeded initialization)
-            set_rng_states(ckpt["actor"]["rng"], explore_rng)
+        if ckpt is not None:  # the generators (after the networks' seeded initialization)
+            torch.set_rng_state(ckpt["actor"]["rng"]["torch"])
+            torch.cuda.set_rng_state_all(ckpt["actor"]["rng"]["cuda"][: torch.cuda.device_count()])
+            np.random.set_state(ckpt["actor"]["rng"]["numpy"])
+            random.setstate(ckpt["actor"]["rng"]["python"])
+            explore_rng.set_state(ckpt["actor"]["explore"])
         warm_up_end = first_step + max(args.warm_up_steps, args.nstep - 1)  # learning starts after the warm-up
         timers = {"time/rollout": 0.0, "time/update": 0.0}  # seconds since the last log
-        supervisor.starting = False  # from here on, a Ctrl-C waits for the next safe point
+        supervisor.handle_signals(at_once=False)
         train_start = time.time()
         last_progress = train_start
         while iteration < args.num_actor_steps:
@@ -1328,7 +1281,6 @@ def main(args: Args) -> dict:
                 if args.save_model and iteration > first_step:
                     checkpoint(run_dir / f"ckpt_{global_step}.pt")
             learning = iteration >= warm_up_end
-
             # ---- 2. the learners' newest networks (Alg. 1); Sec. 3.2: wait while ahead of the V-learner -----------
             if parallel:
                 if learning:
@@ -1340,7 +1292,6 @@ def main(args: Args) -> dict:
             else:
                 load_vector(policy, network_sent_back("p_learner", serial.p_learner)["policy"])
                 critic_vector = network_sent_back("v_learner", serial.v_learner)["critic"]
-
             # ---- 3. act: warm-up actions, then pi(s) + N(0, sigma_i^2), sigma_i fixed per env (Sec. 3.3) ----------
             step_start = time.time()
             with torch.no_grad():
@@ -1355,7 +1306,6 @@ def main(args: Args) -> dict:
             if args.norm_obs:
                 obs_rms.update(next_raw)
             raw_obs = next_raw
-
             # ---- 4. send data, the normalizer and the newest networks (Alg. 1) -------------------------------------
             if transitions is not None:
                 normalizer = {"obs_mean": obs_rms.mean, "obs_var": obs_rms.var}
@@ -1374,13 +1324,11 @@ def main(args: Args) -> dict:
             if learning:
                 counters.actor_steps += 1
             timers["time/rollout"] += time.time() - step_start
-
             # ---- (the baselines of Sec. 4.1, --ddpg-n and --sequential: the updates, here, serially) ----------------
             if learning and serial is not None:
                 update_start = time.time()
                 serial.update(counters)
                 timers["time/update"] += time.time() - update_start
-
             # ---- 5. episode statistics (unscaled rewards), the log and the progress line ---------------------------
             done = terminated | truncated
             episode["return"] += reward
@@ -1435,14 +1383,12 @@ def main(args: Args) -> dict:
         if save:  # (a learner that cannot answer: exit 1)
             checkpoint(run_dir / "final_ckpt.pt")
     finally:
-        supervisor.starting = False  # (a Ctrl-C during the clean-up waits for it)
+        supervisor.handle_signals(at_once=False)  # (a Ctrl-C during the clean-up waits for it)
         wall = time.time() - start_time
-        summary["global_step"] = global_step
-        summary["iteration"] = iteration
-        summary["wall_time_s"] = wall
-        summary["sps"] = (global_step - start_step) / wall
-        for name, value in last.items():  # the last value of every scalar
-            summary[name] = value
+        summary.update(
+            global_step=global_step, iteration=iteration, wall_time_s=wall, sps=(global_step - start_step) / wall
+        )
+        summary.update(last)  # the last value of every scalar
         summary["pql/learning_steps"] = counters.actor_steps
         summary["pql/v_updates"] = counters.v_learner.updates
         summary["pql/p_updates"] = counters.p_learner.updates
@@ -1454,7 +1400,14 @@ def main(args: Args) -> dict:
         os.replace(temporary, run_dir / "summary.json")
         writer.close()
         supervisor.stop.set()  # the learners end at their next look at it
-        shut_down([envs, eval_envs], supervisor.processes)
+        for env in (envs, eval_envs):
+            if env is not None:
+                env.close()
+        deadline = time.time() + 5.0
+        for process in mp.active_children():  # the learners (5 s to end), the workers of an env interrupted starting
+            if process in supervisor.processes.values():
+                process.join(max(0.0, deadline - time.time()))
+            process.kill()
     return summary
 
 

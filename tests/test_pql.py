@@ -442,7 +442,7 @@ def test_defaults_are_table_b1(capsys):
 
 
 def resolve_on_four_gpus(**fields):
-    """resolve_args on a machine with 4 visible GPUs whose current one is GPU 3 (it only names devices: no GPU needed)."""
+    """resolve_args on a machine with 4 visible GPUs, the current one GPU 3 (it only names devices: no GPU needed)."""
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(torch.cuda, "device_count", lambda: 4)
         patch.setattr(torch.cuda, "current_device", lambda: 3)
@@ -544,8 +544,8 @@ def tiny_checkpoint(path, env_id=pql.TOY_ENV_ID, obs_dim=40, act_dim=4, iteratio
     args = pql.resolve_args(pql.Args(env_id=env_id, cuda=False, num_envs=8, **fields))
     serial = pql.SerialLearners(args, (obs_dim, act_dim, 1))
     obs_rms = vars(pql.RunningMeanStd((obs_dim,), "cpu"))
-    actor = {"global_step": 8 * iteration, "iteration": iteration, "obs_rms": obs_rms, "wandb_id": None, "actor": None}
-    pql.save_checkpoint(path, args, None, torch.multiprocessing.RawValue(pql.SharedCounters), serial, actor)
+    actor = {"global_step": 8 * iteration, "iteration": iteration, "obs_rms": obs_rms, "wandb_id": None}
+    pql.save_checkpoint(path, args, None, torch.multiprocessing.RawValue(pql.SharedCounters), serial, actor, None)
     return str(path)
 
 
@@ -925,8 +925,8 @@ def actor_run(tmp_path_factory):
 
         return wrapper
 
-    def make_env(args, num_envs, device, evaluation):
-        envs = make_env.original(args, num_envs, device, evaluation)
+    def make_env(args, num_envs, device, evaluation, video_dir=None):
+        envs = make_env.original(args, num_envs, device, evaluation, video_dir)
         if not evaluation:
             recorded.append(RecordingEnvs(envs, syncs))
         return recorded[-1] if not evaluation else envs
@@ -1199,7 +1199,7 @@ def test_progress_lines_come_at_the_interval_and_quiet_has_none(tmp_path, monkey
     assert len(lines) >= 3 and elapsed[0] >= 2 and all(b - a >= 2 for a, b in zip(elapsed, elapsed[1:])), lines
     run.pop("progress_interval")
     run_in_process(**run, quiet=True, output_dir=str(tmp_path / "b"))
-    assert not [line for line in capsys.readouterr().out.splitlines() if line.startswith("progress")]
+    assert not [line for line in capsys.readouterr().out.splitlines() if line.startswith("progress ")]
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -1404,10 +1404,10 @@ def test_save_model_then_evaluate_then_resume(tmp_path):
     }
     assert set(ckpt["optimizer"]) == {"policy", "critic"} and set(ckpt["obs_rms"]) == {"mean", "var", "count"}
     assert ckpt["iteration"] == 40 and ckpt["global_step"] == 1280 and ckpt["optimizer"]["policy"]["state"]
-    assert set(ckpt["actor"]) == {"rng", "obs", "window", "episode", "env"} and len(ckpt["actor"]["window"]) == 2
     assert (
-        set(ckpt["actor"]["rng"]) == {"torch", "cuda", "numpy", "python", "explore"} and "block" in ckpt["actor"]["env"]
+        set(ckpt["actor"]) == {"rng", "explore", "obs", "window", "episode", "env"} and "block" in ckpt["actor"]["env"]
     )
+    assert set(ckpt["actor"]["rng"]) == {"torch", "cuda", "numpy", "python"} and len(ckpt["actor"]["window"]) == 2
     assert ckpt["counts"]["actor_steps"] == 32 and ckpt["optimizer"]["critic"]["state"]
     critic = ckpt["model"]["critic"]
     assert critic["q1.0.weight"].shape == (256, 10 + 4) and critic["q1.4.weight"].shape[0] == 51
@@ -1543,11 +1543,12 @@ def test_killing_the_actor_leaves_no_orphans(tmp_path):
 
 # Moments of a run to interrupt: (extra flags, what to wait for before SIGINT, seconds to wait after it)
 CTRL_C_MOMENTS = {
-    # the Actor's first steps, before learning starts (slow env steps: the warm-up lasts seconds)
+    # the Actor's first steps, before learning starts (slow env steps: the warm-up of 100 steps lasts 10 s), once the
+    # first progress line (a second after training started) says that it stepped
     "warm_up": (
         ["--toy.step-time-mean", "0.003", "--eval-freq", "1000", "--num-eval-envs", "1", "--warm-up-steps", "100"],
-        None,
-        1.0,
+        "progress ",
+        0.0,
     ),
     # learning, between the checkpoints of evaluations every 20 steps
     "updates": ([], "ckpt_*.pt", 1.0),
@@ -1561,15 +1562,20 @@ CTRL_C_MOMENTS = {
 @pytest.mark.slow
 @pytest.mark.parametrize("moment", list(CTRL_C_MOMENTS))
 def test_ctrl_c_at_any_moment_ends_the_run_with_summary_checkpoint_and_no_process_left(tmp_path, moment):
-    """SIGINT to the process group (learners included) at four moments: exit code 130, summary.json marked
-    interrupted, final_ckpt.pt of the same global step, no temporary files, no process left (a clean stop takes 1-3 s;
+    """SIGINT to the process group (learners included) at four moments (once a file or line appeared, and a delay):
+    exit code 130, summary.json marked interrupted, final_ckpt.pt of the same global step (once the run stepped), no
+    temporary files, no process left (a clean stop takes 1-3 s;
     the 120 s only guard against a hang). An evaluation is interrupted, not finished: it sleeps 58 s in its env steps,
     on any machine, and SIGINT comes 2 s after it began, so no eval/return can have been written (holds under load:
     no wall-clock bound is asserted)."""
     extra, wait_for, delay = CTRL_C_MOMENTS[moment]
-    proc, pids = start_long_run(tmp_path, ["--save-model", *extra])
-    if wait_for:
+    proc, pids = start_long_run(tmp_path, ["--save-model", "--progress-interval", "1", *extra])
+    if wait_for and wait_for.endswith(".pt"):
         wait_for_file(tmp_path, wait_for)
+    elif wait_for:  # a line of its output
+        line = "?"
+        while line and not line.startswith(wait_for):
+            line = proc.stdout.readline()
     time.sleep(delay)
     os.killpg(proc.pid, signal.SIGINT)  # as a terminal does: the whole process group gets it
     stdout, stderr = finish(proc, timeout=120)
@@ -1577,10 +1583,14 @@ def test_ctrl_c_at_any_moment_ends_the_run_with_summary_checkpoint_and_no_proces
     run_dir = only_run_dir(tmp_path)
     summary = read_summary(run_dir)
     assert summary["interrupted"] is True
-    if moment == "evaluation":
-        assert "eval/return" not in summary  # the evaluation did not run to its end
-    ckpt = torch.load(os.path.join(run_dir, "final_ckpt.pt"), weights_only=True)
-    assert ckpt["global_step"] == summary["global_step"] and "policy" in ckpt["model"] and "critic" in ckpt["optimizer"]
+    if moment == "evaluation":  # the first one, before any Actor step: nothing new to checkpoint
+        assert "eval/return" not in summary and summary["global_step"] == 0  # (it did not run to its end)
+        assert not os.path.exists(os.path.join(run_dir, "final_ckpt.pt"))
+    else:
+        assert summary["pql/learning_steps"] == 0 if moment == "warm_up" else summary["pql/learning_steps"] > 0
+        ckpt = torch.load(os.path.join(run_dir, "final_ckpt.pt"), weights_only=True)
+        assert ckpt["global_step"] == summary["global_step"] and "policy" in ckpt["model"]
+        assert "critic" in ckpt["optimizer"] and ckpt["global_step"] > 0
     assert not glob.glob(os.path.join(run_dir, "*.tmp")) and not glob.glob(os.path.join(run_dir, "*_state.pt"))
     assert not any(pid_alive(pid) for pid in pids.values())
 
@@ -1616,7 +1626,7 @@ def test_progress_lines_in_a_log_file(tmp_path):
         finish(proc, timeout=120)
     assert seen[-1] <= 4  # each line came when printed (a second apart), not with a buffer of 40 when it filled
     text = log.read_text()
-    lines = [line for line in text.splitlines() if line.startswith("progress")]
+    lines = [line for line in text.splitlines() if line.startswith("progress ")]
     assert "\r" not in text and len(lines) >= 3 and proc.returncode == 130
     steps = []
     for line in lines:
