@@ -88,9 +88,9 @@ class Args:
     wandb_entity: Optional[str] = None
     """wandb entity (team)"""
     save_model: bool = False
-    """write checkpoints (ckpt_{global_step}.pt at every evaluation, final_ckpt.pt at the end and on Ctrl-C)"""
+    """write checkpoints: ckpt_{global_step}.pt at each evaluation but a run's first, final_ckpt.pt at its end"""
     checkpoint: Optional[str] = None
-    """a checkpoint to resume training from (or to evaluate, with --evaluate)"""
+    """a checkpoint whose run to continue (in its directory; the same --num-envs, --nstep, --toy.*), or to --evaluate"""
     evaluate: bool = False
     """only evaluate the deterministic policy of --checkpoint, beside it (eval_<checkpoint stem>.json), then exit"""
     capture_video: bool = False
@@ -127,7 +127,7 @@ class Args:
     beta_p_v: float = 1 / 2
     """beta_p:v = f_p / f_v > 0, P-learner updates per V-learner update (Sec. 3.2; default 1:2)"""
     total_timesteps: Optional[int] = None
-    """training env steps, warm-up included, >= 1 (default: toy chain 64 * 600; ManiSkill gpu 30M, cpu 200k)"""
+    """env steps of the whole run, warm-up included, >= 1 (default: toy chain 64 * 600; ManiSkill gpu 30M, cpu 200k)"""
     gamma: Optional[float] = None
     """discount in [0, 1] (default: toy chain 0.99 (Table B.1); ManiSkill 0.8, as its own PPO and SAC baselines)"""
     nstep: int = 3
@@ -143,7 +143,7 @@ class Args:
     max_grad_norm: float = 0.5
     """gradient-norm clip of both learners, > 0 (Table B.1)"""
     warm_up_steps: int = 32
-    """Actor steps with uniform random actions before learning starts, >= 0 (Table B.1)"""
+    """Actor steps with uniform random actions (a resume's: its policy's) before learning starts, >= 0 (Table B.1)"""
     reward_scale: float = 0.1
     """rewards are multiplied by this (> 0) for learning (Table B.2: 0.01-1); returns are logged unscaled"""
     norm_obs: Optional[bool] = None
@@ -262,10 +262,10 @@ def resolve_args(args: Args) -> Args:
         "p_learner_device": args.ddpg_n and "--ddpg-n updates the policy in its one process, on --v-learner-device",
         "beta_p_v": args.ddpg_n and "--ddpg-n makes one policy update per critic update",
         "progress_interval": args.quiet and "--quiet prints no progress lines",
-        "wandb_project_name": not args.track and "it names the W&B run of --track",
-        "wandb_entity": not args.track and "it names the W&B run of --track",
-        "output_dir": resuming and "a resumed run continues in the directory of its checkpoint",
-        "exp_name": resuming and "a resumed run continues in the directory of its checkpoint",
+        **dict.fromkeys(("wandb_project_name", "wandb_entity"), not args.track and "it names the W&B run of --track"),
+        **dict.fromkeys(
+            ("output_dir", "exp_name"), resuming and "a resumed run continues in its checkpoint's directory"
+        ),
     }
     for name in given:
         reason = why_unused.get(name) or (args.evaluate and name not in EVALUATE_USES and "--evaluate only evaluates")
@@ -1227,6 +1227,8 @@ def main(args: Args) -> dict:
         # ---- build: envs, networks, the learners (a Ctrl-C meanwhile ends the run at once) -----------------------
         video_dir = run_dir / "videos" if args.capture_video else None
         eval_envs = make_env(args, args.num_eval_envs, device, evaluation=True, video_dir=video_dir)
+        if video_dir:
+            print(f"videos: {video_dir}", flush=True)
         policy, critic, obs_rms, bounds, _ = actor_networks(args, eval_envs, device)
         obs_dim = obs_rms.mean.shape[0]
         act_dim = bounds.shape[1]

@@ -604,8 +604,8 @@ UNUSED = [  # (Args fields, the start of the message): a flag given where it wou
     (dict(wandb_entity="team"), "--wandb-entity team: does nothing here (it names the W&B run of --track)"),
     (dict(evaluate=True, batch_size=64), "--batch-size 64: does nothing here (--evaluate only evaluates"),
     (dict(evaluate=True, output_dir="x"), "--output-dir x: does nothing here (--evaluate only evaluates"),
-    (dict(output_dir="x"), "--output-dir x: does nothing here (a resumed run continues in the directory of its"),
-    (dict(exp_name="x"), "--exp-name x: does nothing here (a resumed run continues in the directory of its"),
+    (dict(output_dir="x"), "--output-dir x: does nothing here (a resumed run continues in its checkpoint's directory)"),
+    (dict(exp_name="x"), "--exp-name x: does nothing here (a resumed run continues in its checkpoint's directory)"),
 ]
 
 
