@@ -9,8 +9,9 @@ parallel simulation (ManiSkill3) and a continuous-action toy chain:
 Once per Actor step, through preallocated slots (SlotRing), the Actor sends each learner its data, the normalizer
 statistics and a network (the V-learner the policy it acts with, the P-learner the newest Q functions); the learners
 send back their own (as the original code's driver relays them). Whichever process is ahead of the speed ratios
-beta_a:v (Actor steps per V-update, 1:8) and beta_p:v (P-updates per V-update, 1:2) waits (Sec. 3.2). Baselines
-(Sec. 4.1): --ddpg-n, the paper's DDPG(n) as the original code runs it; --sequential, PQL's schedule run serially.
+beta_a:v (Actor steps per V-update, 1:8; 1:4 on CPU simulation) and beta_p:v (P-updates per V-update, 1:2) waits
+(Sec. 3.2). Baselines (Sec. 4.1): --ddpg-n, the paper's DDPG(n) as the original code runs it; --sequential, PQL's
+schedule run serially.
 
 Paper: "Parallel Q-Learning: Scaling Off-policy Reinforcement Learning under Massively Parallel Simulation",
 Zechu Li, Tao Chen, Zhang-Wei Hong, Anurag Ajay, Pulkit Agrawal (ICML 2023), arXiv:2307.12983.
@@ -24,12 +25,16 @@ Map from the paper to this file
   Sec. 4.1 DDPG(n)           SerialLearners (--ddpg-n, and the --sequential ablation)
   App. B.1, Table B.1/B.2    Args defaults, PRESETS (batch 8192, buffer 5M, Adam lr 5e-4, tau 0.05, clip 0.5, n = 3)
   App. C, PQL-D              --distributional: 51 atoms on [-10, 10], categorical_projection
+  (runs, not in the paper)   progress_line, save_checkpoint and main's resume, evaluate_checkpoint (--evaluate)
 Departures from the original code: Adam as App. B.1 says (the original uses AdamW, weight decay 0.01); the n-step
 discount comes from --gamma (the original hard-codes 0.99; ManiSkill: 0.8, see README.md); episode ends follow
 --bootstrap-at-done (truncated: a time limit bootstraps Q'(true final observation) and a termination bootstraps 0;
 always: both bootstrap, ManiSkill's default, whose successes terminate with positive reward); the original treats
 time-outs as terminal. Autoreset (Gymnasium's vector autoreset modes): same-step only, as ManiSkill; the true last
 observation is info["final_obs"]. Evaluation runs in the Actor; the learners soon wait for it (summary: eval_time_s).
+A resume (--checkpoint) continues the run in its directory from the checkpoint's networks, generators (of all three
+processes) and the Actor's carried state (on the toy chain the env's too), but not bit-identically: the processes race,
+and the replay buffers are not saved (the learners refill them from new env steps, after a new warm-up).
 Examples: README.md.
 """
 
@@ -39,14 +44,16 @@ import copy
 import ctypes
 import glob
 import json
+import math
 import os
+import random
 import signal
 import sys
 import textwrap
 import time
 import traceback
 from collections import deque, namedtuple
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from functools import partial
 from pathlib import Path
 from typing import Literal, Optional
@@ -70,8 +77,6 @@ class Args:
     """name of this experiment (part of the run directory name)"""
     seed: int = 1
     """seed of torch and the environments, >= 0 (the learners sample with seed + 1 and seed + 2)"""
-    torch_deterministic: bool = True
-    """sets torch.backends.cudnn.deterministic"""
     cuda: bool = True
     """use CUDA when it is available: the default device of all three processes (and ManiSkill's GPU simulation)"""
     output_dir: str = "runs"
@@ -83,11 +88,17 @@ class Args:
     wandb_entity: Optional[str] = None
     """wandb entity (team)"""
     save_model: bool = False
-    """write checkpoints (ckpt_{global_step}.pt at every evaluation, final_ckpt.pt at the end and on Ctrl-C)"""
+    """write checkpoints: ckpt_{global_step}.pt at each evaluation but a run's first, final_ckpt.pt at its end"""
     checkpoint: Optional[str] = None
-    """a checkpoint to resume training from (or to evaluate, with --evaluate)"""
+    """a checkpoint whose run to continue (in its directory; the same --num-envs, --nstep, --toy.*), or to --evaluate"""
     evaluate: bool = False
-    """only evaluate the deterministic policy of --checkpoint, then exit"""
+    """only evaluate the deterministic policy of --checkpoint, beside it (eval_<checkpoint stem>.json), then exit"""
+    capture_video: bool = False
+    """ManiSkill3: record the evaluations' first 8 eval envs in the run's videos/ (--evaluate: beside the checkpoint)"""
+    progress_interval: float = 15.0
+    """seconds between two progress lines, >= 1"""
+    quiet: bool = False
+    """no progress lines (settings, evaluations and errors still print)"""
 
     env_id: str = "PickCube-v1"
     """ToyChainContinuous-v0 (preset toy) or a ManiSkill3 task, PushCube-v1, ... (preset gpu on a GPU, else cpu)"""
@@ -116,7 +127,7 @@ class Args:
     beta_p_v: float = 1 / 2
     """beta_p:v = f_p / f_v > 0, P-learner updates per V-learner update (Sec. 3.2; default 1:2)"""
     total_timesteps: Optional[int] = None
-    """training env steps, warm-up included, >= 1 (default: toy chain 64 * 600; ManiSkill gpu 30M, cpu 200k)"""
+    """env steps of the whole run, warm-up included, >= 1 (default: toy chain 64 * 600; ManiSkill gpu 30M, cpu 200k)"""
     gamma: Optional[float] = None
     """discount in [0, 1] (default: toy chain 0.99 (Table B.1); ManiSkill 0.8, as its own PPO and SAC baselines)"""
     nstep: int = 3
@@ -132,7 +143,7 @@ class Args:
     max_grad_norm: float = 0.5
     """gradient-norm clip of both learners, > 0 (Table B.1)"""
     warm_up_steps: int = 32
-    """Actor steps with uniform random actions before learning starts, >= 0 (Table B.1)"""
+    """Actor steps with uniform random actions (a resume's: its policy's) before learning starts, >= 0 (Table B.1)"""
     reward_scale: float = 0.1
     """rewards are multiplied by this (> 0) for learning (Table B.2: 0.01-1); returns are logged unscaled"""
     norm_obs: Optional[bool] = None
@@ -170,6 +181,7 @@ PRESETS = {
     "bootstrap_at_done": {"toy": "truncated", "gpu": "always", "cpu": "always"},
 }
 LOG_EVERY = 5  # Actor steps between two writes of the training scalars
+VIDEO_ENVS = 8  # --capture-video records this many evaluation envs at most, as ManiSkill's baselines
 NUM_ATOMS, V_MIN, V_MAX = 51, -10.0, 10.0  # PQL-D's support (App. C)
 RATIO_EPS = 1e-9  # slack of the speed-ratio comparisons (Sec. 3.2) for floating-point ratios
 POLL_S = 2e-4  # seconds between two looks of a waiting process at the shared counters
@@ -187,10 +199,18 @@ class ProcessFailed(RuntimeError):
     """A learner process failed or died; the message holds its traceback (or its exit code)."""
 
 
+# What --evaluate uses (the checkpoint, the evaluation's envs and device, the networks' shape): other flags are refused
+EVALUATE_USES = ("env_id", "seed", "cuda", "checkpoint", "evaluate", "capture_video", "horizon", "num_eval_envs", "toy")
+EVALUATE_USES += ("actor_device", "distributional")
+
+
 def resolve_args(args: Args) -> Args:
     """A copy of `args` with presets, devices and derived sizes filled in; checks what users get wrong (ArgsError)."""
     args = replace(args)
     is_toy = args.env_id == TOY_ENV_ID
+    defaults = Args()
+    given = [item.name for item in fields(Args) if getattr(args, item.name) != getattr(defaults, item.name)]
+    toy_given = [name for name, value in asdict(args.toy).items() if value != getattr(defaults.toy, name)]
     if not is_toy:
         from mani_skill.utils.registration import REGISTERED_ENVS
 
@@ -208,40 +228,51 @@ def resolve_args(args: Args) -> Args:
     gpus = [f"cuda:{index}" for index in range(torch.cuda.device_count())]
     devices = ["cpu"] + (["cuda"] if gpus else []) + gpus  # the values of --*-device that this machine has
     checks = [  # (flag, value, within its domain, the domain)
-        ("--actor-device", args.actor_device, args.actor_device in devices, f"one of {devices}"),
-        ("--v-learner-device", args.v_learner_device, args.v_learner_device in devices, f"one of {devices}"),
-        ("--p-learner-device", args.p_learner_device, args.p_learner_device in devices, f"one of {devices}"),
-        ("--seed", args.seed, args.seed >= 0, ">= 0"),
-        ("--num-envs", args.num_envs, args.num_envs >= 1, ">= 1"),
-        ("--num-eval-envs", args.num_eval_envs, args.num_eval_envs >= 1, ">= 1"),
         ("--horizon", args.horizon, args.horizon is None or args.horizon >= 1, ">= 1"),
-        ("--beta-a-v", args.beta_a_v, args.beta_a_v > 0, "> 0"),
         ("--beta-a-v", args.beta_a_v, args.beta_a_v <= 1 or not args.ddpg_n, "<= 1 with --ddpg-n (whole updates)"),
-        ("--beta-p-v", args.beta_p_v, args.beta_p_v > 0, "> 0"),
-        ("--total-timesteps", args.total_timesteps, args.total_timesteps >= 1, ">= 1"),
         ("--gamma", args.gamma, 0 <= args.gamma <= 1, "in [0, 1]"),
-        ("--nstep", args.nstep, args.nstep >= 1, ">= 1"),
         ("--tau", args.tau, 0 <= args.tau <= 1, "in [0, 1]"),
-        ("--batch-size", args.batch_size, args.batch_size >= 1, ">= 1"),
-        ("--buffer-size", args.buffer_size, args.buffer_size >= 1, ">= 1"),
-        ("--learning-rate", args.learning_rate, args.learning_rate > 0, "> 0"),
-        ("--max-grad-norm", args.max_grad_norm, args.max_grad_norm > 0, "> 0"),
-        ("--warm-up-steps", args.warm_up_steps, args.warm_up_steps >= 0, ">= 0"),
-        ("--reward-scale", args.reward_scale, args.reward_scale > 0, "> 0"),
-        ("--sigma-min", args.sigma_min, args.sigma_min >= 0, ">= 0"),
         ("--sigma-max", args.sigma_max, args.sigma_max >= args.sigma_min, f">= --sigma-min ({args.sigma_min})"),
-        ("--target-noise-std", args.target_noise_std, args.target_noise_std >= 0, ">= 0"),
         ("--eval-freq", args.eval_freq, args.eval_freq >= 0, ">= 0 (0: only at the end)"),
         ("--toy.autoreset-mode", args.toy.autoreset_mode, args.toy.autoreset_mode == "same_step", "same_step"),
     ]
+    shared_domains = [  # (flags, the domain they share, within it)
+        (("actor_device", "v_learner_device", "p_learner_device"), f"one of {devices}", lambda value: value in devices),
+        (("seed", "warm_up_steps", "sigma_min", "target_noise_std"), ">= 0", lambda value: value >= 0),
+        (("num_envs", "num_eval_envs", "total_timesteps", "nstep", "batch_size"), ">= 1", lambda value: value >= 1),
+        (("buffer_size", "progress_interval"), ">= 1", lambda value: value >= 1),
+        (("beta_a_v", "beta_p_v", "learning_rate", "max_grad_norm", "reward_scale"), "> 0", lambda value: value > 0),
+    ]
+    for names, domain, within in shared_domains:
+        checks += [(f"--{name}", getattr(args, name), within(getattr(args, name)), domain) for name in names]
     for flag, value, ok, domain in checks:
         if not ok:
-            raise ArgsError(f"{flag} {value}: must be {domain}")
+            raise ArgsError(f"{flag.replace('_', '-')} {value}: must be {domain}")
     if is_toy:
         try:
             args.toy.validate()  # the --toy.* flags, each named in its message
         except ValueError as error:
             raise ArgsError(str(error)) from error
+    resuming = args.checkpoint is not None and not args.evaluate
+    why_unused = {  # a flag given where it would do nothing is refused, saying why and what to use instead
+        "horizon": is_toy and f"{TOY_ENV_ID} takes --toy.horizon",
+        "toy": not is_toy and f"it sets {TOY_ENV_ID}, not {args.env_id}",
+        "capture_video": is_toy and "the toy chain has no renderer; record a ManiSkill3 task",
+        "sequential": args.ddpg_n and "--ddpg-n runs the baseline, --sequential the ablation: use one of them",
+        "p_learner_device": args.ddpg_n and "--ddpg-n updates the policy in its one process, on --v-learner-device",
+        "beta_p_v": args.ddpg_n and "--ddpg-n makes one policy update per critic update",
+        "progress_interval": args.quiet and "--quiet prints no progress lines",
+        **dict.fromkeys(("wandb_project_name", "wandb_entity"), not args.track and "it names the W&B run of --track"),
+        **dict.fromkeys(
+            ("output_dir", "exp_name"), resuming and "a resumed run continues in its checkpoint's directory"
+        ),
+    }
+    for name in given:
+        reason = why_unused.get(name) or (args.evaluate and name not in EVALUATE_USES and "--evaluate only evaluates")
+        if reason:
+            flag = f"toy.{toy_given[0]}" if name == "toy" else name
+            value = getattr(args.toy, toy_given[0]) if name == "toy" else getattr(args, name)
+            raise ArgsError(f"--{flag.replace('_', '-')} {value}: does nothing here ({reason})")
     actor_device = torch.device(args.actor_device)
     if is_toy:
         args.sim_backend = "torch"
@@ -260,44 +291,100 @@ def resolve_args(args: Args) -> Args:
         raise ArgsError(f"--total-timesteps {args.total_timesteps}: {steps}, nothing would be learned")
     if args.evaluate and not args.checkpoint:
         raise ArgsError("--evaluate needs --checkpoint PATH")
-    if args.checkpoint and not os.path.isfile(args.checkpoint):
-        raise ArgsError(f"--checkpoint {args.checkpoint}: no such file")
+    if args.checkpoint:
+        check_checkpoint(args)
     return args
 
 
+def check_checkpoint(args: Args) -> None:
+    """--checkpoint must be pql.py's, of --env-id; to resume, also of --num-envs, --nstep, --toy.* and before
+    --total-timesteps (a resume continues the run with the Actor's carried state). Else ArgsError."""
+    flag = f"--checkpoint {args.checkpoint}"
+    if not os.path.isfile(args.checkpoint):
+        raise ArgsError(f"{flag}: no such file")
+    try:
+        ckpt = torch.load(args.checkpoint, map_location="cpu", weights_only=True)
+    except Exception as error:  # the innermost error's first line (torch's own first line is about weights_only)
+        cause = error.__context__ or error
+        reason = str(cause).strip().splitlines() or [type(cause).__name__]
+        raise ArgsError(f"{flag}: not a checkpoint of pql.py ({reason[0]})") from error
+    script = ckpt.get("script") if isinstance(ckpt, dict) else None
+    if script is None:
+        raise ArgsError(f'{flag}: not a checkpoint of pql.py (no "script" in it)')
+    if script != "pql.py":
+        raise ArgsError(f"{flag}: a checkpoint of {script}, not of pql.py")
+    if ckpt["env_id"] != args.env_id:
+        raise ArgsError(f"{flag}: a checkpoint of {ckpt['env_id']}, not of --env-id {args.env_id}")
+    if args.evaluate:
+        return
+    saved = json.loads(ckpt["args"])
+    kept = [("num_envs", args.num_envs, saved["num_envs"]), ("nstep", args.nstep, saved["nstep"])]
+    kept += [(f"toy.{name}", value, saved["toy"][name]) for name, value in asdict(args.toy).items()]
+    for name, value, theirs in kept:
+        if value != theirs:
+            setting = f"--{name.replace('_', '-')} {value}"
+            raise ArgsError(f"{setting}: the checkpoint's run has {theirs}; a resume continues it with that")
+    if ckpt["iteration"] >= args.num_actor_steps:
+        steps = f"the checkpoint is at global step {ckpt['global_step']} already; pass a larger value"
+        raise ArgsError(f"--total-timesteps {args.total_timesteps}: {steps}")
+
+
 def format_settings(args: Args) -> str:
-    """The resolved settings, `name=value` in field order (nested: `toy.horizon=200`), in lines of at most 120 chars."""
+    """The resolved settings, `name=value` in field order (the toy chain's, `toy.horizon=200`, on it only, never the
+    test hook toy.crash_at_step), then the devices in use, in lines of at most 120 characters."""
     pairs = []
     for name, value in asdict(args).items():
-        if isinstance(value, dict):
-            pairs += [f"{name}.{nested}={nested_value}" for nested, nested_value in value.items()]
-        else:
+        if name != "toy":
             pairs.append(f"{name}={value}".replace(" ", ""))  # (a tuple's spaces would split it)
+        elif args.env_id == TOY_ENV_ID:
+            pairs += [f"toy.{key}={nested}" for key, nested in value.items() if key != "crash_at_step"]
+    devices = dict.fromkeys([args.actor_device, args.v_learner_device, args.p_learner_device])  # (in use, once each)
+    pairs.append("device=" + ",".join(devices))
     return "settings:\n" + textwrap.fill(" ".join(pairs), width=120, break_long_words=False, break_on_hyphens=False)
 
 
 # ---- Environments (same-step autoreset: the true last observation is info["final_obs"]) ------------------------------
-def make_maniskill_env(args: Args, num_envs: int, evaluation: bool):
-    """A state-observation ManiSkill env, flat actions; evaluation: a new scene each reset (ManiSkill's protocol)."""
+def make_maniskill_env(args: Args, num_envs: int, evaluation: bool, video_dir: Optional[Path] = None):
+    """A state-observation ManiSkill env, flat actions; evaluation: a new scene each reset (ManiSkill's protocol);
+    video_dir: ManiSkill's RecordEpisode records the first VIDEO_ENVS envs, tiled, a video per episode."""
+    if mp.parent_process() is not None:  # an env worker process: the Actor handles Ctrl-C, before anything starts
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
     import mani_skill.envs  # noqa: F401  (registers the tasks in this process)
     from mani_skill.utils.wrappers.flatten import FlattenActionSpaceWrapper
     from mani_skill.utils.wrappers.gymnasium import CPUGymWrapper
+    from mani_skill.utils.wrappers.record import RecordEpisode
 
+    if not video_dir:
+        render_backend = "none"  # no render system (ManiSkill would build one on the first GPU)
+    elif args.sim_backend.startswith("physx_cuda"):
+        render_backend = args.sim_backend.replace("physx_", "")  # cuda:N, the simulation's GPU
+    else:  # CPU simulation: on the CPU without CUDA (asked for a GPU, each worker would warn that it falls back)
+        render_backend = "gpu" if torch.cuda.is_available() else "cpu"
     env = gym.make(
         args.env_id,
         num_envs=num_envs,
         max_episode_steps=args.resolved_horizon,
         obs_mode="state",
         sim_backend=args.sim_backend,
-        render_backend="none",  # no video, so no render system (ManiSkill would build one on the first GPU)
+        render_backend=render_backend,
+        render_mode="rgb_array" if video_dir else None,
         reconfiguration_freq=int(evaluation),
     )
+    if video_dir:
+        horizon = args.resolved_horizon
+        env = RecordEpisode(FirstFrames(env), video_dir, save_trajectory=False, max_steps_per_video=horizon)
     if isinstance(env.action_space, gym.spaces.Dict):
         env = FlattenActionSpaceWrapper(env)
     if args.sim_backend == "physx_cpu":
-        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a worker process: the Actor handles Ctrl-C
         env = CPUGymWrapper(env)
     return env
+
+
+class FirstFrames(gym.Wrapper):
+    """The frames of the first VIDEO_ENVS envs only (a tile of thousands of GPU-simulated envs would not fit)."""
+
+    def render(self):
+        return self.env.render()[:VIDEO_ENVS]
 
 
 class ManiSkillVecEnv(gym.vector.VectorEnv):
@@ -306,15 +393,18 @@ class ManiSkillVecEnv(gym.vector.VectorEnv):
 
     metadata = {"autoreset_mode": gym.vector.AutoresetMode.SAME_STEP}
 
-    def __init__(self, args: Args, num_envs: int, device: torch.device, evaluation: bool):
+    def __init__(self, args: Args, num_envs: int, device: torch.device, evaluation: bool, video_dir=None):
         self.num_envs, self.device, self.reset_on_termination = num_envs, device, not evaluation
         self.gpu = args.sim_backend.startswith("physx_cuda")
         make = partial(make_maniskill_env, args, evaluation=evaluation)
         if self.gpu:
-            self.env = make(num_envs=num_envs)
-        else:
+            self.env = make(num_envs=num_envs, video_dir=video_dir)
+        else:  # a worker process per env; the first VIDEO_ENVS record a video each, in video_dir/env{i}
+            video_dirs = [
+                video_dir / f"env{index}" if video_dir and index < VIDEO_ENVS else None for index in range(num_envs)
+            ]
             self.env = gym.vector.AsyncVectorEnv(
-                [partial(make, num_envs=1)] * num_envs,
+                [partial(make, num_envs=1, video_dir=env_video_dir) for env_video_dir in video_dirs],
                 context="forkserver",
                 autoreset_mode=gym.vector.AutoresetMode.DISABLED,
             )
@@ -339,18 +429,21 @@ class ManiSkillVecEnv(gym.vector.VectorEnv):
         reset_now = truncated | (terminated & self.reset_on_termination)
         final_obs = obs
         if bool(reset_now.any()):  # partial reset: ManiSkill on the GPU takes env indices, a vector env a mask
+            # the GPU simulation may write the reset into the tensors it returned: copies first (as ManiSkillVectorEnv)
+            final_obs = obs.clone()
+            success = success.clone()
             options = {"env_idx": reset_now.nonzero()[:, 0]} if self.gpu else {"reset_mask": reset_now.cpu().numpy()}
             obs, _ = self.reset(options=options)
         return obs, reward, terminated, truncated, {"success": success, "final_obs": final_obs, "_final_obs": reset_now}
 
-    def close_extras(self, **kwargs):
-        self.env.close()
+    def close_extras(self, **kwargs):  # (env workers hold nothing to save: ending them is quicker than closing each)
+        self.env.close(**({} if self.gpu else {"terminate": True}))
 
 
-def make_env(args: Args, num_envs: int, device: torch.device, evaluation: bool):
+def make_env(args: Args, num_envs: int, device: torch.device, evaluation: bool, video_dir: Optional[Path] = None):
     if args.env_id == TOY_ENV_ID:
         return gym.make_vec(TOY_ENV_ID, num_envs=num_envs, config=args.toy, device=device)
-    return ManiSkillVecEnv(args, num_envs, device, evaluation)
+    return ManiSkillVecEnv(args, num_envs, device, evaluation, video_dir)
 
 
 # ---- Pure functions the algorithm relies on (importable, tested in tests/test_pql.py) --------------------------------
@@ -585,11 +678,12 @@ class VLearner:
         self.policy, self.critic, state = initial_networks(args, obs_dim, act_dim, device)
         self.critic_target = copy.deepcopy(self.critic)
         self.optimizer = torch.optim.Adam(self.critic.parameters(), lr=args.learning_rate)
+        self.generator = torch.Generator(device=device).manual_seed(args.seed + 1)  # batches, target noise
         if state is not None:
             self.critic_target.load_state_dict(state["model"]["critic_target"])
             self.optimizer.load_state_dict(state["optimizer"]["critic"])
+            self.generator.set_state(state["rng"]["v_learner"])
         self.buffer = ReplayBuffer(capacity, transition_shapes(obs_dim, act_dim), device)
-        self.generator = torch.Generator(device=device).manual_seed(args.seed + 1)
         self.obs_rms = RunningMeanStd((obs_dim,), device)  # the Actor's, received with every message
 
     def receive(self, message: dict) -> None:
@@ -638,7 +732,8 @@ class VLearner:
 
     def state_dict(self) -> dict:
         model = {"critic": self.critic.state_dict(), "critic_target": self.critic_target.state_dict()}
-        return {"model": model, "optimizer": {"critic": self.optimizer.state_dict()}}
+        optimizer = {"critic": self.optimizer.state_dict()}
+        return {"model": model, "optimizer": optimizer, "rng": {"v_learner": self.generator.get_state()}}
 
 
 class PLearner:
@@ -648,10 +743,11 @@ class PLearner:
         self.args, self.device = args, device
         self.policy, self.critic, state = initial_networks(args, obs_dim, act_dim, device)
         self.optimizer = torch.optim.Adam(self.policy.parameters(), lr=args.learning_rate)
+        self.generator = torch.Generator(device=device).manual_seed(args.seed + 2)  # batches
         if state is not None:
             self.optimizer.load_state_dict(state["optimizer"]["policy"])
+            self.generator.set_state(state["rng"]["p_learner"])
         self.buffer = ReplayBuffer(capacity, {"obs": (obs_dim,)}, device)
-        self.generator = torch.Generator(device=device).manual_seed(args.seed + 2)
         self.obs_rms = RunningMeanStd((obs_dim,), device)  # the Actor's, received with every message
 
     def receive(self, message: dict) -> None:
@@ -674,7 +770,12 @@ class PLearner:
         return UpdateResult(loss=loss.detach(), obs=obs)
 
     def state_dict(self) -> dict:
-        return {"model": {"policy": self.policy.state_dict()}, "optimizer": {"policy": self.optimizer.state_dict()}}
+        optimizer = {"policy": self.optimizer.state_dict()}
+        return {
+            "model": {"policy": self.policy.state_dict()},
+            "optimizer": optimizer,
+            "rng": {"p_learner": self.generator.get_state()},
+        }
 
 
 def network_sent_back(role: str, learner) -> dict:
@@ -686,12 +787,11 @@ def network_sent_back(role: str, learner) -> dict:
 
 # ---- Moving data and networks between the processes (Sec. 3.1: "Data Transfer", "Network Transfer") ------------------
 class SlotRing:
-    """A one-way channel between two processes: `num_slots` preallocated slots (dicts of tensors) in shared memory
-    (CPU) or CUDA memory shared by CUDA IPC, and two counts (written, read). A slot is written only when the reader is
-    done with it (has_room): no lock, nothing pickled, no transfer left half done by a process that stops. On CUDA the
-    host never waits for the GPU: the writer's stream waits for a slot's interprocess `read` event before it overwrites
-    the slot and records `written` after; the reader's stream waits for `written` and records `read`. An event is
-    recorded before the count that announces it moves (cudaStreamWaitEvent, cudaIpcGetEventHandle)."""
+    """A one-way channel between two processes: `num_slots` preallocated slots (dicts of tensors) in shared memory (CPU)
+    or CUDA memory shared by CUDA IPC, and two counts (written, read). A slot is written only when the reader is done
+    with it (has_room): no lock, nothing pickled, no transfer left half done. On CUDA the host never waits: the streams
+    wait for each slot's interprocess events (`read` before a write, `written` before a read), recorded before the
+    count that announces them moves."""
 
     def __init__(self, shapes: dict, device, num_slots: int):
         self.device, self.num_slots = torch.device(device), num_slots
@@ -768,12 +868,12 @@ def learner_process(role, args, sizes, inbox, outbox, counters, stop, run_dir, t
     checkpoint requests and updates as the ratios allow (Sec. 3.2) until `stop` (errors set it) or the Actor ends."""
     try:
         torch.set_num_threads(threads)
-        torch.backends.cudnn.deterministic = args.torch_deterministic
         device = torch.device(args.v_learner_device if role == "v_learner" else args.p_learner_device)
         mine = counters.v_learner if role == "v_learner" else counters.p_learner  # the shared counts it writes
         if device.type == "cuda" and device.index is not None:  # plain "cuda" is the current device already
             torch.cuda.set_device(device)
         learner = VLearner(args, *sizes, device) if role == "v_learner" else PLearner(args, *sizes, device)
+        result = None  # of its last update
         while not stop.is_set():
             if inbox.take(learner.receive) and outbox.has_room():  # new data: send back my network
                 outbox.put(network_sent_back(role, learner))
@@ -784,8 +884,10 @@ def learner_process(role, args, sizes, inbox, outbox, counters, stop, run_dir, t
             if may_update(role, counters, args) and learner.buffer.size > 0:
                 result = learner.update()
                 mine.updates += 1
+                if mine.updates % 64 == 0:  # its loss for the Actor's log, not at every update (a GPU sync)
+                    mine.loss = result.loss.item()
                 continue
-            if mine.updates > 0:  # idle: its last loss for the Actor's log (no GPU sync per update)
+            if result is not None:  # idle: its last loss
                 mine.loss = result.loss.item()
             if not mp.parent_process().is_alive():  # the Actor was killed (SIGKILL): no orphans
                 return
@@ -861,11 +963,19 @@ class SerialLearners:
 
 # ---- The Actor's safe points, evaluation, checkpoints --------------------------------------------------------------
 class Supervisor:
-    """The Actor's safe points: Ctrl-C / SIGTERM (`stop_requested`) and failed learners (they set the event `stop`)."""
+    """The Actor's safe points: Ctrl-C / SIGTERM and failed learners (they set the event `stop`)."""
 
-    def __init__(self, run_dir: Path, stop_requested: list, stop):
-        self.run_dir, self.stop_requested, self.stop = run_dir, stop_requested, stop
+    def __init__(self, run_dir: Path, stop):
+        self.run_dir, self.stop = run_dir, stop
         self.processes: dict = {}
+        self.stop_requested: list = []  # the signals received
+
+    def handle_signals(self, at_once: bool) -> None:
+        """Ctrl-C / SIGTERM: at once (KeyboardInterrupt) while nothing can be left half done (envs and processes
+        starting), else noted for the Actor's next safe point (a step, a wait, an evaluation step)."""
+        noted = lambda signum, frame: self.stop_requested.append(signum)  # noqa: E731
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(signum, signal.default_int_handler if at_once else noted)
 
     def check(self, interruptible: bool = True) -> None:
         """Raises KeyboardInterrupt after Ctrl-C, ProcessFailed when a learner failed or died."""
@@ -919,9 +1029,47 @@ def evaluate(policy: Policy, eval_envs, obs_rms: RunningMeanStd, bounds, horizon
     }
 
 
-def save_checkpoint(path: Path, args, supervisor, counters, serial, obs_rms, global_step, iteration) -> None:
-    """{model, optimizer, global_step, iteration, obs_rms, args}: no replay buffers (a resumed run refills them); the
-    learner processes write their parts."""
+def format_eval(global_step: int, metrics: dict) -> str:
+    """An evaluation's line, as printed during training and by --evaluate: `global_step=N eval/return=... ...`."""
+    values = " ".join(f"{name}={value:.4g}" for name, value in metrics.items() if name.startswith("eval/"))
+    return f"global_step={global_step} {values}"
+
+
+def hms(seconds: float) -> str:
+    """H:MM:SS (hours may exceed 24)."""
+    return f"{int(seconds) // 3600}:{int(seconds) % 3600 // 60:02d}:{int(seconds) % 60:02d}"
+
+
+def progress_line(args: Args, global_step: int, sps: float, elapsed: float, last: dict, counters) -> str:
+    """Env steps done of the total, SPS (as charts/SPS), elapsed and estimated time left, the latest episodic return
+    and success rate, and each process's count against the speed ratios of Sec. 3.2 (measured/target)."""
+    total = args.num_actor_steps * args.num_envs
+    left = hms((total - global_step) / sps) if sps > 0 else "?"
+    line = f"progress global_step={global_step}/{total} ({100 * global_step // total}%) SPS={sps:.0f}"
+    line += f" elapsed={hms(elapsed)} left={left}"
+    line += "".join(
+        f" {name}={last[name]:.4g}" for name in ("charts/episodic_return", "charts/success_rate") if name in last
+    )
+    v_updates = counters.v_learner.updates
+    a_v = f"{counters.actor_steps / v_updates:.3f}" if v_updates else "?"
+    p_v = f"{counters.p_learner.updates / v_updates:.3f}" if v_updates else "?"
+    target_p_v = 1.0 if args.ddpg_n else args.beta_p_v  # DDPG(n): a policy update with every critic update
+    line += f" actor_steps={counters.actor_steps} v_updates={v_updates} p_updates={counters.p_learner.updates}"
+    return f"{line} a:v={a_v}/{args.beta_a_v:.3f} p:v={p_v}/{target_p_v:.3f}"
+
+
+def rng_states() -> dict:
+    """The global random generators: torch's (CPU, CUDA), numpy's and Python's."""
+    kind, key, *position = np.random.get_state()
+    numpy_state = (kind, key.tolist(), *position)  # (weights_only: no numpy arrays)
+    cuda = torch.cuda.get_rng_state_all()
+    return {"torch": torch.get_rng_state(), "cuda": cuda, "numpy": numpy_state, "python": random.getstate()}
+
+
+def save_checkpoint(path: Path, args, supervisor, counters, serial, actor: dict, carried: dict) -> None:
+    """The learners' networks, optimizers and generators (the learner processes write their parts), the shared counts,
+    the Actor's `actor` (global_step, iteration, obs_rms, wandb_id) and its generators and `carried` state; no replay
+    buffers (a resumed run refills them). Written to a temporary file, then renamed."""
     if serial is None:
         counters.checkpoint_requests += 1
         request = counters.checkpoint_requests
@@ -934,12 +1082,16 @@ def save_checkpoint(path: Path, args, supervisor, counters, serial, obs_rms, glo
     else:
         v_part = serial.v_learner.state_dict()
         p_part = serial.p_learner.state_dict()
+    counts = dict(actor_steps=counters.actor_steps, v_updates=counters.v_learner.updates)
     state = {
+        "script": "pql.py",
+        "env_id": args.env_id,
         "model": {**v_part["model"], **p_part["model"]},
         "optimizer": {**v_part["optimizer"], **p_part["optimizer"]},
-        "global_step": global_step,
-        "iteration": iteration,
-        "obs_rms": vars(obs_rms),  # its mean, var and count
+        "rng": {**v_part["rng"], **p_part["rng"]},
+        "counts": {**counts, "p_updates": counters.p_learner.updates},
+        **actor,
+        "actor": carried,
         "args": json.dumps(asdict(args)),
     }
     temporary = path.with_name(path.name + ".tmp")
@@ -960,37 +1112,87 @@ def check_buffer_memory(args: Args, obs_dim: int, act_dim: int, capacity: int) -
             raise ArgsError(f"--buffer-size {args.buffer_size}: the buffers need {memory}; use a smaller --buffer-size")
 
 
+def actor_networks(args: Args, envs, device: torch.device) -> tuple:
+    """The Actor's policy and critic (initial, or those of --checkpoint, then returned with it), its observation
+    normalizer and the action bounds (the rows low, high of the envs' action space)."""
+    obs_dim = int(np.prod(envs.single_observation_space.shape))
+    space = envs.single_action_space
+    bounds = torch.as_tensor(np.stack([space.low, space.high]), dtype=torch.float32, device=device)
+    policy, critic, ckpt = initial_networks(args, obs_dim, bounds.shape[1], device)
+    obs_rms = RunningMeanStd((obs_dim,), device)
+    if ckpt is not None:
+        obs_rms.mean = ckpt["obs_rms"]["mean"].to(device)
+        obs_rms.var = ckpt["obs_rms"]["var"].to(device)
+        obs_rms.count = ckpt["obs_rms"]["count"].to(device)
+    return policy, critic, obs_rms, bounds, ckpt
+
+
+def evaluate_checkpoint(args: Args) -> dict:
+    """--evaluate: one evaluation of the checkpoint's policy, with the seed of its run's evaluation at that step; prints
+    its line and writes eval_<checkpoint stem>.json (and the videos) beside the checkpoint. No run directory."""
+    path = Path(args.checkpoint)
+    device = torch.device(args.actor_device)
+    video_dir = path.parent / "videos" if args.capture_video else None
+    # (a Ctrl-C while its env workers start: multiprocessing ends them, daemons, as this process exits)
+    eval_envs = make_env(args, args.num_eval_envs, device, evaluation=True, video_dir=video_dir)
+    try:
+        policy, _, obs_rms, bounds, ckpt = actor_networks(args, eval_envs, device)
+        seed = args.seed + 10_000 + ckpt["iteration"]
+        metrics = evaluate(policy, eval_envs, obs_rms, bounds, args.resolved_horizon, lambda: None, seed)
+    finally:
+        eval_envs.close()
+    print(format_eval(ckpt["global_step"], metrics), flush=True)
+    if video_dir:
+        print(f"videos: {video_dir}", flush=True)
+    result = {**metrics, "checkpoint": str(path), "global_step": ckpt["global_step"], "eval_seed": seed}
+    result["num_eval_envs"] = args.num_eval_envs
+    result["num_eval_episodes"] = args.num_eval_envs  # one episode of each eval env
+    (path.parent / f"eval_{path.stem}.json").write_text(json.dumps(result, indent=2))
+    return {"interrupted": False, **result}
+
+
 # ---- The Actor (Alg. 1): the main process ----------------------------------------------------------------------------
 def main(args: Args) -> dict:
-    # Ctrl-C / SIGTERM only set a flag; the Actor stops at its next safe point (a step, a wait, an evaluation step).
-    stop_requested = []
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(signum, lambda signum, frame: stop_requested.append(signum))
     args = resolve_args(args)
     print(format_settings(args), flush=True)
-    run_name = f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}"
-    run_dir = Path(args.output_dir, run_name)
-    run_dir.mkdir(parents=True, exist_ok=False)
+    if args.evaluate:
+        return evaluate_checkpoint(args)
+    is_toy = args.env_id == TOY_ENV_ID
+    ckpt = torch.load(args.checkpoint, map_location="cpu", weights_only=True) if args.checkpoint else None
+    if ckpt is None:
+        run_dir = Path(args.output_dir, f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}")
+        run_dir.mkdir(parents=True, exist_ok=False)
+    else:  # a resume continues the checkpoint's run: its directory, TensorBoard stream and W&B run
+        run_dir = Path(args.checkpoint).parent
+        print(f"resuming {run_dir} at global step {ckpt['global_step']} (iteration {ckpt['iteration']})", flush=True)
+        warm_up = f"a warm-up of {max(args.warm_up_steps, args.nstep - 1)} Actor steps with the checkpoint's policy"
+        simulator = "" if is_toy else "; the simulator's state is not in it either: the envs start anew"
+        print(f"resume: the replay buffers are not in the checkpoint: the learners refill them ({warm_up}){simulator}")
     (run_dir / "config.json").write_text(json.dumps(asdict(args), indent=2))
     parallel = not (args.ddpg_n or args.sequential)
     cores = len(os.sched_getaffinity(0))
     threads = max(1, cores // 3) if parallel else cores  # torch threads per process: the cores split among them
     threads = min(threads, int(os.environ.get("OMP_NUM_THREADS", threads)))  # a user's OMP_NUM_THREADS caps them
     torch.set_num_threads(threads)
-    torch.backends.cudnn.deterministic = args.torch_deterministic
     device = torch.device(args.actor_device)
+    ctx = mp.get_context("spawn")
+    supervisor = Supervisor(run_dir, ctx.Event())
+    wandb_id = ckpt["wandb_id"] if ckpt else None
     if args.track:
         import wandb
 
+        wandb_id = wandb_id or os.urandom(4).hex()  # (a new run's id: 8 characters, as W&B's own)
         wandb.init(
             project=args.wandb_project_name,
             entity=args.wandb_entity,
-            name=run_name,
+            name=run_dir.name,
+            id=wandb_id,
+            resume="allow",
             config=asdict(args),
             sync_tensorboard=True,
             save_code=True,
         )
-    writer = SummaryWriter(str(run_dir))
+    writer = SummaryWriter(str(run_dir), purge_step=ckpt["global_step"] if ckpt else None)  # (no step twice)
     last: dict[str, float] = {}  # the last value of every scalar, for summary.json
 
     def log(values: dict) -> None:
@@ -998,38 +1200,60 @@ def main(args: Args) -> dict:
             writer.add_scalar(name, float(value), global_step)
             last[name] = float(value)
 
+    def checkpoint(path: Path) -> None:  # with what the Actor carries from step to step, at this moment
+        window = [list(step) for step in assembler.window]
+        env_state = envs.unwrapped.state_dict() if is_toy else None
+        carried = dict(obs=raw_obs, window=window, episode=episode, env=env_state, explore=explore_rng.get_state())
+        actor = dict(global_step=global_step, iteration=iteration, obs_rms=vars(obs_rms), wandb_id=wandb_id)
+        save_checkpoint(path, args, supervisor, counters, serial, actor, {"rng": rng_states(), **carried})
+
     summary: dict = {"interrupted": False, "eval_time_s": 0.0}
     envs = eval_envs = serial = None
     counters = mp.RawValue(SharedCounters)  # zeros, in shared memory
-    ctx = mp.get_context("spawn")
-    supervisor = Supervisor(run_dir, stop_requested, ctx.Event())
-    iteration = global_step = start_step = 0  # Actor steps and env steps taken; env steps before this run
+    counters.v_learner.loss = math.nan  # (none reported yet)
+    counters.p_learner.loss = math.nan
+    iteration = global_step = 0  # Actor steps and env steps taken
+    if ckpt is not None:
+        iteration = ckpt["iteration"]
+        global_step = ckpt["global_step"]
+        counters.actor_steps = ckpt["counts"]["actor_steps"]
+        counters.v_learner.updates = ckpt["counts"]["v_updates"]
+        counters.p_learner.updates = ckpt["counts"]["p_updates"]
+    first_step = iteration  # of this run (or resumed segment), and its env steps
+    start_step = global_step
     start_time = time.time()
+    supervisor.handle_signals(at_once=True)
     try:
-        # ---- build: envs, networks, the learners ------------------------------------------------------------------
-        eval_envs = make_env(args, args.num_eval_envs, device, evaluation=True)
-        supervisor.check()  # a Ctrl-C during start-up ends the run before the training envs are built
-        obs_dim = int(np.prod(eval_envs.single_observation_space.shape))
-        act_dim = int(np.prod(eval_envs.single_action_space.shape))
-        space = eval_envs.single_action_space
-        bounds = torch.as_tensor(np.stack([space.low, space.high]), dtype=torch.float32, device=device)  # low, high
-        policy, critic, ckpt = initial_networks(args, obs_dim, act_dim, device)
-        obs_rms = RunningMeanStd((obs_dim,), device)
-        if ckpt is not None:
-            iteration, global_step, start_step = ckpt["iteration"], ckpt["global_step"], ckpt["global_step"]
-            obs_rms.mean = ckpt["obs_rms"]["mean"].to(device)
-            obs_rms.var = ckpt["obs_rms"]["var"].to(device)
-            obs_rms.count = ckpt["obs_rms"]["count"].to(device)
+        # ---- build: envs, networks, the learners (a Ctrl-C meanwhile ends the run at once) -----------------------
+        video_dir = run_dir / "videos" if args.capture_video else None
+        eval_envs = make_env(args, args.num_eval_envs, device, evaluation=True, video_dir=video_dir)
+        if video_dir:
+            print(f"videos: {video_dir}", flush=True)
+        policy, critic, obs_rms, bounds, _ = actor_networks(args, eval_envs, device)
+        obs_dim = obs_rms.mean.shape[0]
+        act_dim = bounds.shape[1]
         evaluation = partial(evaluate, policy, eval_envs, obs_rms, bounds, args.resolved_horizon, supervisor.check)
-        if args.evaluate:
-            log(evaluation(seed=args.seed + 10_000 + iteration))
-            print(" ".join(f"{name}={value:.4f}" for name, value in last.items() if name.startswith("eval/")))
-            return summary
-
         capacity = min(args.buffer_size, args.num_actor_steps * args.num_envs)
         check_buffer_memory(args, obs_dim, act_dim, capacity)
         envs = make_env(args, args.num_envs, device, evaluation=False)
-        first_step = iteration
+        num_envs = args.num_envs
+        sigmas = mixed_exploration_sigmas(num_envs, args.sigma_min, args.sigma_max, device)  # Sec. 3.3
+        explore_rng = torch.Generator(device=device).manual_seed(args.seed)  # warm-up actions, exploration noise
+        assembler = NStepAssembler(args.nstep, args.gamma, args.bootstrap_at_done)
+        episode = {  # the episodes the envs are in; the sums over those ended since the last log
+            "return": torch.zeros(num_envs, device=device),
+            "length": torch.zeros(num_envs, dtype=torch.long, device=device),
+            "success_once": torch.zeros(num_envs, dtype=torch.bool, device=device),
+            "ended": torch.zeros(4, device=device),  # count, return, length, success
+        }
+        if ckpt is not None and is_toy:  # the toy chain's state is in the checkpoint: all continues where it was
+            carried = ckpt["actor"]
+            envs.unwrapped.load_state_dict(carried["env"])
+            raw_obs = carried["obs"].to(device)
+            assembler.window.extend(WindowStep(*[value.to(device) for value in step]) for step in carried["window"])
+            episode = {name: value.to(device) for name, value in carried["episode"].items()}
+        else:
+            raw_obs, _ = envs.reset(seed=args.seed + iteration)
         critic_vector = parameters_to_vector(critic.parameters()).detach().to(args.p_learner_device)
         sizes = (obs_dim, act_dim, capacity)
         if parallel:
@@ -1037,29 +1261,28 @@ def main(args: Args) -> dict:
             to_learner, from_learner = start_learners(args, ctx, supervisor, counters, sizes, numels, threads)
         else:
             serial = SerialLearners(args, sizes)
-
-        num_envs = args.num_envs
-        sigmas = mixed_exploration_sigmas(num_envs, args.sigma_min, args.sigma_max, device)  # Sec. 3.3
-        assembler = NStepAssembler(args.nstep, args.gamma, args.bootstrap_at_done)
-        raw_obs, _ = envs.reset(seed=args.seed + iteration)
-        ep_return = torch.zeros(num_envs, device=device)
-        ep_len = torch.zeros(num_envs, dtype=torch.long, device=device)
-        success_once = torch.zeros(num_envs, dtype=torch.bool, device=device)
-        episodes = torch.zeros(4, device=device)  # count, return, length, success of the episodes since the last log
+        if ckpt is not None:  # the generators (after the networks' seeded initialization)
+            torch.set_rng_state(ckpt["actor"]["rng"]["torch"])
+            torch.cuda.set_rng_state_all(ckpt["actor"]["rng"]["cuda"][: torch.cuda.device_count()])
+            np.random.set_state(ckpt["actor"]["rng"]["numpy"])
+            random.setstate(ckpt["actor"]["rng"]["python"])
+            explore_rng.set_state(ckpt["actor"]["explore"])
         warm_up_end = first_step + max(args.warm_up_steps, args.nstep - 1)  # learning starts after the warm-up
         timers = {"time/rollout": 0.0, "time/update": 0.0}  # seconds since the last log
+        supervisor.handle_signals(at_once=False)
+        train_start = time.time()
+        last_progress = train_start
         while iteration < args.num_actor_steps:
             # ---- 1. evaluate (and checkpoint) every --eval-freq Actor steps --------------------------------------
             supervisor.check()
-            if args.eval_freq > 0 and (iteration - first_step) % args.eval_freq == 0:
+            if args.eval_freq > 0 and iteration % args.eval_freq == 0:
                 metrics = evaluation(seed=args.seed + 10_000 + iteration)  # the learners idle meanwhile
                 summary["eval_time_s"] += metrics["time/eval"]
                 log(metrics)
+                print(format_eval(global_step, metrics), flush=True)
                 if args.save_model and iteration > first_step:
-                    path = run_dir / f"ckpt_{global_step}.pt"
-                    save_checkpoint(path, args, supervisor, counters, serial, obs_rms, global_step, iteration)
+                    checkpoint(run_dir / f"ckpt_{global_step}.pt")
             learning = iteration >= warm_up_end
-
             # ---- 2. the learners' newest networks (Alg. 1); Sec. 3.2: wait while ahead of the V-learner -----------
             if parallel:
                 if learning:
@@ -1071,14 +1294,13 @@ def main(args: Args) -> dict:
             else:
                 load_vector(policy, network_sent_back("p_learner", serial.p_learner)["policy"])
                 critic_vector = network_sent_back("v_learner", serial.v_learner)["critic"]
-
             # ---- 3. act: warm-up actions, then pi(s) + N(0, sigma_i^2), sigma_i fixed per env (Sec. 3.3) ----------
             step_start = time.time()
             with torch.no_grad():
                 if iteration < warm_up_end and ckpt is None:  # Table B.1 warm-up: uniform random actions
-                    action = torch.rand((num_envs, act_dim), device=device) * 2.0 - 1.0
+                    action = torch.rand((num_envs, act_dim), device=device, generator=explore_rng) * 2.0 - 1.0
                 else:
-                    action = explore(policy(obs_rms.normalize(raw_obs)), sigmas)
+                    action = explore(policy(obs_rms.normalize(raw_obs)), sigmas, explore_rng)
             next_raw, reward, terminated, truncated, info = envs.step(to_env_action(action, bounds))
             # the true next observation: where an env reset in this step (same-step autoreset), info["final_obs"]
             true_next = torch.where(info["_final_obs"][:, None], info["final_obs"].reshape(num_envs, -1), next_raw)
@@ -1086,7 +1308,6 @@ def main(args: Args) -> dict:
             if args.norm_obs:
                 obs_rms.update(next_raw)
             raw_obs = next_raw
-
             # ---- 4. send data, the normalizer and the newest networks (Alg. 1) -------------------------------------
             if transitions is not None:
                 normalizer = {"obs_mean": obs_rms.mean, "obs_var": obs_rms.var}
@@ -1105,29 +1326,26 @@ def main(args: Args) -> dict:
             if learning:
                 counters.actor_steps += 1
             timers["time/rollout"] += time.time() - step_start
-
             # ---- (the baselines of Sec. 4.1, --ddpg-n and --sequential: the updates, here, serially) ----------------
             if learning and serial is not None:
                 update_start = time.time()
                 serial.update(counters)
                 timers["time/update"] += time.time() - update_start
-
-            # ---- 5. episode statistics (unscaled rewards) and the log ----------------------------------------------
+            # ---- 5. episode statistics (unscaled rewards), the log and the progress line ---------------------------
             done = terminated | truncated
-            ep_return += reward
-            ep_len += 1
-            success_once |= info["success"]
-            episodes += torch.stack(
-                [done.sum(), (ep_return * done).sum(), (ep_len * done).sum(), (success_once & done).sum()]
-            ).float()
-            ep_return *= ~done
-            ep_len *= ~done
-            success_once &= ~done
+            episode["return"] += reward
+            episode["length"] += 1
+            episode["success_once"] |= info["success"]
+            ended = [done.sum(), (episode["return"] * done).sum(), (episode["length"] * done).sum()]
+            episode["ended"] += torch.stack([*ended, (episode["success_once"] & done).sum()]).float()
+            episode["return"] *= ~done
+            episode["length"] *= ~done
+            episode["success_once"] &= ~done
             iteration += 1
             global_step += num_envs
+            sps = (global_step - start_step) / (time.time() - train_start)  # as charts/SPS: since training started
             if iteration % LOG_EVERY == 0:
-                count, returns, lengths, successes = episodes.tolist()  # (on CUDA: synchronizes before the timers)
-                sps = (global_step - start_step) / (time.time() - start_time)  # since the start
+                count, returns, lengths, successes = episode["ended"].tolist()  # (on CUDA: syncs before the timers)
                 log({"charts/SPS": sps, **timers})
                 if count > 0:
                     log({"charts/episodic_return": returns / count, "charts/episodic_length": lengths / count})
@@ -1136,14 +1354,17 @@ def main(args: Args) -> dict:
                 if v_updates > 0:  # the measured speed ratios (Sec. 3.2)
                     log({"pql/ratio_a_v": counters.actor_steps / v_updates})
                     log({"pql/ratio_p_v": counters.p_learner.updates / v_updates})
-                if parallel and v_updates > 0:  # each learner's last loss
+                if parallel and not math.isnan(counters.v_learner.loss):  # each learner's last loss
                     log({"losses/qf_loss": counters.v_learner.loss})
-                if parallel and counters.p_learner.updates > 0:
+                if parallel and not math.isnan(counters.p_learner.loss):
                     log({"losses/actor_loss": counters.p_learner.loss})
                 if not parallel:
                     log(serial.losses)
-                episodes.zero_()
+                episode["ended"].zero_()
                 timers = dict.fromkeys(timers, 0.0)
+            if not args.quiet and time.time() - last_progress >= args.progress_interval:
+                last_progress = time.time()
+                print(progress_line(args, global_step, sps, last_progress - train_start, last, counters), flush=True)
 
         # ---- the end: the learners finish the updates the last Actor steps paid for; the final evaluation ---------
         if parallel:
@@ -1154,40 +1375,41 @@ def main(args: Args) -> dict:
         metrics = evaluation(seed=args.seed + 10_000 + iteration)
         summary["eval_time_s"] += metrics["time/eval"]
         log(metrics)
+        print(format_eval(global_step, metrics), flush=True)
         if args.save_model:
-            save_checkpoint(
-                run_dir / "final_ckpt.pt", args, supervisor, counters, serial, obs_rms, global_step, iteration
-            )
+            checkpoint(run_dir / "final_ckpt.pt")
     except KeyboardInterrupt:
         summary["interrupted"] = True
-        print("interrupted: writing summary.json" + (" and a checkpoint" if args.save_model else ""), flush=True)
-        if args.save_model and (serial or supervisor.processes):  # (a learner that cannot answer: exit 1)
-            save_checkpoint(
-                run_dir / "final_ckpt.pt", args, supervisor, counters, serial, obs_rms, global_step, iteration
-            )
+        save = args.save_model and iteration > first_step  # (a checkpoint once this run has stepped)
+        print("interrupted: writing summary.json" + (" and a checkpoint" if save else ""), flush=True)
+        if save:  # (a learner that cannot answer: exit 1)
+            checkpoint(run_dir / "final_ckpt.pt")
     finally:
+        supervisor.handle_signals(at_once=False)  # (a Ctrl-C during the clean-up waits for it)
         wall = time.time() - start_time
-        summary["global_step"] = global_step
-        summary["iteration"] = iteration
-        summary["wall_time_s"] = wall
-        summary["sps"] = (global_step - start_step) / wall
-        for name, value in last.items():  # the last value of every scalar
-            summary[name] = value
+        summary.update(
+            global_step=global_step, iteration=iteration, wall_time_s=wall, sps=(global_step - start_step) / wall
+        )
+        summary.update(last)  # the last value of every scalar
         summary["pql/learning_steps"] = counters.actor_steps
         summary["pql/v_updates"] = counters.v_learner.updates
         summary["pql/p_updates"] = counters.p_learner.updates
         if counters.v_learner.updates > 0:
             summary["pql/ratio_a_v"] = counters.actor_steps / counters.v_learner.updates
             summary["pql/ratio_p_v"] = counters.p_learner.updates / counters.v_learner.updates
-        (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        temporary = run_dir / "summary.json.tmp"  # written whole, then renamed
+        temporary.write_text(json.dumps(summary, indent=2))
+        os.replace(temporary, run_dir / "summary.json")
         writer.close()
-        supervisor.stop.set()  # every wait below is bounded
-        for process in supervisor.processes.values():
-            process.join(timeout=5.0)
-            process.kill()  # (nothing happens to one that has ended)
+        supervisor.stop.set()  # the learners end at their next look at it
         for env in (envs, eval_envs):
             if env is not None:
                 env.close()
+        deadline = time.time() + 5.0
+        for process in mp.active_children():  # the learners (5 s to end), the workers of an env interrupted starting
+            if process in supervisor.processes.values():
+                process.join(max(0.0, deadline - time.time()))
+            process.kill()
     return summary
 
 
@@ -1195,6 +1417,8 @@ if __name__ == "__main__":
     try:
         if main(tyro.cli(Args))["interrupted"]:
             sys.exit(130)
+    except KeyboardInterrupt:  # before the run started (or in --evaluate): nothing to write
+        sys.exit(130)
     except (ArgsError, ProcessFailed, TimeoutError) as error:
         print(f"error: {error}", file=sys.stderr)
         sys.exit(2 if isinstance(error, ArgsError) else 1)

@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import time
+import types
 
 import gymnasium as gym
 import numpy as np
@@ -441,7 +442,7 @@ def test_defaults_are_table_b1(capsys):
 
 
 def resolve_on_four_gpus(**fields):
-    """resolve_args on a machine with 4 visible GPUs whose current one is GPU 3 (it only names devices: no GPU needed)."""
+    """resolve_args on a machine with 4 visible GPUs, the current one GPU 3 (it only names devices: no GPU needed)."""
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(torch.cuda, "device_count", lambda: 4)
         patch.setattr(torch.cuda, "current_device", lambda: 3)
@@ -537,6 +538,86 @@ def toy(**fields):
     return ToyChainContinuousConfig(autoreset_mode="same_step", **fields)
 
 
+def tiny_checkpoint(path, env_id=pql.TOY_ENV_ID, obs_dim=40, act_dim=4, iteration=0, **fields):
+    """A checkpoint as pql.py writes it (untrained networks of the task's preset) at Actor step `iteration` of 8 envs
+    (the toy chain's default: 40 blocks, actions of 4 dimensions)."""
+    args = pql.resolve_args(pql.Args(env_id=env_id, cuda=False, num_envs=8, **fields))
+    serial = pql.SerialLearners(args, (obs_dim, act_dim, 1))
+    obs_rms = vars(pql.RunningMeanStd((obs_dim,), "cpu"))
+    actor = {"global_step": 8 * iteration, "iteration": iteration, "obs_rms": obs_rms, "wandb_id": None}
+    pql.save_checkpoint(path, args, None, torch.multiprocessing.RawValue(pql.SharedCounters), serial, actor, None)
+    return str(path)
+
+
+def test_a_checkpoint_of_another_kind_is_refused_naming_what_it_found(tmp_path):
+    """Before any env or process starts: a file that torch cannot load, a dict without "script", a checkpoint of
+    another script and one of another task; each refused with one line naming the flag and what it found."""
+    text = tmp_path / "notes.txt"
+    text.write_text("not a checkpoint\n")
+    no_script = tmp_path / "no_script.pt"
+    torch.save({"model": {}, "global_step": 0}, no_script)
+    other_script = tmp_path / "cleanba.pt"
+    torch.save({"script": "cleanba_ppo.py", "env_id": pql.TOY_ENV_ID}, other_script)
+    maniskill = tiny_checkpoint(tmp_path / "pushcube.pt", "PushCube-v1", 35, 8)
+    cases = [
+        (text, "not a checkpoint of pql.py ("),
+        (no_script, 'not a checkpoint of pql.py (no "script" in it)'),
+        (other_script, "a checkpoint of cleanba_ppo.py, not of pql.py"),
+        (maniskill, f"a checkpoint of PushCube-v1, not of --env-id {pql.TOY_ENV_ID}"),
+    ]
+    for path, message in cases:
+        with pytest.raises(pql.ArgsError) as error:
+            pql.resolve_args(pql.Args(env_id=pql.TOY_ENV_ID, cuda=False, checkpoint=str(path)))
+        assert str(error.value).startswith(f"--checkpoint {path}: {message}") and "\n" not in str(error.value)
+
+
+def test_a_resume_continues_the_runs_envs_and_needs_steps_left(tmp_path):
+    """A resume carries the Actor's state over (observations, the n-step window, the toy chain's state): the same
+    --num-envs, --nstep and --toy.* as the checkpoint's run, and a --total-timesteps beyond the checkpoint."""
+    checkpoint = tiny_checkpoint(tmp_path / "ckpt.pt", iteration=100)  # at global step 800
+
+    def resume(**fields):
+        return pql.resolve_args(pql.Args(env_id=pql.TOY_ENV_ID, cuda=False, checkpoint=checkpoint, **fields))
+
+    refused = [
+        (dict(num_envs=16), "--num-envs 16: the checkpoint's run has 8; a resume continues it with that"),
+        (dict(num_envs=8, nstep=1), "--nstep 1: the checkpoint's run has 3"),
+        (dict(num_envs=8, toy=toy(horizon=100)), "--toy.horizon 100: the checkpoint's run has 200"),
+        (dict(num_envs=8, total_timesteps=800), "--total-timesteps 800: the checkpoint is at global step 800 already"),
+    ]
+    for fields, message in refused:
+        with pytest.raises(pql.ArgsError, match=re.escape(message)):
+            resume(**fields)
+    assert resume(num_envs=8, total_timesteps=808).num_actor_steps == 101
+    evaluation = pql.resolve_args(pql.Args(env_id=pql.TOY_ENV_ID, cuda=False, checkpoint=checkpoint, evaluate=True))
+    assert evaluation.num_envs == 64  # (--evaluate steps no training envs)
+
+
+UNUSED = [  # (Args fields, the start of the message): a flag given where it would do nothing
+    (dict(horizon=50), f"--horizon 50: does nothing here ({pql.TOY_ENV_ID} takes --toy.horizon)"),
+    (dict(env_id="PushCube-v1", toy=toy(horizon=50)), f"--toy.horizon 50: does nothing here (it sets {pql.TOY_ENV_ID}"),
+    (dict(capture_video=True), "--capture-video True: does nothing here (the toy chain has no renderer"),
+    (dict(ddpg_n=True, sequential=True), "--sequential True: does nothing here (--ddpg-n runs the baseline"),
+    (dict(ddpg_n=True, p_learner_device="cpu"), "--p-learner-device cpu: does nothing here (--ddpg-n updates"),
+    (dict(ddpg_n=True, beta_p_v=0.25), "--beta-p-v 0.25: does nothing here (--ddpg-n makes one policy update"),
+    (dict(quiet=True, progress_interval=5.0), "--progress-interval 5.0: does nothing here (--quiet prints no"),
+    (dict(wandb_entity="team"), "--wandb-entity team: does nothing here (it names the W&B run of --track)"),
+    (dict(evaluate=True, batch_size=64), "--batch-size 64: does nothing here (--evaluate only evaluates"),
+    (dict(evaluate=True, output_dir="x"), "--output-dir x: does nothing here (--evaluate only evaluates"),
+    (dict(output_dir="x"), "--output-dir x: does nothing here (a resumed run continues in its checkpoint's directory)"),
+    (dict(exp_name="x"), "--exp-name x: does nothing here (a resumed run continues in its checkpoint's directory)"),
+]
+
+
+@pytest.mark.parametrize("fields, message", UNUSED, ids=[message.split(":")[0] for _, message in UNUSED])
+def test_a_flag_that_would_do_nothing_is_refused_saying_what_to_use(tmp_path, fields, message):
+    with_checkpoint = {"evaluate", "output_dir", "exp_name"} & set(fields)  # (an evaluation or a resume)
+    checkpoint = tiny_checkpoint(tmp_path / "ckpt.pt") if with_checkpoint else None
+    fields = {"env_id": pql.TOY_ENV_ID, "cuda": False, "checkpoint": checkpoint, **fields}
+    with pytest.raises(pql.ArgsError, match=re.escape(message)):
+        pql.resolve_args(pql.Args(**fields))
+
+
 OUT_OF_DOMAIN = [  # (the flag, Args fields that put it outside its domain): every numeric flag
     ("--seed", dict(seed=-1)),
     ("--num-envs", dict(num_envs=0)),
@@ -594,26 +675,33 @@ def test_every_numeric_flag_outside_its_domain_is_an_error_naming_it(flag, field
     [
         (["--num-envs", "0"], "--num-envs 0: must be >= 1"),
         (["--sigma-min", "0.5", "--sigma-max", "0.1"], "--sigma-max 0.1: must be >= --sigma-min (0.5)"),
+        (["--horizon", "50"], f"--horizon 50: does nothing here ({pql.TOY_ENV_ID} takes --toy.horizon)"),
+        (["--checkpoint", __file__], f"--checkpoint {__file__}: not a checkpoint of pql.py ("),  # (a text file)
     ],
 )
-def test_bad_numeric_flags_exit_with_code_2_and_one_line_naming_the_flag(tmp_path, flags, message):
-    proc = run_script(TOY_SMALL + flags, tmp_path, check=False)
-    assert proc.returncode == 2 and proc.stderr.strip() == f"error: {message}", proc.stderr
-    assert "Traceback" not in proc.stderr and os.listdir(tmp_path) == []
+def test_bad_flags_exit_with_code_2_and_one_line_naming_the_flag(tmp_path, flags, message):
+    proc = run_script(TOY_SMALL + flags, None if "--checkpoint" in flags else tmp_path, check=False)  # (a resume's)
+    assert proc.returncode == 2 and proc.stderr.startswith(f"error: {message}"), proc.stderr
+    assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr and os.listdir(tmp_path) == []
 
 
 def test_the_resolved_settings_are_in_field_order_in_lines_of_at_most_120_characters():
+    """Every setting in field order, then the devices in use; the toy chain's only on it, never its test hook."""
     args = pql.resolve_args(pql.Args(env_id=pql.TOY_ENV_ID, cuda=False))
     lines = pql.format_settings(args).splitlines()
     assert lines[0] == "settings:" and all(len(line) <= 120 for line in lines[1:]) and len(lines) > 5
     pairs = " ".join(lines[1:]).split(" ")
     names = [field.name for field in dataclasses.fields(pql.Args) if field.name != "toy"]
     names[names.index("bootstrap_at_done") : names.index("bootstrap_at_done")] = [
-        f"toy.{field.name}" for field in dataclasses.fields(ToyChainContinuousConfig)
+        f"toy.{field.name}" for field in dataclasses.fields(ToyChainContinuousConfig) if field.name != "crash_at_step"
     ]
-    assert [pair.split("=")[0] for pair in pairs] == names
+    assert [pair.split("=")[0] for pair in pairs] == names + ["device"]
     for pair in ("gamma=0.99", "toy.horizon=200", "hidden_dims=(256,256)", "eval_freq=25", "sim_backend=torch"):
         assert pair in pairs
+    assert pairs[-1] == "device=cpu"
+    on_two_gpus = resolve_on_four_gpus(env_id="PushCube-v1", actor_device="cuda:0", v_learner_device="cuda:1")
+    pairs = " ".join(pql.format_settings(on_two_gpus).splitlines()[1:]).split(" ")
+    assert pairs[-1] == "device=cuda:0,cuda:1" and not [pair for pair in pairs if pair.startswith("toy.")]
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -639,16 +727,18 @@ TOY_SMALL = [
 ]
 
 
-def start_script(args, tmp_path, script=SCRIPT):
-    """python pql.py ... in its own process group (so that a test that fails can kill all it started)."""
+def start_script(args, tmp_path, script=SCRIPT, stdout=subprocess.PIPE, unbuffered=True):
+    """python pql.py ... (--output-dir tmp_path unless None) in its own process group (so that a test that fails can
+    kill all it started); unbuffered: with PYTHONUNBUFFERED=1, else without (what it flushes comes when flushed)."""
+    env = {name: value for name, value in os.environ.items() if name != "PYTHONUNBUFFERED"}
     return subprocess.Popen(
-        [sys.executable, script, "--output-dir", str(tmp_path), *args],
+        [sys.executable, script, *(["--output-dir", str(tmp_path)] if tmp_path is not None else []), *args],
         cwd=ROOT,
-        stdout=subprocess.PIPE,
+        stdout=stdout,
         stderr=subprocess.PIPE,
         text=True,
         start_new_session=True,
-        env=dict(os.environ, PYTHONUNBUFFERED="1"),
+        env=dict(env, PYTHONUNBUFFERED="1") if unbuffered else env,
     )
 
 
@@ -835,8 +925,8 @@ def actor_run(tmp_path_factory):
 
         return wrapper
 
-    def make_env(args, num_envs, device, evaluation):
-        envs = make_env.original(args, num_envs, device, evaluation)
+    def make_env(args, num_envs, device, evaluation, video_dir=None):
+        envs = make_env.original(args, num_envs, device, evaluation, video_dir)
         if not evaluation:
             recorded.append(RecordingEnvs(envs, syncs))
         return recorded[-1] if not evaluation else envs
@@ -886,6 +976,230 @@ def test_the_actor_explores_each_env_with_its_own_sigma(actor_run):
     assert (actions.abs() < 1.0).all()  # nothing clipped: the std is the noise's
     print("measured / sigma:", (measured / pql.mixed_exploration_sigmas(16, 0.02, 0.2)).tolist())
     np.testing.assert_allclose(measured.numpy(), pql.mixed_exploration_sigmas(16, 0.02, 0.2).numpy(), rtol=0.12)
+
+
+def run_in_process(**fields):
+    """main() in this process (its Ctrl-C handlers undone afterwards)."""
+    handlers = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        return pql.main(pql.Args(cuda=False, **fields))
+    finally:
+        for signum, handler in handlers.items():
+            signal.signal(signum, handler)
+
+
+class AliasingBatchedEnv:
+    """A batched env as ManiSkill's GPU simulation may behave: reset() writes into the very tensors that step()
+    returned (the observations and info["success"]). Env i's episodes last 2 + i % 3 steps and end in success; its
+    observation is (step of the episode, episodes begun, i), so the true last observation of each is known."""
+
+    def __init__(self, num_envs):
+        self.num_envs = num_envs
+        self.unwrapped = self
+        self.single_observation_space = gym.spaces.Box(-np.inf, np.inf, (3,), np.float32)
+        self.single_action_space = gym.spaces.Box(-1.0, 1.0, (2,), np.float32)
+        self.lengths = 2 + torch.arange(num_envs) % 3
+
+    def reset(self, seed=None, options=None):
+        if options is None:
+            self.obs = torch.stack(
+                [torch.zeros(self.num_envs), torch.zeros(self.num_envs), torch.arange(self.num_envs)], 1
+            )
+            self.success = torch.zeros(self.num_envs, dtype=torch.bool)
+            return self.obs, {}
+        index = options["env_idx"]
+        self.obs[index, 0] = 0.0  # written into the tensors the last step returned
+        self.obs[index, 1] += 1.0
+        self.success[index] = False
+        return self.obs, {}
+
+    def step(self, action):
+        self.obs = self.obs + torch.tensor([1.0, 0.0, 0.0])
+        truncated = self.obs[:, 0] == self.lengths
+        self.success = truncated.clone()
+        reward = torch.ones(self.num_envs)
+        return self.obs, reward, torch.zeros(self.num_envs, dtype=torch.bool), truncated, {"success": self.success}
+
+    def close(self):
+        pass
+
+
+def test_the_batched_path_copies_what_the_partial_reset_overwrites(tmp_path, monkeypatch):
+    """ManiSkillVecEnv's GPU path (one batched env, partial resets by env index) with a batched env whose reset
+    writes into the tensors its step returned, through the Actor (--sequential, 6 envs, n = 3): every transition handed
+    to the V-learner's replay buffer bootstraps from an observation of its own episode, the true last one where the
+    episode ended (step = its length), n or fewer steps on, with discount gamma^m; every episode's success is counted
+    (training and evaluation). Without the copies the bootstrap observation is the next episode's first and no
+    success is seen."""
+    args = pql.resolve_args(pql.Args(env_id="PushCube-v1", cuda=False))
+    monkeypatch.setattr(
+        pql, "make_maniskill_env", lambda args, num_envs, evaluation, video_dir: AliasingBatchedEnv(num_envs)
+    )
+    batched = dataclasses.replace(args, sim_backend="physx_cuda:0")  # (the GPU path, here on the CPU)
+    monkeypatch.setattr(
+        pql,
+        "make_env",
+        lambda args, num_envs, device, evaluation, video_dir=None: pql.ManiSkillVecEnv(
+            batched, num_envs, device, evaluation
+        ),
+    )
+    added = []
+    add = pql.ReplayBuffer.add
+
+    def recording_add(buffer, batch):
+        if "next_obs" in batch:  # the V-learner's
+            added.append({name: value.clone() for name, value in batch.items()})
+        add(buffer, batch)
+
+    monkeypatch.setattr(pql.ReplayBuffer, "add", recording_add)
+    gamma = 0.5
+    summary = run_in_process(
+        env_id="PushCube-v1",
+        num_envs=6,
+        num_eval_envs=6,
+        horizon=8,
+        total_timesteps=6 * 30,
+        warm_up_steps=3,
+        batch_size=16,
+        eval_freq=0,
+        gamma=gamma,
+        sequential=True,
+        output_dir=str(tmp_path),
+    )
+    obs = torch.cat([batch["obs"] for batch in added])
+    next_obs = torch.cat([batch["next_obs"] for batch in added])
+    discount = torch.cat([batch["discount"] for batch in added])
+    lengths = 2 + obs[:, 2] % 3
+    assert len(added) == 28 and torch.equal(next_obs[:, 1:], obs[:, 1:])  # the same env, the same episode
+    steps = next_obs[:, 0] - obs[:, 0]
+    assert torch.equal(next_obs[:, 0], torch.minimum(obs[:, 0] + 3, lengths)) and (steps >= 1).all()
+    torch.testing.assert_close(discount, gamma**steps)
+    assert summary["charts/success_rate"] == 1.0 and summary["eval/success_once"] == 1.0
+
+
+class TrajectoryRecorder:
+    """Training envs that record each step's action, what the step returned and the global generators' states."""
+
+    def __init__(self, envs, record):
+        self.envs, self.record = envs, record
+
+    def __getattr__(self, name):
+        return getattr(self.envs, name)
+
+    def step(self, action):
+        generators = (bytes(torch.get_rng_state().numpy()), np.random.get_state()[1].tobytes(), random.getstate())
+        obs, reward, terminated, truncated, info = self.envs.step(action)
+        self.record.append((action.clone(), obs.clone(), reward.clone(), generators))
+        return obs, reward, terminated, truncated, info
+
+
+def test_a_resume_continues_the_actor_where_its_checkpoint_left_it(tmp_path, monkeypatch):
+    """--sequential on the toy chain (H = 10) with a learning rate of 1e-30, so that no network changes: run A takes 20
+    Actor steps of 8 envs and checkpoints at step 15, mid-episode; run B resumes there. B's steps are A's steps 15-19:
+    the same actions and env steps (the chains' state, the exploration generator and the normalizer restored), the same
+    transitions to the replay buffer from its first step on (the n-step window), the same numpy and Python generators
+    (drawn from between the runs), the same statistics of the episodes that span the checkpoint and the same final
+    evaluation; the learners' generators and the counts come back too. With --track (wandb.init stubbed: no network)
+    B continues A's W&B run: the id A made, stored in the checkpoint, with resume="allow"."""
+    import wandb
+
+    inits, steps, added = [], [], []
+    monkeypatch.setattr(wandb, "init", lambda **kwargs: inits.append(kwargs))
+    make_env = pql.make_env
+    monkeypatch.setattr(
+        pql,
+        "make_env",
+        lambda args, num_envs, device, evaluation, video_dir=None: (
+            make_env(args, num_envs, device, evaluation)
+            if evaluation
+            else TrajectoryRecorder(make_env(args, num_envs, device, evaluation), steps)
+        ),
+    )
+    add = pql.ReplayBuffer.add
+
+    def recording_add(buffer, batch):
+        if "next_obs" in batch:  # the V-learner's
+            added.append({name: value.clone() for name, value in batch.items()})
+        add(buffer, batch)
+
+    monkeypatch.setattr(pql.ReplayBuffer, "add", recording_add)
+    updates = []  # B's: by learner
+    for learner in (pql.VLearner, pql.PLearner):
+        monkeypatch.setattr(
+            learner,
+            "update",
+            lambda self, *obs, update=learner.update: updates.append(type(self)) or update(self, *obs),
+        )
+    run = dict(env_id=pql.TOY_ENV_ID, toy=toy(horizon=10), num_envs=8, total_timesteps=8 * 20, warm_up_steps=4)
+    run.update(num_eval_envs=2, batch_size=16, learning_rate=1e-30, norm_obs=True, sequential=True, eval_freq=15)
+    summary_a = run_in_process(**run, track=True, save_model=True, output_dir=str(tmp_path))
+    run_dir = only_run_dir(tmp_path)
+    checkpoint = os.path.join(run_dir, "ckpt_120.pt")
+    ckpt = torch.load(checkpoint, weights_only=True)
+    steps_a, added_a = steps[:], added[:]
+    steps.clear()
+    added.clear()
+    updates.clear()
+    np.random.rand()  # the global generators move on
+    random.random()
+    summary_b = run_in_process(**run, track=True, save_model=True, checkpoint=checkpoint)
+    assert len(steps_a) == 20 and len(steps) == 5
+    for mine, theirs in zip(steps, steps_a[15:]):
+        assert all(torch.equal(value, other) for value, other in zip(mine[:3], theirs[:3])) and mine[3] == theirs[3]
+    assert len(added_a) == 18 and len(added) == 5  # A's windows of 3 steps are full from step 2 on, B's at once
+    for mine, theirs in zip(added, added_a[13:]):
+        assert all(torch.equal(mine[name], theirs[name]) for name in mine)
+    for name in ("charts/episodic_return", "charts/episodic_length", "charts/success_rate", "eval/return"):
+        assert summary_b[name] == summary_a[name], name
+    assert ckpt["counts"] == {"actor_steps": 11, "v_updates": 88, "p_updates": 44}  # learning from step 4
+    assert (summary_b["pql/learning_steps"], summary_b["pql/v_updates"]) == (12, 96)  # B's warm-up: steps 15-18
+    assert (updates.count(pql.VLearner), updates.count(pql.PLearner)) == (8, 4)  # not (96, 48): the counts continue
+    resumed = pql.resolve_args(pql.Args(**run, cuda=False, checkpoint=checkpoint))
+    seeded = torch.Generator().manual_seed(resumed.seed + 1).get_state()
+    v_learner = pql.VLearner(resumed, 2, 4, 1, torch.device("cpu"))
+    assert torch.equal(v_learner.generator.get_state(), ckpt["rng"]["v_learner"])
+    assert not torch.equal(seeded, ckpt["rng"]["v_learner"])  # (it drew 88 batches)
+    p_learner = pql.PLearner(resumed, 2, 4, 1, torch.device("cpu"))
+    assert torch.equal(p_learner.generator.get_state(), ckpt["rng"]["p_learner"])
+    assert [init["id"] for init in inits] == [ckpt["wandb_id"]] * 2 and len(ckpt["wandb_id"]) == 8
+    assert inits[1]["resume"] == "allow" and inits[1]["name"] == os.path.basename(run_dir)
+
+
+def test_the_progress_line_reads_as_documented():
+    """The line of a run of 3M env steps at 257,760 of them (8.6%, rounded down), 4,096 steps/s, a minute in: the time
+    left is 669 s; then the latest return and success, the three processes' counts and the ratios measured/target."""
+    args = pql.resolve_args(pql.Args(env_id=pql.TOY_ENV_ID, cuda=False, total_timesteps=3_000_000))
+    counters = pql.SharedCounters()
+    counters.actor_steps = 1200
+    counters.v_learner.updates = 9601
+    counters.p_learner.updates = 4800
+    last = {"charts/SPS": 4096.4, "charts/episodic_return": -12.3456, "charts/success_rate": 0.41}
+    assert pql.progress_line(args, 257_760, 4096.4, 60.7, last, counters) == (
+        "progress global_step=257760/3000000 (8%) SPS=4096 elapsed=0:01:00 left=0:11:09 charts/episodic_return=-12.35 "
+        "charts/success_rate=0.41 actor_steps=1200 v_updates=9601 p_updates=4800 a:v=0.125/0.125 p:v=0.500/0.500"
+    )
+    counters.v_learner.updates = 0
+    assert pql.progress_line(args, 0, 0.0, 97_390.0, {}, counters) == (
+        "progress global_step=0/3000000 (0%) SPS=0 elapsed=27:03:10 left=? actor_steps=1200 v_updates=0 "
+        "p_updates=4800 a:v=?/0.125 p:v=?/0.500"
+    )
+
+
+def test_progress_lines_come_at_the_interval_and_quiet_has_none(tmp_path, monkeypatch, capsys):
+    """In-process, with a clock that moves on 0.25 s at each look (about 1.5 s per Actor step): a progress line at
+    most once a --progress-interval, the first one interval after training starts; none with --quiet (whose run of 20
+    Actor steps lasts 30 s of that clock, longer than the default interval of 15 s)."""
+    looks = iter(range(10**6))
+    monkeypatch.setattr(pql, "time", types.SimpleNamespace(time=lambda: 0.25 * next(looks), sleep=time.sleep))
+    run = dict(env_id=pql.TOY_ENV_ID, toy=toy(horizon=10), num_envs=8, total_timesteps=8 * 20, warm_up_steps=4)
+    run.update(num_eval_envs=2, batch_size=16, sequential=True, eval_freq=0, progress_interval=2.0)
+    run_in_process(**run, output_dir=str(tmp_path / "a"))
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("progress ")]
+    elapsed = [int(line.split("elapsed=0:00:")[1][:2]) for line in lines]
+    assert len(lines) >= 3 and elapsed[0] >= 2 and all(b - a >= 2 for a, b in zip(elapsed, elapsed[1:])), lines
+    run.pop("progress_interval")
+    run_in_process(**run, quiet=True, output_dir=str(tmp_path / "b"))
+    assert not [line for line in capsys.readouterr().out.splitlines() if line.startswith("progress ")]
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -1064,57 +1378,74 @@ def test_maniskill_cpu_simulation_smoke(tmp_path):
     assert config["bootstrap_at_done"] == "always"  # ManiSkill's default (its own PPO and SAC bootstrap every end)
 
 
+EVAL_LINE = re.compile(
+    r"global_step=(\d+) eval/return=\S+ eval/success_once=\S+ eval/success_at_end=\S+ eval/episode_len=\d+"
+)
+
+
 @pytest.mark.slow
 def test_save_model_then_evaluate_then_resume(tmp_path):
+    """A run of 40 Actor steps with checkpoints; --evaluate of its final checkpoint (one line, eval_final_ckpt.json
+    beside it, no run directory); a resume to 60 steps in the same run directory and TensorBoard stream (no step twice),
+    with the counts carried on; a second resume to 60 refused; an evaluation with other networks refused."""
     first = tmp_path / "first"
     run_script(TOY_SMALL + ["--total-timesteps", str(32 * 40), "--save-model", "--distributional"], first)
     run_dir = only_run_dir(first)
     ckpts = sorted(os.path.basename(p) for p in glob.glob(os.path.join(run_dir, "*.pt")))
     assert ckpts == ["ckpt_640.pt", "final_ckpt.pt"]
-    ckpt = torch.load(os.path.join(run_dir, "final_ckpt.pt"), weights_only=True)
-    assert set(ckpt) == {"model", "optimizer", "global_step", "iteration", "obs_rms", "args"}  # the layout resumed
-    assert set(ckpt["model"]) == {"policy", "critic", "critic_target"} and set(ckpt["optimizer"]) == {
-        "policy",
-        "critic",
+    final = os.path.join(run_dir, "final_ckpt.pt")
+    ckpt = torch.load(final, weights_only=True)
+    layout = {"script", "env_id", "model", "optimizer", "rng", "counts", "global_step", "iteration", "obs_rms"}
+    assert set(ckpt) == layout | {"wandb_id", "actor", "args"} and ckpt["script"] == "pql.py"
+    assert ckpt["env_id"] == pql.TOY_ENV_ID and ckpt["wandb_id"] is None  # (no --track)
+    assert set(ckpt["model"]) == {"policy", "critic", "critic_target"} and set(ckpt["rng"]) == {
+        "v_learner",
+        "p_learner",
     }
-    assert set(ckpt["obs_rms"]) == {"mean", "var", "count"} and ckpt["iteration"] == 40
-    assert ckpt["global_step"] == 1280 and ckpt["optimizer"]["policy"]["state"] and ckpt["optimizer"]["critic"]["state"]
+    assert set(ckpt["optimizer"]) == {"policy", "critic"} and set(ckpt["obs_rms"]) == {"mean", "var", "count"}
+    assert ckpt["iteration"] == 40 and ckpt["global_step"] == 1280 and ckpt["optimizer"]["policy"]["state"]
+    assert (
+        set(ckpt["actor"]) == {"rng", "explore", "obs", "window", "episode", "env"} and "block" in ckpt["actor"]["env"]
+    )
+    assert set(ckpt["actor"]["rng"]) == {"torch", "cuda", "numpy", "python"} and len(ckpt["actor"]["window"]) == 2
+    assert ckpt["counts"]["actor_steps"] == 32 and ckpt["optimizer"]["critic"]["state"]
     critic = ckpt["model"]["critic"]
     assert critic["q1.0.weight"].shape == (256, 10 + 4) and critic["q1.4.weight"].shape[0] == 51
     assert "eval/return" in read_summary(run_dir)
 
-    second = tmp_path / "second"
-    proc = run_script(
-        TOY_SMALL + ["--evaluate", "--distributional", "--checkpoint", os.path.join(run_dir, "final_ckpt.pt")], second
-    )
-    assert "eval/return=" in proc.stdout and "started: pid" not in proc.stdout  # no learner processes
-    evaluated = read_summary(only_run_dir(second))
-    assert evaluated["global_step"] == 1280 and "charts/SPS" not in evaluated
-    assert evaluated["eval/episode_len"] == 50 and 0.0 <= evaluated["eval/success_at_end"] <= 1.0
-    assert abs(evaluated["eval/return"]) <= 25.0
+    runs = set(glob.glob(os.path.join(ROOT, "runs", "*")))
+    evaluation = [*TOY_SMALL[:4], "--num-eval-envs", "16", "--no-cuda", "--distributional", "--evaluate"]
+    proc = run_script([*evaluation, "--checkpoint", final], None)
+    results = [line for line in proc.stdout.splitlines() if line.startswith("global_step=")]
+    assert len(results) == 1 and EVAL_LINE.fullmatch(results[0]) and results[0].startswith("global_step=1280 ")
+    assert "started: pid" not in proc.stdout and "resuming" not in proc.stdout  # no learner processes, no resume
+    evaluated = json.loads(open(os.path.join(run_dir, "eval_final_ckpt.json")).read())
+    assert evaluated["global_step"] == 1280 and evaluated["checkpoint"] == final and evaluated["eval_seed"] == 10_041
+    assert evaluated["num_eval_envs"] == evaluated["num_eval_episodes"] == 16 and evaluated["eval/episode_len"] == 50
+    assert f"eval/return={evaluated['eval/return']:.4g} " in results[0] and abs(evaluated["eval/return"]) <= 25.0
+    assert set(glob.glob(os.path.join(ROOT, "runs", "*"))) == runs and only_run_dir(first) == run_dir
 
-    third = tmp_path / "third"
-    run_script(
-        TOY_SMALL
-        + [
-            "--total-timesteps",
-            str(32 * 60),
-            "--distributional",
-            "--checkpoint",
-            os.path.join(run_dir, "final_ckpt.pt"),
-        ],
-        third,
+    resume = TOY_SMALL + ["--total-timesteps", str(32 * 60), "--distributional", "--save-model", "--checkpoint", final]
+    proc = run_script(resume, None)
+    assert f"resuming {run_dir} at global step 1280 (iteration 40)" in proc.stdout
+    assert (
+        "resume: the replay buffers are not in the checkpoint: the learners refill them (a warm-up of 8" in proc.stdout
     )
-    resumed = read_summary(only_run_dir(third))
+    resumed = read_summary(run_dir)
     assert resumed["global_step"] == 32 * 60 and resumed["iteration"] == 60
-    # the replay buffers are not saved: 8 warm-up steps (with the saved policy) refill them, then 12 learning steps
-    assert resumed["pql/learning_steps"] == 12
+    # the counts go on: 32 learning steps before, then 8 warm-up steps (with the saved policy) and 12 learning steps
+    assert resumed["pql/learning_steps"] == 32 + 12 and resumed["pql/v_updates"] == 8 * 44
+    assert json.load(open(os.path.join(run_dir, "config.json")))["total_timesteps"] == 32 * 60
+    logged = scalars(run_dir)  # one stream: every step once, in order
+    assert [step for step, _ in logged["eval/return"]] == [0, 640, 1280, 1920]
+    sps_steps = [step for step, _ in logged["charts/SPS"]]
+    assert sps_steps == sorted(set(sps_steps)) and sps_steps[-1] == 1920
+    assert glob.glob(os.path.join(run_dir, "events.out.tfevents.*")) and only_run_dir(first) == run_dir
 
-    proc = run_script(
-        TOY_SMALL + ["--evaluate", "--checkpoint", os.path.join(run_dir, "final_ckpt.pt")],
-        tmp_path / "fourth",
-        check=False,
-    )
+    proc = run_script(resume, None, check=False)  # from the resumed run's final checkpoint, at its end
+    message = "--total-timesteps 1920: the checkpoint is at global step 1920 already; pass a larger value"
+    assert proc.returncode == 2 and proc.stderr.strip() == f"error: {message}"
+    proc = run_script(evaluation[:-2] + ["--evaluate", "--checkpoint", final], None, check=False)
     assert proc.returncode == 2 and "does not fit these networks" in proc.stderr and "--distributional" in proc.stderr
 
 
@@ -1212,11 +1543,12 @@ def test_killing_the_actor_leaves_no_orphans(tmp_path):
 
 # Moments of a run to interrupt: (extra flags, what to wait for before SIGINT, seconds to wait after it)
 CTRL_C_MOMENTS = {
-    # the Actor's first steps, before learning starts (slow env steps: the warm-up lasts seconds)
+    # the Actor's first steps, before learning starts (slow env steps: the warm-up of 100 steps lasts 10 s), once the
+    # first progress line (a second after training started) says that it stepped
     "warm_up": (
         ["--toy.step-time-mean", "0.003", "--eval-freq", "1000", "--num-eval-envs", "1", "--warm-up-steps", "100"],
-        None,
-        1.0,
+        "progress ",
+        0.0,
     ),
     # learning, between the checkpoints of evaluations every 20 steps
     "updates": ([], "ckpt_*.pt", 1.0),
@@ -1230,15 +1562,20 @@ CTRL_C_MOMENTS = {
 @pytest.mark.slow
 @pytest.mark.parametrize("moment", list(CTRL_C_MOMENTS))
 def test_ctrl_c_at_any_moment_ends_the_run_with_summary_checkpoint_and_no_process_left(tmp_path, moment):
-    """SIGINT to the process group (learners included) at four moments: exit code 130, summary.json marked
-    interrupted, final_ckpt.pt of the same global step, no temporary files, no process left (a clean stop takes 1-3 s;
+    """SIGINT to the process group (learners included) at four moments (once a file or line appeared, and a delay):
+    exit code 130, summary.json marked interrupted, final_ckpt.pt of the same global step (once the run stepped), no
+    temporary files, no process left (a clean stop takes 1-3 s;
     the 120 s only guard against a hang). An evaluation is interrupted, not finished: it sleeps 58 s in its env steps,
     on any machine, and SIGINT comes 2 s after it began, so no eval/return can have been written (holds under load:
     no wall-clock bound is asserted)."""
     extra, wait_for, delay = CTRL_C_MOMENTS[moment]
-    proc, pids = start_long_run(tmp_path, ["--save-model", *extra])
-    if wait_for:
+    proc, pids = start_long_run(tmp_path, ["--save-model", "--progress-interval", "1", *extra])
+    if wait_for and wait_for.endswith(".pt"):
         wait_for_file(tmp_path, wait_for)
+    elif wait_for:  # a line of its output
+        line = "?"
+        while line and not line.startswith(wait_for):
+            line = proc.stdout.readline()
     time.sleep(delay)
     os.killpg(proc.pid, signal.SIGINT)  # as a terminal does: the whole process group gets it
     stdout, stderr = finish(proc, timeout=120)
@@ -1246,12 +1583,122 @@ def test_ctrl_c_at_any_moment_ends_the_run_with_summary_checkpoint_and_no_proces
     run_dir = only_run_dir(tmp_path)
     summary = read_summary(run_dir)
     assert summary["interrupted"] is True
-    if moment == "evaluation":
-        assert "eval/return" not in summary  # the evaluation did not run to its end
-    ckpt = torch.load(os.path.join(run_dir, "final_ckpt.pt"), weights_only=True)
-    assert ckpt["global_step"] == summary["global_step"] and "policy" in ckpt["model"] and "critic" in ckpt["optimizer"]
+    if moment == "evaluation":  # the first one, before any Actor step: nothing new to checkpoint
+        assert "eval/return" not in summary and summary["global_step"] == 0  # (it did not run to its end)
+        assert not os.path.exists(os.path.join(run_dir, "final_ckpt.pt"))
+    else:
+        assert summary["pql/learning_steps"] == 0 if moment == "warm_up" else summary["pql/learning_steps"] > 0
+        ckpt = torch.load(os.path.join(run_dir, "final_ckpt.pt"), weights_only=True)
+        assert ckpt["global_step"] == summary["global_step"] and "policy" in ckpt["model"]
+        assert "critic" in ckpt["optimizer"] and ckpt["global_step"] > 0
     assert not glob.glob(os.path.join(run_dir, "*.tmp")) and not glob.glob(os.path.join(run_dir, "*_state.pt"))
     assert not any(pid_alive(pid) for pid in pids.values())
+
+
+PROGRESS = re.compile(
+    r"progress global_step=(\d+)/(\d+) \((\d+)%\) SPS=\d+ elapsed=\d+:\d\d:\d\d left=(\d+:\d\d:\d\d|\?)"
+    r"( charts/episodic_return=\S+)?( charts/success_rate=\S+)? actor_steps=\d+ v_updates=\d+ p_updates=\d+"
+    r" a:v=(\d+\.\d{3}|\?)/0\.125 p:v=(\d+\.\d{3}|\?)/0\.500"
+)
+
+
+@pytest.mark.slow
+def test_progress_lines_in_a_log_file(tmp_path):
+    """A long run with --progress-interval 1, its stdout a file (as `> log.txt` makes it, without PYTHONUNBUFFERED):
+    each line in the file as it is printed, plain (no carriage return), in the documented format, the percentage
+    rounded down, global_step increasing; Ctrl-C after the third."""
+    log = tmp_path / "stdout.txt"
+    with open(log, "w") as stdout:
+        flags = [
+            "--total-timesteps",
+            str(32 * 10**5),
+            "--progress-interval",
+            "1",
+            "--eval-freq",
+            "0",
+        ]  # (no other line)
+        proc = start_script(TOY_SMALL + flags, tmp_path, stdout=stdout, unbuffered=False)  # (its lines are flushed)
+    seen = []  # the number of progress lines in the file at each look, every 10 ms
+    try:
+        wait_until(lambda: seen.append(log.read_text().count("\nprogress ")) or seen[-1] >= 3, "3 lines", timeout=300)
+    finally:
+        os.killpg(proc.pid, signal.SIGINT)
+        finish(proc, timeout=120)
+    assert seen[-1] <= 4  # each line came when printed (a second apart), not with a buffer of 40 when it filled
+    text = log.read_text()
+    lines = [line for line in text.splitlines() if line.startswith("progress ")]
+    assert "\r" not in text and len(lines) >= 3 and proc.returncode == 130
+    steps = []
+    for line in lines:
+        match = PROGRESS.fullmatch(line)
+        assert match, line
+        done, total, percent = (int(match.group(index)) for index in (1, 2, 3))
+        assert total == 32 * 10**5 and percent == 100 * done // total
+        steps.append(done)
+    assert steps == sorted(set(steps))
+
+
+def group_processes(pgid):
+    """The live processes of a process group (zombies excluded)."""
+    found = []
+    for name in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{name}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):  # not a process, or gone meanwhile
+            continue
+        if fields[0] != "Z" and int(fields[2]) == pgid:
+            found.append(int(name))
+    return found
+
+
+@pytest.mark.slow
+def test_ctrl_c_while_the_maniskill_env_workers_start_ends_the_run_within_10_s(tmp_path):
+    """pql.py on PushCube-v1, CPU simulation (8 env worker processes per env set; its start takes about a minute on 2
+    cores): SIGINT to the process group once the settings are printed and the first env workers run (the process group
+    has grown by 3: the forkserver and workers; each takes seconds to build its scene). The run ends with 130 and
+    summary.json marked interrupted, nothing left of the group. Measured: 1.2-3.5 s after the signal here (at any
+    moment of the start, learners starting included); the bound of 10 s leaves CI's load a margin of 3x."""
+    proc = start_script(["--env-id", "PushCube-v1", "--no-cuda"], tmp_path)
+    try:
+        lines = []
+        while not lines or not lines[-1].startswith("settings:"):
+            lines.append(proc.stdout.readline())
+            assert lines[-1], "".join(lines) + proc.stderr.read()
+        started = len(group_processes(proc.pid))
+        wait_until(lambda: len(group_processes(proc.pid)) >= started + 3, "the env workers' start", timeout=300)
+        signalled = time.monotonic()
+        os.killpg(proc.pid, signal.SIGINT)
+        proc.wait(timeout=60)
+        ended = time.monotonic() - signalled
+        wait_until(lambda: not group_processes(proc.pid), "the end of every process of the run", timeout=30)
+    finally:
+        kill_group(proc)
+        proc.communicate()
+    assert proc.returncode == 130 and ended < 10.0, ended
+    summary = read_summary(only_run_dir(tmp_path))
+    assert summary["interrupted"] is True and summary["global_step"] == 0
+
+
+@pytest.mark.slow
+def test_evaluate_with_capture_video_writes_a_video_beside_the_checkpoint(tmp_path):
+    """--evaluate --capture-video of a checkpoint on PushCube-v1 (CPU simulation and rendering, 1 eval env, H = 5):
+    the video path printed, one mp4 of the reset and 5 steps there, read back as 6 frames; the result line and
+    eval_ckpt.json beside the checkpoint. On the toy chain --capture-video is refused (no renderer)."""
+    import imageio.v2 as imageio
+
+    checkpoint = tiny_checkpoint(tmp_path / "ckpt.pt", "PushCube-v1", 35, 8)
+    flags = ["--env-id", "PushCube-v1", "--no-cuda", "--num-eval-envs", "1", "--horizon", "5"]
+    proc = run_script([*flags, "--evaluate", "--checkpoint", checkpoint, "--capture-video"], None, timeout=900)
+    assert f"videos: {tmp_path / 'videos'}" in proc.stdout
+    assert EVAL_LINE.fullmatch([line for line in proc.stdout.splitlines() if line.startswith("global_step=")][0])
+    videos = glob.glob(str(tmp_path / "videos" / "**" / "*.mp4"), recursive=True)
+    assert [os.path.relpath(path, tmp_path) for path in videos] == [os.path.join("videos", "env0", "0.mp4")]
+    assert open(videos[0], "rb").read(12)[4:8] == b"ftyp"  # an MP4 container
+    reader = imageio.get_reader(videos[0], "ffmpeg")
+    assert reader.count_frames() == 6 and reader.get_data(0).ndim == 3
+    reader.close()
+    assert json.load(open(tmp_path / "eval_ckpt.json"))["eval/episode_len"] == 5
 
 
 def test_bad_flag_exits_early_with_a_message_and_writes_nothing(tmp_path):
