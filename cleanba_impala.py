@@ -709,17 +709,16 @@ class Logger:
         if args.track:
             import wandb
 
-            self.wandb_id = wandb_id or wandb.util.generate_id()
-            wandb.init(
+            self.wandb_id = wandb.init(  # the checkpoint's W&B run, else a new one: its id is kept
                 project=args.wandb_project_name,
                 entity=args.wandb_entity,
                 sync_tensorboard=True,
                 config=asdict(args),
                 name=run_dir.name,
-                id=self.wandb_id,
+                id=wandb_id,
                 resume="allow",
                 save_code=True,
-            )
+            ).id
         purge_step = None if resumed_at is None else resumed_at + 1  # the checkpoint's iteration is logged at its step
         self.writer = SummaryWriter(str(run_dir), purge_step=purge_step)
         jsonl = run_dir / "updates.jsonl"

@@ -1021,9 +1021,12 @@ def check_track_keeps_the_wandb_run_id_and_a_resume_goes_on_in_that_run(tmp_path
     """Shared with test_cleanba_impala.py: wandb.init replaced (no network), the script's own code path otherwise."""
     inits = []
     ids = iter(["first-id", "second-id"])
-    fake = types.SimpleNamespace(
-        init=lambda **init: inits.append(init), util=types.SimpleNamespace(generate_id=lambda: next(ids))
-    )
+
+    def init(**kwargs):  # (wandb.init: the run of the id given, else a new one)
+        inits.append(kwargs)
+        return types.SimpleNamespace(id=kwargs["id"] or next(ids))
+
+    fake = types.SimpleNamespace(init=init)
     monkeypatch.setitem(sys.modules, "wandb", fake)
     args = script.Args(
         env_id="ToyChain-v0",
@@ -1044,7 +1047,7 @@ def check_track_keeps_the_wandb_run_id_and_a_resume_goes_on_in_that_run(tmp_path
         script.main(dataclasses.replace(args, total_timesteps=80, checkpoint=final, output_dir="runs"))
     finally:
         torch.use_deterministic_algorithms(False)
-    assert [(init["id"], init["resume"]) for init in inits] == [("first-id", "allow"), ("first-id", "allow")]
+    assert [(init["id"], init["resume"]) for init in inits] == [(None, "allow"), ("first-id", "allow")]
     assert torch.load(final, weights_only=True)["wandb_id"] == "first-id" and len(os.listdir(tmp_path)) == 1
 
 
