@@ -119,7 +119,7 @@ def readme_flags() -> dict[str, set[str]]:
                 if section == "*" and not command.group(2).strip():
                     line_owner = script  # (a general line about one script: its other spans' flags are its own)
         for span in [] if in_block else spans:  # (a code block's line that runs no script: another tool's flags)
-            if not re.search(r"\S+\.py\b", span):
+            if not re.search(r"\S+\.(py|sh)\b", span):  # (a shell script's flags: not a Python script's)
                 shown.setdefault(line_owner, set()).update(re.findall(flag, span))
     return shown
 
