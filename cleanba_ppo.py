@@ -320,13 +320,13 @@ def make_env(args: Args, num_envs: int, seeds: list[int], render: bool = False):
     import envpool
 
     pool = dict(env_type="gymnasium", num_envs=num_envs, batch_size=num_envs, seed=seeds)
-    pool.update(max_episode_steps=args.max_episode_steps, render_mode="rgb_array" if render else None)
+    episodes = dict(max_episode_steps=args.max_episode_steps, render_mode="rgb_array" if render else None)
     if args.env_id in CLASSIC_ENVS:  # reaching the time limit is a truncation; a fallen pole is a termination
-        return envpool.make(args.env_id, **pool)
+        return envpool.make(args.env_id, **pool, **episodes)
     # Sec. 5 (Machado et al. 2018); rewards clipped for learning, info["reward"] keeps the raw game score
     protocol = dict(repeat_action_probability=0.25, full_action_space=True, episodic_life=False, noop_max=1)
     frames = dict(reward_clip=True, stack_num=4, frame_skip=4, img_height=84, img_width=84, gray_scale=True)
-    return envpool.make(args.env_id, **pool, **protocol, **frames)
+    return envpool.make(args.env_id, **pool, **episodes, **protocol, **frames)
 
 
 # ---- Pure functions (importable, tested in tests/test_cleanba_ppo.py) ----
@@ -994,10 +994,17 @@ def main(args: Args) -> dict:
                 actor.join(timeout=10)
         wall_time = time.time() - start_time
         sps = (carry["global_step"] - start_step) / wall_time
-        summary = {"iteration": carry["iteration"], "global_step": carry["global_step"], "interrupted": interrupted}
-        summary = {**summary, "world_size": world_size, "wall_time_s": wall_time, "sps": sps}
+        summary = {
+            "iteration": carry["iteration"],
+            "global_step": carry["global_step"],
+            "interrupted": interrupted,
+            "world_size": world_size,
+            "wall_time_s": wall_time,
+            "sps": sps,
+        }
         if logger is not None:
-            summary = {**summary, **logger.last}
+            for name, value in logger.last.items():  # the last value of every logged scalar
+                summary[name] = value
             write_json(run_dir / "summary.json", summary)
             logger.close()
         if world_size > 1 and dist.is_initialized():

@@ -1387,10 +1387,12 @@ def main(args: Args) -> dict:
     finally:
         supervisor.handle_signals(at_once=False)  # (a Ctrl-C during the clean-up waits for it)
         wall = time.time() - start_time
-        summary.update(
-            global_step=global_step, iteration=iteration, wall_time_s=wall, sps=(global_step - start_step) / wall
-        )
-        summary.update(last)  # the last value of every scalar
+        summary["global_step"] = global_step
+        summary["iteration"] = iteration
+        summary["wall_time_s"] = wall
+        summary["sps"] = (global_step - start_step) / wall
+        for name, value in last.items():  # the last value of every logged scalar
+            summary[name] = value
         summary["pql/learning_steps"] = counters.actor_steps
         summary["pql/v_updates"] = counters.v_learner.updates
         summary["pql/p_updates"] = counters.p_learner.updates
