@@ -910,25 +910,34 @@ def main(args: Args) -> dict:
     run_dir = Path(args.checkpoint).parent if resuming else Path(args.output_dir) / run_name
     if rank == 0:
         print(format_settings(args, device), flush=True)
-    if rank == 0 and not args.evaluate:
-        run_dir.mkdir(parents=True, exist_ok=resuming)
-        (run_dir / "config.json").write_text(json.dumps(asdict(args), indent=2))
     wandb_id = resumed["wandb_id"] if resuming else None
-    if args.track and rank == 0:
-        import wandb
+    writer = None
 
-        wandb_id = wandb.init(  # RESUME: the checkpoint's W&B run (its id stored), else a new one
-            project=args.wandb_project_name,
-            entity=args.wandb_entity,
-            sync_tensorboard=True,
-            config=asdict(args),
-            name=run_dir.name,
-            save_code=True,
-            id=wandb_id,
-            resume="allow",
-        ).id
-    purge_step = resumed["global_step"] + 1 if resuming else None  # RESUME: TensorBoard drops the events after it
-    writer = SummaryWriter(str(run_dir), purge_step=purge_step) if rank == 0 and not args.evaluate else None
+    def open_run() -> None:
+        """Rank 0's config.json, W&B run and TensorBoard writer (RESUME: once the checkpoint fits, else none of them)."""
+        nonlocal wandb_id, writer
+        if rank > 0 or args.evaluate:
+            return
+        run_dir.mkdir(parents=True, exist_ok=resuming)
+        write_whole(run_dir / "config.json", lambda tmp: tmp.write_text(json.dumps(asdict(args), indent=2)))
+        if args.track:
+            import wandb
+
+            wandb_id = wandb.init(  # RESUME: the checkpoint's W&B run (its id stored), else a new one
+                project=args.wandb_project_name,
+                entity=args.wandb_entity,
+                sync_tensorboard=True,
+                config=asdict(args),
+                name=run_dir.name,
+                save_code=True,
+                id=wandb_id,
+                resume="allow",
+            ).id
+        purge_step = resumed["global_step"] + 1 if resuming else None  # RESUME: TensorBoard drops the events after it
+        writer = SummaryWriter(str(run_dir), purge_step=purge_step)
+
+    if not resuming:
+        open_run()
     last: dict[str, float] = {}  # the last value of every scalar, for summary.json
 
     def log(name: str, value, step: int) -> None:
@@ -946,7 +955,8 @@ def main(args: Args) -> dict:
     is_gym = args.resolved_sim_backend == "cpu"  # a Gymnasium task (MuJoCo, ...): they have no success
     summary: dict = {"run_dir": str(run_dir), "interrupted": False}
     envs = eval_envs = None  # made inside the try, so that a Ctrl-C while they start still writes summary.json
-    global_step, start_step, start_time = 0, 0, time.time()
+    global_step = start_step = resumed["global_step"] if resumed else 0
+    start_time = time.time()
     advance_env_steps = resumed["advance_env_steps"] if resuming else 0  # of all the run's advances
     within_iteration = False  # (a checkpoint written then holds no loop state)
     try:
@@ -967,7 +977,8 @@ def main(args: Args) -> dict:
         normalizers = {"obs_rms": obs_rms, "reward_rms": reward_rms}
         if resumed:
             load_checkpoint(resumed, agent, optimizer, normalizers, device)
-            global_step = start_step = resumed["global_step"]
+        if resuming:
+            open_run()
         if resuming and rank == 0:
             print(f"resuming {run_dir} at global step {global_step} (iteration {resumed['iteration']})", flush=True)
         if args.world_size > 1:  # DDP: every rank starts from rank 0's weights

@@ -1095,6 +1095,30 @@ def test_a_resumed_run_continues_its_wandb_run_and_re_staggers_a_simulator_whose
     assert second["advance_env_steps"] == 2 * 20 and second["env_steps_simulated"] == 2 * 20 + 80
 
 
+def run_files(run_dir) -> dict:
+    return {name: open(os.path.join(run_dir, name), "rb").read() for name in sorted(os.listdir(run_dir))}
+
+
+def test_a_resume_whose_networks_do_not_fit_is_refused_and_leaves_the_run_as_it_was(tmp_path, monkeypatch):
+    """Another --toy.num-actions: the checkpoint's networks do not fit. The resume is refused (exit 2) before it writes
+    into the run: config.json, summary.json and the TensorBoard events stay byte for byte (no purge marker, no new
+    event file), and no W&B run is resumed."""
+    import wandb
+
+    run = toy_run(tmp_path, total_timesteps=160, save_model=True)
+    files = run_files(run["run_dir"])
+    monkeypatch.setattr(wandb, "init", lambda **kwargs: pytest.fail("a W&B run was resumed"))
+    with pytest.raises(ppo.ArgsError, match="--checkpoint: its networks do not fit these settings"):
+        toy_run(
+            tmp_path,
+            total_timesteps=320,
+            track=True,
+            toy=ToyChainConfig(horizon=20, num_actions=7),
+            checkpoint=os.path.join(run["run_dir"], "final_ckpt.pt"),
+        )
+    assert run_files(run["run_dir"]) == files
+
+
 def test_evaluate_prints_one_result_line_and_writes_its_json_beside_the_checkpoint_not_a_run_directory(
     tmp_path, capsys
 ):
