@@ -303,6 +303,10 @@ def resolve_args(args: Args) -> Args:
     args.num_iterations = args.total_timesteps // steps
     if args.num_iterations < 1 and not args.evaluate:
         raise ArgsError(f"--total-timesteps {args.total_timesteps} is less than one batch (N*K*ranks = {steps})")
+    stored_steps = stored.get("steps_per_iteration", steps) if stored else steps  # (RESUME: iterations of its size)
+    if not args.evaluate and stored_steps != steps:
+        shape = f"--num-envs {args.num_envs}, --num-steps {K}, {args.world_size} ranks: {steps} env steps an iteration"
+        raise ArgsError(f"{shape}, the checkpoint's {stored_steps}: pass ones whose N*K*ranks is {stored_steps}")
     if stored and not args.evaluate and stored["global_step"] >= args.num_iterations * steps:
         at = f"the checkpoint is at global step {stored['global_step']} already"
         raise ArgsError(f"--total-timesteps {args.total_timesteps}: {at}; pass a larger value")
@@ -1014,6 +1018,7 @@ def main(args: Args) -> dict:
                 "optimizer": optimizer.state_dict(),
                 "global_step": global_step,
                 "iteration": global_step // (args.batch_size * args.world_size),  # rollouts collected
+                "steps_per_iteration": args.batch_size * args.world_size,  # (a resume's must be the same)
                 "wandb_id": wandb_id,
                 "advance_env_steps": advance_env_steps,
                 "rng": {  # the random generators: torch's (CPU, CUDA), numpy's, Python's, the advance's action sampler
@@ -1252,7 +1257,7 @@ def main(args: Args) -> dict:
                 log("toy/forgetting_mean", toy_diagnostics.record(obs_buf, agent.action_probs()), global_step)
             if not args.quiet and time.time() - latest_progress >= args.progress_interval:  # the progress line
                 latest_progress = time.time()
-                left = hms((total_steps - global_step) / sps) if sps > 0 else "?"
+                left = hms(max(total_steps - global_step, 0) / sps) if sps > 0 else "?"
                 done = f"global_step={global_step}/{total_steps} ({100 * global_step // total_steps}%) SPS={sps:.0f}"
                 latest = "".join(f" {name}={last[name]:.4g}" for name in progress_names if name in last)
                 print(f"progress {done} elapsed={hms(latest_progress - start_time)} left={left}{latest}", flush=True)

@@ -1022,10 +1022,27 @@ def test_a_resumed_toy_run_ends_bit_identical_to_the_uninterrupted_run_in_the_sa
         assert [step for step, _ in scalars(run_dir)["charts/SPS"]] == list(range(80, 961, 80))
     assert [step for step, _ in scalars(whole["run_dir"])["eval/return"]] == [0, 320, 640, 960]
     assert [step for step, _ in scalars(short["run_dir"])["eval/return"]] == [0, 320, 480, 640, 960]  # (its end's)
-    capsys.readouterr()  # other settings (32 envs): the chains' state does not fit them
-    toy_run(tmp_path, total_timesteps=1280, num_envs=32, checkpoint=os.path.join(whole["run_dir"], "ckpt_640.pt"))
+    capsys.readouterr()  # other settings (another p_prog): the chains' state does not fit them
+    toy = ToyChainConfig(horizon=20, progression_prob=0.4)
+    toy_run(tmp_path, total_timesteps=1280, toy=toy, checkpoint=os.path.join(whole["run_dir"], "ckpt_640.pt"))
     restart = "resume: the envs' settings differ from the checkpoint's: envs start anew and re-stagger (advance of 15"
-    assert restart + " steps x 32 envs = 480 env steps)" in capsys.readouterr().out.splitlines()
+    assert restart + " steps x 16 envs = 240 env steps)" in capsys.readouterr().out.splitlines()
+
+
+def test_a_resume_with_another_batch_shape_is_refused_naming_the_flags(tmp_path, monkeypatch):
+    """A checkpoint's global step counts iterations of N*K*ranks env steps: a resume (not --evaluate) with another
+    number is refused before any env starts; 2 ranks of half the envs are the same iterations."""
+    run = toy_run(tmp_path, total_timesteps=160, save_model=True)
+    checkpoint = os.path.join(run["run_dir"], "final_ckpt.pt")
+    assert torch.load(checkpoint, weights_only=True)["steps_per_iteration"] == 16 * 5
+    message = "--num-envs 32, --num-steps 5, 1 ranks: 160 env steps an iteration, the checkpoint's 80: pass ones whose"
+    with pytest.raises(ppo.ArgsError, match=re.escape(message + " N*K*ranks is 80")):
+        ppo.resolve_args(ppo.Args(cuda=False, num_envs=32, total_timesteps=960, checkpoint=checkpoint))
+    assert ppo.resolve_args(ppo.Args(cuda=False, num_envs=32, evaluate=True, checkpoint=checkpoint)).evaluate
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert (
+        ppo.resolve_args(ppo.Args(cuda=False, num_envs=8, total_timesteps=960, checkpoint=checkpoint)).world_size == 2
+    )
 
 
 def test_a_checkpoint_written_by_ctrl_c_within_an_iteration_holds_no_loop_state_and_its_resume_re_staggers(
@@ -1446,7 +1463,7 @@ def test_save_model_then_resume_continues_the_global_step_then_evaluate(tmp_path
     assert ckpt["global_step"] == 1280 and ckpt["iteration"] == 4 and ckpt["optimizer"]["state"]
     assert set(ckpt) == {
         *("script", "env_id", "model", "optimizer", "global_step", "iteration", "obs_rms", "reward_rms"),
-        *("wandb_id", "advance_env_steps", "rng", "loop"),
+        *("steps_per_iteration", "wandb_id", "advance_env_steps", "rng", "loop"),
     }
     assert set(ckpt["obs_rms"]) == set(ckpt["reward_rms"]) == {"mean", "var", "count"}
 
@@ -2152,10 +2169,11 @@ def alive(pid):
 
 @pytest.mark.slow
 def test_torchrun_resumes_a_one_process_checkpoint_on_two_ranks(tmp_path):
-    """A checkpoint of one process resumes under torchrun with 2 ranks of 64 envs, in its run directory: the ranks'
-    envs start anew and re-stagger (one line says so, from rank 0), every update counts the env steps of both ranks
-    (2 x 64 x 5) and only rank 0 writes."""
-    run_script(TOY_SMALL + ["--total-timesteps", "1280", "--save-model", "--no-cuda"], tmp_path / "first")
+    """A checkpoint of one process of 128 envs resumes under torchrun with 2 ranks of 64, in its run directory: the
+    ranks' envs start anew and re-stagger (one line says so, from rank 0), every update counts the env steps of both
+    ranks (2 x 64 x 5) and only rank 0 writes."""
+    one_process = [arg if arg != "64" else "128" for arg in TOY_SMALL]  # (iterations of 640 env steps, as 2 x 64)
+    run_script(one_process + ["--total-timesteps", "1280", "--save-model", "--no-cuda"], tmp_path / "first")
     run_dir = only_run_dir(tmp_path / "first")
     args = TOY_SMALL + ["--total-timesteps", "3840", "--checkpoint", os.path.join(run_dir, "final_ckpt.pt")]
     code, out, err = finish(run_torchrun([*args, "--save-model"], tmp_path / "second"))
@@ -2167,9 +2185,9 @@ def test_torchrun_resumes_a_one_process_checkpoint_on_two_ranks(tmp_path):
     config = json.load(open(os.path.join(run_dir, "config.json")))
     assert config["world_size"] == 2 and config["num_envs"] == 64 and config["num_iterations"] == 6
     assert summary["global_step"] == 3840
-    assert [step for step, _ in scalars(run_dir)["charts/SPS"]] == [320, 640, 960, 1280, 1920, 2560, 3200, 3840]
+    assert [step for step, _ in scalars(run_dir)["charts/SPS"]] == [640, 1280, 1920, 2560, 3200, 3840]
     assert torch.load(os.path.join(run_dir, "final_ckpt.pt"), weights_only=True)["iteration"] == 6
-    assert summary["advance_env_steps"] == 45 * 64 + 45 * 128  # (the one process's advance, then the ranks')
+    assert summary["advance_env_steps"] == 45 * 128 + 45 * 128  # (the one process's advance, then the ranks')
 
 
 @pytest.mark.slow
