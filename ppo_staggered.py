@@ -1021,12 +1021,11 @@ def main(args: Args) -> dict:
                 "steps_per_iteration": args.batch_size * args.world_size,  # (a resume's must be the same)
                 "wandb_id": wandb_id,
                 "advance_env_steps": advance_env_steps,
-                "rng": {  # the random generators: torch's (CPU, CUDA), numpy's, Python's, the advance's action sampler
+                "rng": {  # the random generators: torch's (CPU, the device's on CUDA), numpy's, Python's
                     "torch": torch.get_rng_state(),
-                    "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+                    "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None,
                     "numpy": [*numpy_state[:1], numpy_state[1].tolist(), *numpy_state[2:]],  # (weights_only: no arrays)
                     "python": random.getstate(),
-                    "action_space": envs.action_space.np_random.bit_generator.state,
                 },
                 "loop": loop,
             }
@@ -1089,17 +1088,16 @@ def main(args: Args) -> dict:
         resets = ResetState(N, device, envs.metadata["autoreset_mode"] == gym.vector.AutoresetMode.NEXT_STEP)
         starts = stagger_start_steps(args.num_stagger_groups, args.stagger_step)  # the reset gates' schedule
         advance_length = starts[0]  # (group 0 starts last)
-        layout = [N, K, H, args.reset_scheme, args.stagger_step, asdict(args.toy)]  # (what the loop's state fits)
+        layout = [N, K, H, args.reset_scheme, args.stagger_step, asdict(args.toy), device.type]  # (what the loop fits)
         problem = resume_problem(resumed, args, layout) if resuming else None
         loop = resumed["loop"] if resuming and problem is None else None
         if resuming and args.world_size == 1:  # the random generators (torchrun: each rank's own seed, as at the start)
             rng = resumed["rng"]
             torch.set_rng_state(rng["torch"])
-            if rng["cuda"] and torch.cuda.is_available():
-                torch.cuda.set_rng_state_all(rng["cuda"])
+            if torch.is_tensor(rng["cuda"]) and device.type == "cuda":
+                torch.cuda.set_rng_state(rng["cuda"], device)
             np.random.set_state((rng["numpy"][0], np.array(rng["numpy"][1], dtype=np.uint32), *rng["numpy"][2:]))
             random.setstate(rng["python"])
-            envs.action_space.np_random.bit_generator.state = rng["action_space"]
         advance_steps = advance_length * N * args.world_size  # (of all ranks)
         advance = f"advance of {advance_length} steps x {N * args.world_size} envs = {advance_steps} env steps"
         if loop is None:

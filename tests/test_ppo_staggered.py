@@ -987,7 +987,7 @@ def test_a_resumed_toy_run_ends_bit_identical_to_the_uninterrupted_run_in_the_sa
     expected = final_checkpoint(whole["run_dir"])
     assert whole["advance_env_steps"] == 3 * 5 * 16 and whole["env_steps_simulated"] == 3 * 5 * 16 + 960
     assert expected["script"] == "ppo_staggered.py" and expected["loop"]["training_step"] == 60
-    assert {"torch", "cuda", "numpy", "python", "action_space"} <= set(expected["rng"])
+    assert set(expected["rng"]) == {"torch", "cuda", "numpy", "python"} and expected["rng"]["cuda"] is None
     short = toy_run(tmp_path / "short", total_timesteps=480, eval_freq=4, save_model=True)
     capsys.readouterr()
     continued = toy_run(
@@ -1025,6 +1025,27 @@ def test_a_resumed_toy_run_ends_bit_identical_to_the_uninterrupted_run_in_the_sa
     capsys.readouterr()  # other settings (another p_prog): the chains' state does not fit them
     toy = ToyChainConfig(horizon=20, progression_prob=0.4)
     toy_run(tmp_path, total_timesteps=1280, toy=toy, checkpoint=os.path.join(whole["run_dir"], "ckpt_640.pt"))
+    restart = "resume: the envs' settings differ from the checkpoint's: envs start anew and re-stagger (advance of 15"
+    assert restart + " steps x 16 envs = 240 env steps)" in capsys.readouterr().out.splitlines()
+
+
+def test_a_toy_checkpoint_of_another_device_type_re_staggers_and_a_cpu_run_leaves_cuda_alone(
+    tmp_path, monkeypatch, capsys
+):
+    """The chains' generator is the device's (MT19937 on the CPU, Philox on CUDA): a checkpoint of another device type
+    (faked: its layout says CUDA) restarts and re-staggers the envs. A CPU run neither reads nor restores CUDA's random
+    state (that would start CUDA, and fail where fewer GPUs are visible)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # (a machine with a GPU, the run on the CPU)
+    for name in ("get_rng_state", "get_rng_state_all", "set_rng_state", "set_rng_state_all"):
+        monkeypatch.setattr(torch.cuda, name, lambda *args: pytest.fail("CUDA's random state in a CPU run"))
+    run = toy_run(tmp_path, total_timesteps=160, save_model=True)
+    path = os.path.join(run["run_dir"], "final_ckpt.pt")
+    checkpoint = torch.load(path, weights_only=True)
+    layout = checkpoint["loop"]["layout"]
+    layout[layout.index("cpu")] = "cuda"
+    torch.save(checkpoint, path)
+    capsys.readouterr()
+    toy_run(tmp_path, total_timesteps=320, checkpoint=path)
     restart = "resume: the envs' settings differ from the checkpoint's: envs start anew and re-stagger (advance of 15"
     assert restart + " steps x 16 envs = 240 env steps)" in capsys.readouterr().out.splitlines()
 
