@@ -874,21 +874,26 @@ def evaluate(agent, eval_envs, obs_rms: RunningMeanStd, horizon: int, seed: int,
     length = torch.zeros(eval_envs.num_envs, device=obs.device)
     success_once = torch.zeros_like(running)
     filmed = eval_envs.env.envs[:VIDEO_ENVS] if video else []  # (the sub-envs of a SyncVectorEnv)
+    names = [f"{video}_env{index}" for index in range(len(filmed))]  # written as {name}.part.mp4, renamed when whole
     writers = [
-        imageio.get_writer(f"{video}_env{index}.mp4", fps=env.metadata.get("render_fps", 30))
-        for index, env in enumerate(filmed)
+        imageio.get_writer(f"{name}.part.mp4", fps=env.metadata.get("render_fps", 30))
+        for name, env in zip(names, filmed)
     ]
-    for _ in range(horizon):  # (the next-step ToyChain's first reset step comes only after H steps)
-        for writer, env, filming in zip(writers, filmed, running.tolist() if writers else []):
-            if filming:  # (a frame before each step)
-                writer.append_data(env.render())
-        obs, reward, terminated, _, info = eval_envs.step(agent.deterministic_action(obs_rms.normalize(obs)))
-        ret = ret + reward * running
-        length = length + running
-        success_once = success_once | (info["success"] & running)
-        running = running & ~(terminated & absorbing)
-    for writer in writers:
-        writer.close()
+    try:
+        for _ in range(horizon):  # (the next-step ToyChain's first reset step comes only after H steps)
+            for writer, env, filming in zip(writers, filmed, running.tolist() if writers else []):
+                if filming:  # (a frame before each step)
+                    writer.append_data(env.render())
+            obs, reward, terminated, _, info = eval_envs.step(agent.deterministic_action(obs_rms.normalize(obs)))
+            ret = ret + reward * running
+            length = length + running
+            success_once = success_once | (info["success"] & running)
+            running = running & ~(terminated & absorbing)
+    finally:
+        for writer in writers:
+            writer.close()
+    for name in names:
+        os.replace(f"{name}.part.mp4", f"{name}.mp4")
     return {
         "eval/return": ret.mean(),
         "eval/success_once": success_once.float().mean(),

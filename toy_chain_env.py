@@ -64,8 +64,10 @@ Registered with Gymnasium as "ToyChain-v0" (vector entry point):
 from __future__ import annotations
 
 import math
+import os
 import time
 from dataclasses import dataclass, fields, replace
+from pathlib import Path
 from typing import Any, Literal
 
 import gymnasium as gym
@@ -352,7 +354,13 @@ class ToyChainDiagnostics:
     def save(self, path) -> float:
         """Writes occupancy and accuracy, (updates, B) each, to an .npz; returns the mean forgetting of the run."""
         accuracy = np.stack(self.accuracy)
-        np.savez(path, occupancy=np.stack(self.occupancy), accuracy=accuracy)
+        tmp = Path(f"{path}.tmp")  # written whole, then renamed: a Ctrl-C leaves no half-written file at `path`
+        try:
+            with open(tmp, "wb") as file:  # (a file: np.savez would add .npz to the name)
+                np.savez(file, occupancy=np.stack(self.occupancy), accuracy=accuracy)
+            os.replace(tmp, path)
+        finally:
+            tmp.unlink(missing_ok=True)
         return float(forgetting_matrix(accuracy).mean())
 
 

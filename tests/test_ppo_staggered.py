@@ -31,7 +31,7 @@ import torch.multiprocessing as mp
 from conftest import DEVICES, ROOT
 
 import ppo_staggered as ppo
-from toy_chain_env import ToyChainConfig, forgetting_matrix
+from toy_chain_env import ToyChainConfig, ToyChainDiagnostics, forgetting_matrix
 
 GAMMA, LAM = 0.9, 0.8
 
@@ -1174,6 +1174,68 @@ def test_evaluate_prints_one_result_line_and_writes_its_json_beside_the_checkpoi
     assert (record["checkpoint"], record["global_step"], record["eval_seed"]) == (checkpoint, 0, 3)
     assert record["num_eval_envs"] == record["episodes"] == 8
     assert results[0].split()[1] == f"eval/return={record['eval/return']:.3f}"
+
+
+class VideoWriterStub:
+    """imageio's writer in miniature: a few bytes into its file per frame; a Ctrl-C at the 3rd frame of the test."""
+
+    frames = 0
+
+    def __init__(self, path, fps):
+        self.path, self.closed = path, False
+        VideoWriterStub.writers.append(self)
+
+    def append_data(self, frame):
+        VideoWriterStub.frames += 1
+        if VideoWriterStub.frames == 3:
+            raise KeyboardInterrupt
+        with open(self.path, "ab") as file:
+            file.write(b"frame")
+
+    def close(self):
+        self.closed = True
+
+
+def test_an_evaluations_videos_are_closed_and_renamed_when_whole_and_a_ctrl_c_leaves_no_mp4(tmp_path, monkeypatch):
+    """A Gymnasium task's evaluation films into {video}_env{i}.part.mp4, closes the writers whatever happens and renames
+    each to .mp4 at the end: a Ctrl-C in the evaluation leaves no broken .mp4 under a final name."""
+    VideoWriterStub.writers, VideoWriterStub.frames = [], 0
+    monkeypatch.setattr(ppo.imageio, "get_writer", VideoWriterStub)
+    monkeypatch.setattr(SuccessEnv, "render", lambda self: np.zeros((4, 4, 3), dtype=np.uint8))
+    args = ppo.resolve_args(ppo.Args(cuda=False, env_id="SuccessAt3-v0", horizon=10, num_envs=2, num_minibatches=2))
+    eval_envs = ppo.make_env(args, 2, torch.device("cpu"), evaluation=True)
+    agent, obs_rms = ppo.GaussianAgent(2, 1), ppo.RunningMeanStd((2,), torch.device("cpu"))
+    (tmp_path / "interrupted").mkdir()
+    (tmp_path / "whole").mkdir()
+    with pytest.raises(KeyboardInterrupt):
+        ppo.evaluate(agent, eval_envs, obs_rms, 10, 0, False, str(tmp_path / "interrupted" / "global_step_0"))
+    assert all(writer.closed for writer in VideoWriterStub.writers)
+    assert sorted(os.listdir(tmp_path / "interrupted")) == [
+        "global_step_0_env0.part.mp4",
+        "global_step_0_env1.part.mp4",
+    ]
+    ppo.evaluate(agent, eval_envs, obs_rms, 10, 0, False, str(tmp_path / "whole" / "global_step_0"))
+    assert sorted(os.listdir(tmp_path / "whole")) == ["global_step_0_env0.mp4", "global_step_0_env1.mp4"]
+    eval_envs.close()
+
+
+def test_the_toy_diagnostics_are_written_whole(tmp_path, monkeypatch):
+    """toy_diagnostics.npz is written to a temporary file and renamed: a Ctrl-C while it is written leaves no file."""
+    diagnostics = types.SimpleNamespace(occupancy=[np.ones(4)], accuracy=[np.full(4, 0.5)])
+    path = tmp_path / "toy_diagnostics.npz"
+    savez = np.savez
+
+    def interrupted_savez(file, **arrays):
+        (open(file, "wb") if isinstance(file, (str, os.PathLike)) else file).write(b"half an npz")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(np, "savez", interrupted_savez)
+    with pytest.raises(KeyboardInterrupt):
+        ToyChainDiagnostics.save(diagnostics, path)
+    assert os.listdir(tmp_path) == []
+    monkeypatch.setattr(np, "savez", savez)
+    assert ToyChainDiagnostics.save(diagnostics, path) == 0.0
+    assert os.listdir(tmp_path) == ["toy_diagnostics.npz"] and np.load(path)["accuracy"].shape == (1, 4)
 
 
 # ---- The GPU simulation's path on the CPU: nothing read after a reset wrote into it ----------------------------------
