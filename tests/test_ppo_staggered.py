@@ -2322,6 +2322,7 @@ class BatchedEnvStub(gym.Env):
 class RecordEpisodeStub(gym.Wrapper):
     def __init__(self, env, output_dir, **kwargs):
         super().__init__(env)
+        self.kwargs = kwargs
 
 
 @pytest.mark.parametrize("video", [True, False])
@@ -2337,6 +2338,7 @@ def test_maniskill_envs_render_on_the_ranks_gpu_and_a_video_shows_at_most_8_envs
     assert env.unwrapped.kwargs["render_backend"] == "cuda:1"
     if video:
         assert env.render().shape[0] == 8 and env.video_nrows == 2
+        assert env.kwargs["avoid_overwriting_video"]  # (a resume and --evaluate film into the run's videos/)
 
 
 def test_cpu_simulation_records_the_first_8_eval_envs(monkeypatch):
