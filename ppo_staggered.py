@@ -970,6 +970,7 @@ def main(args: Args) -> dict:
     start_time = time.time()
     advance_env_steps = resumed["advance_env_steps"] if resuming else 0  # of all the run's advances
     within_iteration = False  # (a checkpoint written then holds no loop state)
+    evaluated_step = None  # the global step of the last evaluation logged
     try:
         # ---- build: envs, agent, optimizer, observation normalizer (and the checkpoint to resume or evaluate) ------
         envs = None if args.evaluate else make_env(args, N, device, evaluation=False)
@@ -1028,6 +1029,7 @@ def main(args: Args) -> dict:
                 "steps_per_iteration": args.batch_size * args.world_size,  # (a resume's must be the same)
                 "wandb_id": wandb_id,
                 "advance_env_steps": advance_env_steps,
+                "evaluated": evaluated_step == global_step,  # an evaluation logged at its step (not a Ctrl-C's in one)
                 "rng": {  # the random generators: torch's (CPU, the device's on CUDA), numpy's, Python's
                     "torch": torch.get_rng_state(),
                     "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None,
@@ -1041,6 +1043,7 @@ def main(args: Args) -> dict:
             write_whole(path, partial(torch.save, state))  # (weights_only loads it)
 
         def log_evaluation(checkpoint_name: Optional[str]) -> dict:
+            nonlocal evaluated_step
             if rank > 0:  # DDP: rank 0 alone evaluates and saves
                 return {}
             eval_start = clock(device)
@@ -1050,6 +1053,7 @@ def main(args: Args) -> dict:
             for name, value in results.items():
                 log(name, value, global_step)
             log("time/eval", clock(device) - eval_start, global_step)
+            evaluated_step = global_step
             evaluation = " ".join(f"{name}={value:.3f}" for name, value in results.items())
             print(f"global_step={global_step} {evaluation}", flush=True)
             if args.save_model and checkpoint_name:
@@ -1149,7 +1153,8 @@ def main(args: Args) -> dict:
                 raise KeyboardInterrupt  # Ctrl-C stops every rank here
             # ---- 1. evaluate and checkpoint, every --eval-freq iterations (before the rollout, as ManiSkill's ppo.py)
             due = args.eval_freq > 0 and (iteration - 1) % args.eval_freq == 0
-            if due and not (resuming and global_step == start_step):  # (RESUME: the checkpoint's was logged before it)
+            # RESUME: none at the checkpoint's step where the run logged one there (checkpoints of old: always)
+            if due and not (resuming and global_step == start_step and resumed.get("evaluated", True)):
                 log_evaluation(f"ckpt_{global_step}.pt")
             # ---- 2. collect: K steps of every env (timed as a whole: a timer per env step would sync CUDA twice) ---
             within_iteration = True  # (to its end: the loop's state is the checkpoint's only between iterations)

@@ -1106,6 +1106,39 @@ def test_a_checkpoint_written_by_ctrl_c_within_an_iteration_holds_no_loop_state_
     assert resumed["advance_env_steps"] == 480 and resumed["env_steps_simulated"] == 480 + 320
 
 
+def test_a_run_resumed_from_ctrl_c_in_an_evaluation_logs_that_evaluation(tmp_path, monkeypatch):
+    """Ctrl-C in the evaluation at global step 160 (--eval-freq 2): the final checkpoint at 160 says that no evaluation
+    was logged there, so the resumed run logs it; a checkpoint written by the evaluation says it was (none repeated)."""
+    eval_steps, make_env = [], ppo.make_env
+
+    def interrupting_make_env(args, num_envs, device, evaluation, **kwargs):
+        envs = make_env(args, num_envs, device, evaluation, **kwargs)
+        step = envs.step
+
+        def step_or_interrupt(actions):
+            eval_steps.append(actions)
+            if len(eval_steps) == 20 + 5:  # (the evaluation at 0, 5 steps of the one at 160)
+                raise KeyboardInterrupt
+            return step(actions)
+
+        envs.step = step_or_interrupt if evaluation else envs.step
+        return envs
+
+    with monkeypatch.context() as patch:
+        patch.setattr(ppo, "make_env", interrupting_make_env)
+        with pytest.raises(KeyboardInterrupt):
+            toy_run(tmp_path, total_timesteps=320, eval_freq=2, save_model=True)
+    run_dir = only_run_dir(tmp_path)
+    interrupted = final_checkpoint(run_dir)
+    assert interrupted["global_step"] == 160 and not interrupted["evaluated"]
+    assert torch.load(os.path.join(run_dir, "ckpt_0.pt"), weights_only=True)["evaluated"]
+    toy_run(
+        tmp_path, total_timesteps=320, eval_freq=2, save_model=True, checkpoint=os.path.join(run_dir, "final_ckpt.pt")
+    )
+    assert [step for step, _ in scalars(run_dir)["eval/return"]] == [0, 160, 320]
+    assert torch.load(os.path.join(run_dir, "ckpt_160.pt"), weights_only=True)["evaluated"]
+
+
 def test_a_resumed_run_continues_its_wandb_run_and_re_staggers_a_simulator_whose_state_is_not_saved(
     tmp_path, monkeypatch, capsys
 ):
@@ -1546,7 +1579,7 @@ def test_save_model_then_resume_continues_the_global_step_then_evaluate(tmp_path
     assert ckpt["global_step"] == 1280 and ckpt["iteration"] == 4 and ckpt["optimizer"]["state"]
     assert set(ckpt) == {
         *("script", "env_id", "model", "optimizer", "global_step", "iteration", "obs_rms", "reward_rms"),
-        *("steps_per_iteration", "wandb_id", "advance_env_steps", "rng", "loop"),
+        *("steps_per_iteration", "wandb_id", "advance_env_steps", "evaluated", "rng", "loop"),
     }
     assert set(ckpt["obs_rms"]) == set(ckpt["reward_rms"]) == {"mean", "var", "count"}
 
