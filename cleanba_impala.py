@@ -236,6 +236,7 @@ def resolve_args(args: Args, world_size: int = 1) -> Args:
             raise ArgsError(f"--{name.replace('_', '-')} {getattr(args, name)}: must be {domain}")
     idle = [  # (setting, where it would do nothing, whether that is here): refused rather than ignored
         ("checkpoint_freq", "without --save-model", not args.save_model),
+        ("progress_interval", "with --quiet", args.quiet),
         *[(name, "without --track", not args.track) for name in ("wandb_project_name", "wandb_entity")],
         ("max_episode_steps", f"on {TOY_ENV_ID}: use --toy.horizon", family == "toy"),
         ("capture_video", f"on {TOY_ENV_ID}: it has nothing to render", family == "toy"),
@@ -275,6 +276,11 @@ def resolve_args(args: Args, world_size: int = 1) -> Args:
         raise ArgsError("--capture-video: writing mp4 needs imageio-ffmpeg (pip install 'imageio[ffmpeg]')")
     if args.checkpoint:
         state = load_checkpoint(args.checkpoint, args.env_id)
+        saved_batch = state.get("batch_size", state["global_step"] // max(state["iteration"], 1))  # older: derived
+        if not args.evaluate and saved_batch != args.batch_size:  # the iterations count batches of the old size
+            batch = f"--local-num-envs {args.local_num_envs} x --num-steps {args.num_steps} x {world_size} process(es)"
+            saved = f"{args.batch_size} env steps an iteration, the checkpoint's {saved_batch}: resume with its batch"
+            raise ArgsError(f"{batch} = {saved}")
         if not args.evaluate and state["iteration"] >= args.num_iterations:
             done = f"the checkpoint is at global step {state['global_step']} already; pass a larger value"
             raise ArgsError(f"--total-timesteps {args.total_timesteps}: {done}")
@@ -752,6 +758,7 @@ def save_checkpoint(path: Path, args: Args, learner: Learner, carry: dict) -> No
     the W&B id. No global random stream is read after the network's initialization (noise_seed, env_seeds)."""
     state = {"script": SCRIPT, "env_id": args.env_id, "model": learner.agent.state_dict(), **carry}
     state["optimizer"] = learner.optimizer.state_dict()
+    state["batch_size"] = args.batch_size  # env steps an iteration: a resume must make the same
     torch.save(state, path.with_name(path.name + ".tmp"))  # then renamed: a crash never leaves half a checkpoint
     os.replace(path.with_name(path.name + ".tmp"), path)
 
@@ -798,7 +805,7 @@ def progress_line(args: Args, global_step: int, sps: float, train_start: float, 
     and the latest episodic return (and success rate)."""
     clock = lambda secs: f"{int(secs) // 3600}:{int(secs) % 3600 // 60:02d}:{int(secs) % 60:02d}"  # noqa: E731
     total = args.num_iterations * args.batch_size
-    left = clock((total - global_step) / sps) if sps > 0 else "?"
+    left = clock(max(total - global_step, 0) / sps) if sps > 0 else "?"
     line = f"progress global_step={global_step}/{total} ({100 * global_step // total}%) SPS={sps:.0f}"
     extras = [f" {name}={last[name]:.4g}" for name in ("charts/episodic_return", "charts/success_rate") if name in last]
     return line + f" elapsed={clock(time.time() - train_start)} left={left}" + "".join(extras)

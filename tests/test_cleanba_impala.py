@@ -18,6 +18,7 @@ from test_cleanba_ppo import (
     ATARI_PROTOCOL,
     IDLE_FLAGS,
     check_a_failing_actor_ends_the_run_with_its_error,
+    check_a_resume_with_another_batch_is_refused,
     check_a_resumed_run_ends_bit_identical_to_the_uninterrupted_run,
     check_capture_video_records_breakout,
     check_checkpoints_of_something_else_are_refused,
@@ -476,6 +477,10 @@ def test_checkpoints_of_something_else_are_refused(tmp_path):
 # ----------------------------------------------------------------------------------------------------------------------
 # The actor thread and the learner, in process
 # ----------------------------------------------------------------------------------------------------------------------
+def test_a_resume_with_another_batch_is_refused(tmp_path):
+    check_a_resume_with_another_batch_is_refused(ci, tmp_path)
+
+
 def test_the_actor_acts_with_the_params_it_receives():
     check_the_actor_acts_with_the_params_it_receives(ci)
 
@@ -711,3 +716,8 @@ def test_ctrl_c_while_the_pools_start(tmp_path, monkeypatch):
 @pytest.mark.parametrize("phase", ["start", "training", "evaluation"])
 def test_ctrl_c_ends_the_run_within_10_s_and_writes_what_it_writes(tmp_path, phase):
     check_ctrl_c(tmp_path, SCRIPT, phase)
+
+
+def test_the_progress_line_never_shows_a_negative_time_left():
+    args = ci.resolve_args(ci.Args(env_id="ToyChain-v0", local_num_envs=8, num_steps=5, total_timesteps=400))
+    assert " left=0:00:00" in ci.progress_line(args, 440, 10.0, 0.0, {})

@@ -410,6 +410,10 @@ IDLE_FLAGS = [
     (dict(env_id="CartPole-v1", capture_video=True, num_eval_episodes=0), "--capture-video: does nothing with --num"),
     (dict(env_id="ToyChain-v0", checkpoint_freq=5), "--checkpoint-freq 5: does nothing without --save-model"),
     (dict(env_id="ToyChain-v0", wandb_entity="me"), "--wandb-entity me: does nothing without --track"),
+    (
+        dict(env_id="ToyChain-v0", quiet=True, progress_interval=5.0),
+        "--progress-interval 5.0: does nothing with --quiet",
+    ),
     (dict(env_id="ToyChain-v0", evaluate=True, save_model=True), "--save-model: does nothing with --evaluate"),
     (dict(env_id="ToyChain-v0", evaluate=True, total_timesteps=800), "--total-timesteps 800: does nothing with"),
     (dict(env_id="ToyChain-v0", evaluate=True, debug_learner_delay=1.0), "--debug-learner-delay 1.0: does nothing"),
@@ -488,6 +492,36 @@ def check_checkpoints_of_something_else_are_refused(script, tmp_path):
 
 def test_checkpoints_of_something_else_are_refused(tmp_path):
     check_checkpoints_of_something_else_are_refused(cp, tmp_path)
+
+
+def check_a_resume_with_another_batch_is_refused(script, tmp_path):
+    """Shared with test_cleanba_impala.py: a checkpoint keeps its run's env steps an iteration (all processes), which
+    its iteration counts; a resume with another --local-num-envs, --num-steps or number of processes is refused."""
+    args = script.resolve_args(script.Args(env_id="ToyChain-v0", local_num_envs=8, num_steps=5, total_timesteps=400))
+    learner = script.Learner(args, script.Agent(args), torch.device("cpu"), 0)
+    carry = {"iteration": 2, "global_step": 80, "actors": None, "previous_model": None, "wandb_id": None}
+    script.save_checkpoint(tmp_path / "ckpt_80.pt", args, learner, carry)
+    resume = script.Args(env_id="ToyChain-v0", checkpoint=str(tmp_path / "ckpt_80.pt"), total_timesteps=400)
+    assert script.resolve_args(dataclasses.replace(resume, local_num_envs=8, num_steps=5)).num_iterations == 10
+    assert script.resolve_args(dataclasses.replace(resume, total_timesteps=None, evaluate=True)).evaluate
+    cases = [
+        (dict(local_num_envs=16, num_steps=5), 1, "--local-num-envs 16 x --num-steps 5 x 1 process(es) = 80 env"),
+        (dict(local_num_envs=8, num_steps=10), 1, "--local-num-envs 8 x --num-steps 10 x 1 process(es) = 80 env"),
+        (dict(local_num_envs=8, num_steps=5), 2, "--local-num-envs 8 x --num-steps 5 x 2 process(es) = 80 env"),
+    ]
+    for kwargs, world_size, message in cases:
+        with pytest.raises(script.ArgsError) as error:
+            script.resolve_args(dataclasses.replace(resume, **kwargs), world_size)
+        assert str(error.value) == f"{message} steps an iteration, the checkpoint's 40: resume with its batch"
+
+
+def test_a_resume_with_another_batch_is_refused(tmp_path):
+    check_a_resume_with_another_batch_is_refused(cp, tmp_path)
+
+
+def test_the_progress_line_never_shows_a_negative_time_left():
+    args = cp.resolve_args(cp.Args(env_id="ToyChain-v0", local_num_envs=8, num_steps=5, total_timesteps=400))
+    assert " left=0:00:00" in cp.progress_line(args, 440, 10.0, time.time(), {})
 
 
 def test_evaluate_needs_an_episode_and_a_checkpoint(tmp_path):
@@ -1072,8 +1106,6 @@ def check_progress_lines_in_a_log_file_and_none_with_quiet(tmp_path, script_path
         "--no-cuda",
         "--debug-learner-delay",
         "0.25",
-        "--progress-interval",
-        "1",
     ]
     found = {}
     for quiet in (False, True):
@@ -1081,7 +1113,11 @@ def check_progress_lines_in_a_log_file_and_none_with_quiet(tmp_path, script_path
         with open(log_path, "w") as log:
             command = [sys.executable, script_path, "--output-dir", str(tmp_path / str(quiet)), *flags]
             proc = subprocess.run(
-                command + ["--quiet"] * quiet, stdout=log, stderr=subprocess.STDOUT, timeout=300, cwd=ROOT
+                command + (["--quiet"] if quiet else ["--progress-interval", "1"]),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                timeout=300,
+                cwd=ROOT,
             )
         text = log_path.read_text()
         assert proc.returncode == 0 and "\r" not in text, text[-2000:]
