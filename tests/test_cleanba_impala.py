@@ -23,6 +23,7 @@ from test_cleanba_ppo import (
     check_capture_video_records_breakout,
     check_checkpoints_of_something_else_are_refused,
     check_ctrl_c,
+    check_ctrl_c_after_an_update_leaves_a_whole_carry,
     check_ctrl_c_in_an_update_leaves_the_last_finished_iteration,
     check_ctrl_c_while_the_pools_start,
     check_envpool_cartpole_truncates_at_500_and_terminates_a_fallen_pole,
@@ -706,6 +707,10 @@ def test_a_failing_actor_ends_the_run_with_its_error(tmp_path, monkeypatch):
 
 def test_ctrl_c_in_an_update_leaves_the_last_finished_iteration(tmp_path, monkeypatch):
     check_ctrl_c_in_an_update_leaves_the_last_finished_iteration(tmp_path, monkeypatch, ci, num_minibatches=2)
+
+
+def test_ctrl_c_after_an_update_leaves_a_whole_carry(tmp_path):
+    check_ctrl_c_after_an_update_leaves_a_whole_carry(tmp_path, ci, num_minibatches=2)
 
 
 def test_ctrl_c_while_the_pools_start(tmp_path, monkeypatch):

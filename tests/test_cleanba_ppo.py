@@ -499,8 +499,8 @@ def check_a_resume_with_another_batch_is_refused(script, tmp_path):
     its iteration counts; a resume with another --local-num-envs, --num-steps or number of processes is refused."""
     args = script.resolve_args(script.Args(env_id="ToyChain-v0", local_num_envs=8, num_steps=5, total_timesteps=400))
     learner = script.Learner(args, script.Agent(args), torch.device("cpu"), 0)
-    carry = {"iteration": 2, "global_step": 80, "actors": None, "previous_model": None, "wandb_id": None}
-    script.save_checkpoint(tmp_path / "ckpt_80.pt", args, learner, carry)
+    learner.carry = {"iteration": 2, "global_step": 80, "actors": None, "previous_model": None, "wandb_id": None}
+    script.save_checkpoint(tmp_path / "ckpt_80.pt", args, learner)
     resume = script.Args(env_id="ToyChain-v0", checkpoint=str(tmp_path / "ckpt_80.pt"), total_timesteps=400)
     assert script.resolve_args(dataclasses.replace(resume, local_num_envs=8, num_steps=5)).num_iterations == 10
     assert script.resolve_args(dataclasses.replace(resume, total_timesteps=None, evaluate=True)).evaluate
@@ -1365,6 +1365,47 @@ def check_ctrl_c_in_an_update_leaves_the_last_finished_iteration(tmp_path, monke
     assert all(torch.equal(final["model"][name], first["model"][name]) for name in first["model"])
     for index, state in first["optimizer"]["state"].items():
         assert all(torch.equal(value, final["optimizer"]["state"][index][name]) for name, value in state.items())
+
+
+def check_ctrl_c_after_an_update_leaves_a_whole_carry(tmp_path, script, **kwargs):
+    """Shared with test_cleanba_impala.py. Ctrl-C at each line after the second update (a trace raises it there, in
+    the learner loop): final_ckpt.pt's iteration, global step and model are of one iteration, never half of each."""
+    args = script.Args(
+        env_id="ToyChain-v0", local_num_envs=4, num_steps=5, total_timesteps=60, num_eval_episodes=0, cuda=False
+    )
+    args = dataclasses.replace(args, num_actor_threads=1, save_model=True, quiet=True, **kwargs)
+    for lines_after in range(1, 8):
+        first_losses = []  # iteration 1's, until the second update returns its own
+        seen = []
+
+        def trace(frame, event, arg):
+            if frame.f_code.co_name != "train":
+                return None
+            if event != "line" or frame.f_locals.get("iteration") != 2:
+                return trace
+            if not first_losses:
+                first_losses.append(frame.f_locals["losses"])
+            elif frame.f_locals["losses"] is not first_losses[0]:
+                seen.append(frame.f_lineno)
+                if len(seen) == lines_after:
+                    raise KeyboardInterrupt
+            return trace
+
+        out = tmp_path / str(lines_after)
+        sys.settrace(trace)
+        try:
+            with pytest.raises(KeyboardInterrupt):
+                script.main(dataclasses.replace(args, output_dir=str(out)))
+        finally:
+            sys.settrace(None)
+            torch.use_deterministic_algorithms(False)
+        final = torch.load(os.path.join(only_run_dir(out), "final_ckpt.pt"), weights_only=True)
+        assert final["global_step"] == 20 * final["iteration"], (lines_after, final["iteration"], final["global_step"])
+        assert final["iteration"] in (1, 2) and len(final["previous_model"]) == len(final["model"])
+
+
+def test_ctrl_c_after_an_update_leaves_a_whole_carry(tmp_path):
+    check_ctrl_c_after_an_update_leaves_a_whole_carry(tmp_path, cp)
 
 
 def test_ctrl_c_in_an_update_leaves_the_last_finished_iteration(tmp_path, monkeypatch):
