@@ -715,9 +715,10 @@ class Logger:
         purge_step = None if resumed_at is None else resumed_at + 1  # the checkpoint's iteration is logged at its step
         self.writer = SummaryWriter(str(run_dir), purge_step=purge_step)
         jsonl = run_dir / "updates.jsonl"
-        if purge_step is not None and jsonl.exists():
-            rows = [row for row in jsonl.read_text().splitlines() if json.loads(row)["global_step"] < purge_step]
-            jsonl.write_text("".join(row + "\n" for row in rows))
+        if purge_step is not None and jsonl.exists():  # split("\n")[:-1]: not a killed run's partial last line
+            rows = [row for row in jsonl.read_text().split("\n")[:-1] if json.loads(row)["global_step"] < purge_step]
+            jsonl.with_name("updates.jsonl.tmp").write_text("".join(row + "\n" for row in rows))
+            os.replace(jsonl.with_name("updates.jsonl.tmp"), jsonl)  # renamed: a crash never leaves half the file
         self.jsonl = open(jsonl, "a")
         self.last: dict[str, float] = {}
 
@@ -778,7 +779,10 @@ def evaluate(args: Args, agent: nn.Module, device, global_step: int, video: Opti
         import imageio
 
         video.parent.mkdir(exist_ok=True)
-        imageio.mimsave(video, frames, fps=50 if args.env_id == "CartPole-v1" else 15, macro_block_size=2)  # real time
+        partial = video.with_name(video.stem + ".partial.mp4")  # renamed once whole
+        # real time on CartPole (0.02 s a step) and Atari (4 frames of 60 Hz); Acrobot (0.2 s a step) at Gymnasium's 15
+        imageio.mimsave(partial, frames, fps=50 if args.env_id == "CartPole-v1" else 15, macro_block_size=2)
+        os.replace(partial, video)
     out = {"eval/return": episodes.sums["returns"] / count, "eval/episode_len": episodes.sums["lengths"] / count}
     if args.env_id == TOY_ENV_ID:
         out["eval/success_at_end"] = episodes.sums["successes"] / count

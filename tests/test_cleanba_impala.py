@@ -18,8 +18,10 @@ from test_cleanba_ppo import (
     ATARI_PROTOCOL,
     IDLE_FLAGS,
     check_a_failing_actor_ends_the_run_with_its_error,
+    check_a_resume_rewrites_updates_jsonl_whole,
     check_a_resume_with_another_batch_is_refused,
     check_a_resumed_run_ends_bit_identical_to_the_uninterrupted_run,
+    check_an_interrupted_video_leaves_no_mp4,
     check_capture_video_records_breakout,
     check_checkpoints_of_something_else_are_refused,
     check_ctrl_c,
@@ -711,6 +713,14 @@ def test_ctrl_c_in_an_update_leaves_the_last_finished_iteration(tmp_path, monkey
 
 def test_ctrl_c_after_an_update_leaves_a_whole_carry(tmp_path):
     check_ctrl_c_after_an_update_leaves_a_whole_carry(tmp_path, ci, num_minibatches=2)
+
+
+def test_a_resume_rewrites_updates_jsonl_whole(tmp_path, monkeypatch):
+    check_a_resume_rewrites_updates_jsonl_whole(tmp_path, monkeypatch, ci)
+
+
+def test_an_interrupted_video_leaves_no_mp4(tmp_path, monkeypatch):
+    check_an_interrupted_video_leaves_no_mp4(tmp_path, monkeypatch, ci)
 
 
 def test_ctrl_c_while_the_pools_start(tmp_path, monkeypatch):

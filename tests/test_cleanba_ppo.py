@@ -1404,6 +1404,52 @@ def check_ctrl_c_after_an_update_leaves_a_whole_carry(tmp_path, script, **kwargs
         assert final["iteration"] in (1, 2) and len(final["previous_model"]) == len(final["model"])
 
 
+def check_a_resume_rewrites_updates_jsonl_whole(tmp_path, monkeypatch, script):
+    """Shared with test_cleanba_impala.py. A resume at step 40 keeps the rows before it and drops a killed run's
+    partial last line; a rewrite interrupted half-way leaves the old file whole (written aside, then renamed)."""
+    args = script.resolve_args(script.Args(env_id="ToyChain-v0"))
+    jsonl = tmp_path / "updates.jsonl"
+    text = "".join(json.dumps({"global_step": step}) + "\n" for step in (20, 40, 60)) + '{"global_step": 8'
+    jsonl.write_text(text)
+    write_text = Path.write_text
+
+    def half_then_interrupted(path, data):
+        write_text(path, data[: len(data) // 2])
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(Path, "write_text", half_then_interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        script.Logger(tmp_path, args, 40, None)
+    assert jsonl.read_text() == text
+    monkeypatch.setattr(Path, "write_text", write_text)
+    script.Logger(tmp_path, args, 40, None).close()
+    assert [json.loads(row)["global_step"] for row in jsonl.read_text().splitlines()] == [20, 40]
+
+
+def test_a_resume_rewrites_updates_jsonl_whole(tmp_path, monkeypatch):
+    check_a_resume_rewrites_updates_jsonl_whole(tmp_path, monkeypatch, cp)
+
+
+def check_an_interrupted_video_leaves_no_mp4(tmp_path, monkeypatch, script):
+    """Shared with test_cleanba_impala.py: the mp4 is written aside and renamed, so a video cut off half-way (Ctrl-C
+    in imageio.mimsave) leaves no file of the video's name."""
+    import imageio
+
+    def half_then_interrupted(path, frames, **kwargs):
+        Path(path).write_bytes(b"half an mp4")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(imageio, "mimsave", half_then_interrupted)
+    args = script.resolve_args(script.Args(env_id="CartPole-v1", num_eval_episodes=1, capture_video=True, cuda=False))
+    with pytest.raises(KeyboardInterrupt):
+        script.evaluate(args, script.Agent(args), torch.device("cpu"), 0, tmp_path / "videos" / "eval_0.mp4")
+    assert not (tmp_path / "videos" / "eval_0.mp4").exists()
+
+
+def test_an_interrupted_video_leaves_no_mp4(tmp_path, monkeypatch):
+    check_an_interrupted_video_leaves_no_mp4(tmp_path, monkeypatch, cp)
+
+
 def test_ctrl_c_after_an_update_leaves_a_whole_carry(tmp_path):
     check_ctrl_c_after_an_update_leaves_a_whole_carry(tmp_path, cp)
 
