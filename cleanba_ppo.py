@@ -981,7 +981,8 @@ def main(args: Args) -> dict:
         if rank == 0 and args.checkpoint:
             print(f"resuming {run_dir} at global step {start_step} (iteration {start_iteration - 1})")
         if rank == 0 and args.checkpoint and not exact:
-            why = "EnvPool's cannot be saved" if args.env_id != TOY_ENV_ID else "it is not of these actor threads"
+            why = "it is not of these actor threads" if world_size == 1 else "it holds one process's, not every rank's"
+            why = why if args.env_id == TOY_ENV_ID else "EnvPool's cannot be saved"
             print(f"resume: the envs' state is not in the checkpoint ({why}): they start new episodes")
         for device_index, device in enumerate(actor_devices):
             for thread in range(args.num_actor_threads):
