@@ -956,6 +956,8 @@ def main(args: Args) -> dict:
             reason = " ".join(f"{type(error).__name__}: {error}".split())[:300]  # one line
             raise ArgsError(f"--checkpoint {args.checkpoint}: not a checkpoint of this network ({reason})") from None
         learner.carry = {name: state[name] for name in learner.carry}
+        learner.optimizer.param_groups[0]["eps"] = args.rmsprop_eps  # the command's, not the checkpoint's
+        learner.optimizer.param_groups[0]["alpha"] = args.rmsprop_alpha  # (lr: set at every update)
     if world_size > 1:  # every learner starts from rank 0's parameters
         for param in agent.parameters():
             dist.broadcast(param.data, src=0)
