@@ -231,6 +231,7 @@ def resolve_args(args: Args, world_size: int = 1) -> Args:
             raise ArgsError(f"--{name.replace('_', '-')} {getattr(args, name)}: must be {domain}")
     idle = [  # (setting, where it would do nothing, whether that is here): refused rather than ignored
         ("checkpoint_freq", "without --save-model", not args.save_model),
+        ("progress_interval", "with --quiet", args.quiet),
         *[(name, "without --track", not args.track) for name in ("wandb_project_name", "wandb_entity")],
         ("adv_std_floor", "with --no-norm-adv", not args.norm_adv),
         ("max_episode_steps", f"on {TOY_ENV_ID}: use --toy.horizon", family == "toy"),
@@ -271,6 +272,11 @@ def resolve_args(args: Args, world_size: int = 1) -> Args:
         raise ArgsError("--capture-video: writing mp4 needs imageio-ffmpeg (pip install 'imageio[ffmpeg]')")
     if args.checkpoint:
         state = load_checkpoint(args.checkpoint, args.env_id)
+        saved_batch = state.get("batch_size", state["global_step"] // max(state["iteration"], 1))  # older: derived
+        if not args.evaluate and saved_batch != args.batch_size:  # the iterations count batches of the old size
+            batch = f"--local-num-envs {args.local_num_envs} x --num-steps {args.num_steps} x {world_size} process(es)"
+            saved = f"{args.batch_size} env steps an iteration, the checkpoint's {saved_batch}: resume with its batch"
+            raise ArgsError(f"{batch} = {saved}")
         if not args.evaluate and state["iteration"] >= args.num_iterations:
             done = f"the checkpoint is at global step {state['global_step']} already; pass a larger value"
             raise ArgsError(f"--total-timesteps {args.total_timesteps}: {done}")
@@ -618,13 +624,15 @@ def all_reduce_sum(tensor: torch.Tensor, world_size: int) -> torch.Tensor:
 
 
 class Learner:
-    """The network and Adam on the learner device; one PPO update per batch."""
+    """The network and Adam on the learner device, one PPO update per batch, and the run's carry: what a
+    checkpoint needs besides them (train replaces it whole after each iteration)."""
 
     STATS = ("policy_loss", "value_loss", "entropy", "old_approx_kl", "approx_kl", "clipfrac")
 
     def __init__(self, args: Args, agent: nn.Module, device: torch.device, rank: int):
         self.args, self.agent, self.device, self.rank = args, agent, device, rank
         self.optimizer = torch.optim.Adam(agent.parameters(), lr=args.learning_rate, eps=1e-5)  # Table 2
+        self.carry = {"iteration": 0, "global_step": 0, "actors": None, "previous_model": None, "wandb_id": None}
 
     def update(self, batch: dict, iteration: int) -> dict:
         """GAE, then update_epochs x num_minibatches Adam steps on (T, local_num_envs) tensors (App. A, Alg. 1)."""
@@ -707,9 +715,10 @@ class Logger:
         purge_step = None if resumed_at is None else resumed_at + 1  # the checkpoint's iteration is logged at its step
         self.writer = SummaryWriter(str(run_dir), purge_step=purge_step)
         jsonl = run_dir / "updates.jsonl"
-        if purge_step is not None and jsonl.exists():
-            rows = [row for row in jsonl.read_text().splitlines() if json.loads(row)["global_step"] < purge_step]
-            jsonl.write_text("".join(row + "\n" for row in rows))
+        if purge_step is not None and jsonl.exists():  # split("\n")[:-1]: not a killed run's partial last line
+            rows = [row for row in jsonl.read_text().split("\n")[:-1] if json.loads(row)["global_step"] < purge_step]
+            jsonl.with_name("updates.jsonl.tmp").write_text("".join(row + "\n" for row in rows))
+            os.replace(jsonl.with_name("updates.jsonl.tmp"), jsonl)  # renamed: a crash never leaves half the file
         self.jsonl = open(jsonl, "a")
         self.last: dict[str, float] = {}
 
@@ -731,12 +740,14 @@ def write_json(path: Path, data: dict) -> None:
     os.replace(path.with_name(path.name + ".tmp"), path)
 
 
-def save_checkpoint(path: Path, args: Args, learner: Learner, carry: dict) -> None:
-    """The model, the optimizer and `carry`: the iteration and global step done, each actor thread's carried state at
-    the end of the rollout that iteration trained on, pi_iteration (with --concurrency the next rollout's policy) and
-    the W&B id. No global random stream is read after the network's initialization (noise_seed, env_seeds)."""
-    state = {"script": SCRIPT, "env_id": args.env_id, "model": learner.agent.state_dict(), **carry}
+def save_checkpoint(path: Path, args: Args, learner: Learner) -> None:
+    """The model, the optimizer and learner.carry: the iteration and global step done, each actor thread's carried
+    state at the end of the rollout that iteration trained on, pi_iteration (with --concurrency the next rollout's
+    policy) and the W&B id; the env steps an iteration. No global random stream is read after the network's
+    initialization (noise_seed, env_seeds)."""
+    state = {"script": SCRIPT, "env_id": args.env_id, "model": learner.agent.state_dict(), **learner.carry}
     state["optimizer"] = learner.optimizer.state_dict()
+    state["batch_size"] = args.batch_size  # env steps an iteration: a resume must make the same
     torch.save(state, path.with_name(path.name + ".tmp"))  # then renamed: a crash never leaves half a checkpoint
     os.replace(path.with_name(path.name + ".tmp"), path)
 
@@ -768,7 +779,10 @@ def evaluate(args: Args, agent: nn.Module, device, global_step: int, video: Opti
         import imageio
 
         video.parent.mkdir(exist_ok=True)
-        imageio.mimsave(video, frames, fps=50 if args.env_id == "CartPole-v1" else 15, macro_block_size=2)  # real time
+        partial = video.with_name(video.stem + ".partial.mp4")  # renamed once whole
+        # real time on CartPole (0.02 s a step) and Atari (4 frames of 60 Hz); Acrobot (0.2 s a step) at Gymnasium's 15
+        imageio.mimsave(partial, frames, fps=50 if args.env_id == "CartPole-v1" else 15, macro_block_size=2)
+        os.replace(partial, video)
     out = {"eval/return": episodes.sums["returns"] / count, "eval/episode_len": episodes.sums["lengths"] / count}
     if args.env_id == TOY_ENV_ID:
         out["eval/success_at_end"] = episodes.sums["successes"] / count
@@ -783,7 +797,7 @@ def progress_line(args: Args, global_step: int, sps: float, train_start: float, 
     and the latest episodic return (and success rate)."""
     clock = lambda secs: f"{int(secs) // 3600}:{int(secs) % 3600 // 60:02d}:{int(secs) % 60:02d}"  # noqa: E731
     total = args.num_iterations * args.batch_size
-    left = clock((total - global_step) / sps) if sps > 0 else "?"
+    left = clock(max(total - global_step, 0) / sps) if sps > 0 else "?"
     line = f"progress global_step={global_step}/{total} ({100 * global_step // total}%) SPS={sps:.0f}"
     extras = [f" {name}={last[name]:.4g}" for name in ("charts/episodic_return", "charts/success_rate") if name in last]
     return line + f" elapsed={clock(time.time() - train_start)} left={left}" + "".join(extras)
@@ -799,24 +813,25 @@ def publish_params(params: dict, actors: list[ActorThread], version: int) -> Non
         blocking(partial(actor.params_queue.put, (version, snapshot)), actor.is_alive)
 
 
-def train(args: Args, learner: Learner, actors: list, logger, run_dir, carry: dict) -> Optional[BaseException]:
-    """Iterations carry["iteration"] + 1 .. num_iterations (i turns pi_i into pi_{i+1}); after each, carry holds what
-    a checkpoint needs besides the model and optimizer. Returns None at the end, the error of a failed actor thread,
-    or KeyboardInterrupt on Ctrl-C (the model and optimizer then those of the last finished iteration)."""
+def train(args: Args, learner: Learner, actors: list, logger, run_dir) -> Optional[BaseException]:
+    """Iterations carry["iteration"] + 1 .. num_iterations (i turns pi_i into pi_{i+1}); after each, learner.carry (a
+    new dict, assigned at once) holds what a checkpoint needs besides the model and optimizer. Returns None at the end,
+    the error of a failed actor thread, or KeyboardInterrupt on Ctrl-C (the model and optimizer then those of the last
+    finished iteration)."""
     agent, device, rank = learner.agent, learner.device, learner.rank
-    start_iteration = carry["iteration"] + 1
+    start_iteration = learner.carry["iteration"] + 1
     before = None  # the model and optimizer before the update in progress
     try:
         # Table 1: pi_start makes the first rollout; resumed with --concurrency pi_{start-1} does, pi_start the next
         lagged = args.concurrency and start_iteration > 1
-        first = carry["previous_model"] if lagged else agent.state_dict()
+        first = learner.carry["previous_model"] if lagged else agent.state_dict()
         publish_params(first, actors, start_iteration - 1 if lagged else start_iteration)
         for actor in actors:
             actor.start()
         if lagged:
             publish_params(agent.state_dict(), actors, start_iteration)
         train_start = time.time()
-        start_step = carry["global_step"]
+        start_step = learner.carry["global_step"]
         next_progress = train_start + args.progress_interval
         for iteration in range(start_iteration, args.num_iterations + 1):
             # 1. Rollouts: rollout_Q.get() from every actor thread
@@ -832,12 +847,15 @@ def train(args: Args, learner: Learner, actors: list, logger, run_dir, carry: di
             before = {"iteration": iteration - 1, "model": previous, "optimizer": optimizer}
             losses = learner.update(batch, iteration)
             update_time = time.perf_counter() - start
-            global_step = carry["global_step"] + args.batch_size
-            carried = [rollout["carried"] for rollout in rollouts]
-            carry["iteration"] = iteration
-            carry["global_step"] = global_step
-            carry["actors"] = carried
-            carry["previous_model"] = previous
+            global_step = learner.carry["global_step"] + args.batch_size
+            # one assignment: a Ctrl-C leaves the carry of one iteration, never half of two
+            learner.carry = {
+                "iteration": iteration,
+                "global_step": global_step,
+                "actors": [rollout["carried"] for rollout in rollouts],
+                "previous_model": previous,
+                "wandb_id": learner.carry["wandb_id"],
+            }
             if iteration < args.num_iterations:
                 publish_params(agent.state_dict(), actors, iteration + 1)
             if args.debug_learner_delay > 0:
@@ -880,11 +898,11 @@ def train(args: Args, learner: Learner, actors: list, logger, run_dir, carry: di
                 next_progress = time.time() + args.progress_interval
                 print(progress_line(args, global_step, row["charts/SPS"], train_start, logger.last), flush=True)
             if args.save_model and iteration % args.checkpoint_freq == 0:
-                save_checkpoint(run_dir / f"ckpt_{global_step}.pt", args, learner, carry)
+                save_checkpoint(run_dir / f"ckpt_{global_step}.pt", args, learner)
     except Stopped:  # an actor thread died: the caller ends the run with its error
         return next((actor.error for actor in actors if actor.error is not None), None)
     except KeyboardInterrupt as interrupt:
-        if before is not None and before["iteration"] == carry["iteration"]:  # stopped in an update: undone
+        if before is not None and before["iteration"] == learner.carry["iteration"]:  # stopped in an update: undone
             agent.load_state_dict(before["model"])
             learner.optimizer.load_state_dict(before["optimizer"])
         return interrupt
@@ -913,7 +931,6 @@ def main(args: Args) -> dict:
     torch.manual_seed(args.seed)  # the network's initialization; envs and sampling have their own seeds
     agent = Agent(args).to(learner_device)
     learner = Learner(args, agent, learner_device, rank)
-    carry = {"iteration": 0, "global_step": 0, "actors": None, "previous_model": None, "wandb_id": None}
     if args.checkpoint:
         state = load_checkpoint(args.checkpoint, args.env_id)
         try:
@@ -922,7 +939,7 @@ def main(args: Args) -> dict:
         except Exception as error:  # a checkpoint of another network (the toy chain's settings)
             reason = " ".join(f"{type(error).__name__}: {error}".split())[:300]  # one line
             raise ArgsError(f"--checkpoint {args.checkpoint}: not a checkpoint of this network ({reason})") from None
-        carry = {name: state[name] for name in carry}
+        learner.carry = {name: state[name] for name in learner.carry}
     if world_size > 1:  # every learner starts from rank 0's parameters
         for param in agent.parameters():
             dist.broadcast(param.data, src=0)
@@ -930,19 +947,19 @@ def main(args: Args) -> dict:
         print(format_settings(args, learner_device), flush=True)
         path = Path(args.checkpoint)
         video = path.with_name(f"eval_{path.stem}.mp4") if args.capture_video else None
-        results = evaluate(args, agent, learner_device, carry["global_step"], video)
+        results = evaluate(args, agent, learner_device, learner.carry["global_step"], video)
         evaluation = {
             "checkpoint": str(path),
-            "global_step": carry["global_step"],
+            "global_step": learner.carry["global_step"],
             "eval_seed": args.seed,
             "num_eval_episodes": args.num_eval_episodes,
             **results,
         }
         write_json(path.with_name(f"eval_{path.stem}.json"), evaluation)
         return results
-    start_iteration = carry["iteration"] + 1
-    start_step = carry["global_step"]
-    saved = [len(carried["obs"]) for carried in carry["actors"] or []]  # envs per actor thread of the checkpoint
+    start_iteration = learner.carry["iteration"] + 1
+    start_step = learner.carry["global_step"]
+    saved = [len(carried["obs"]) for carried in learner.carry["actors"] or []]  # envs per thread of the checkpoint
     threads = len(actor_devices) * args.num_actor_threads
     exact = args.env_id == TOY_ENV_ID and world_size == 1 and saved == [args.envs_per_thread] * threads
     logger = None
@@ -957,31 +974,33 @@ def main(args: Args) -> dict:
             run_dir = Path(args.checkpoint).parent if args.checkpoint else Path(args.output_dir) / run_name
             run_dir.mkdir(parents=True, exist_ok=bool(args.checkpoint))
             write_json(run_dir / "config.json", asdict(args))
-            logger = Logger(run_dir, args, carry["global_step"] if args.checkpoint else None, carry["wandb_id"])
-            carry["wandb_id"] = logger.wandb_id
+            resumed_at = start_step if args.checkpoint else None
+            logger = Logger(run_dir, args, resumed_at, learner.carry["wandb_id"])
+            learner.carry["wandb_id"] = logger.wandb_id
             print(format_settings(args, learner_device), flush=True)
         if rank == 0 and args.checkpoint:
-            print(f"resuming {run_dir} at global step {carry['global_step']} (iteration {carry['iteration']})")
+            print(f"resuming {run_dir} at global step {start_step} (iteration {start_iteration - 1})")
         if rank == 0 and args.checkpoint and not exact:
-            why = "EnvPool's cannot be saved" if args.env_id != TOY_ENV_ID else "it is not of these actor threads"
+            why = "it is not of these actor threads" if world_size == 1 else "it holds one process's, not every rank's"
+            why = why if args.env_id == TOY_ENV_ID else "EnvPool's cannot be saved"
             print(f"resume: the envs' state is not in the checkpoint ({why}): they start new episodes")
         for device_index, device in enumerate(actor_devices):
             for thread in range(args.num_actor_threads):
                 index = device_index * args.num_actor_threads + thread
-                carried = carry["actors"][index] if exact else None
+                carried = learner.carry["actors"][index] if exact else None
                 actors.append(ActorThread(args, index, device, rank, start_iteration, agent, stop, carried))
-        stopped = train(args, learner, actors, logger, run_dir, carry)  # None, Ctrl-C or a failed actor's error
+        stopped = train(args, learner, actors, logger, run_dir)  # None, Ctrl-C or a failed actor's error
         if stopped is not None and not isinstance(stopped, KeyboardInterrupt):
             raise RuntimeError(f"an actor thread failed: {stopped!r}") from stopped
-        if rank == 0 and args.save_model and carry["iteration"] >= start_iteration:
-            save_checkpoint(run_dir / "final_ckpt.pt", args, learner, carry)
+        if rank == 0 and args.save_model and learner.carry["iteration"] >= start_iteration:
+            save_checkpoint(run_dir / "final_ckpt.pt", args, learner)
         if stopped is not None:
             raise stopped
         if rank == 0 and args.num_eval_episodes > 0:
             start = time.perf_counter()
-            video = run_dir / "videos" / f"eval_{carry['global_step']}.mp4" if args.capture_video else None
-            results = evaluate(args, agent, learner_device, carry["global_step"], video)
-            logger.scalars({**results, "time/eval": time.perf_counter() - start}, carry["global_step"])
+            video = run_dir / "videos" / f"eval_{learner.carry['global_step']}.mp4" if args.capture_video else None
+            results = evaluate(args, agent, learner_device, learner.carry["global_step"], video)
+            logger.scalars({**results, "time/eval": time.perf_counter() - start}, learner.carry["global_step"])
     except KeyboardInterrupt:
         interrupted = True
         raise
@@ -993,10 +1012,10 @@ def main(args: Args) -> dict:
             else:
                 actor.join(timeout=10)
         wall_time = time.time() - start_time
-        sps = (carry["global_step"] - start_step) / wall_time
+        sps = (learner.carry["global_step"] - start_step) / wall_time
         summary = {
-            "iteration": carry["iteration"],
-            "global_step": carry["global_step"],
+            "iteration": learner.carry["iteration"],
+            "global_step": learner.carry["global_step"],
             "interrupted": interrupted,
             "world_size": world_size,
             "wall_time_s": wall_time,

@@ -18,10 +18,14 @@ from test_cleanba_ppo import (
     ATARI_PROTOCOL,
     IDLE_FLAGS,
     check_a_failing_actor_ends_the_run_with_its_error,
+    check_a_resume_rewrites_updates_jsonl_whole,
+    check_a_resume_with_another_batch_is_refused,
     check_a_resumed_run_ends_bit_identical_to_the_uninterrupted_run,
+    check_an_interrupted_video_leaves_no_mp4,
     check_capture_video_records_breakout,
     check_checkpoints_of_something_else_are_refused,
     check_ctrl_c,
+    check_ctrl_c_after_an_update_leaves_a_whole_carry,
     check_ctrl_c_in_an_update_leaves_the_last_finished_iteration,
     check_ctrl_c_while_the_pools_start,
     check_envpool_cartpole_truncates_at_500_and_terminates_a_fallen_pole,
@@ -38,6 +42,7 @@ from test_cleanba_ppo import (
     check_track_keeps_the_wandb_run_id_and_a_resume_goes_on_in_that_run,
     evaluation_line,
     final_returns_on_cartpole,
+    only_run_dir,
     read_run,
     save_step,
     scalars,
@@ -476,6 +481,10 @@ def test_checkpoints_of_something_else_are_refused(tmp_path):
 # ----------------------------------------------------------------------------------------------------------------------
 # The actor thread and the learner, in process
 # ----------------------------------------------------------------------------------------------------------------------
+def test_a_resume_with_another_batch_is_refused(tmp_path):
+    check_a_resume_with_another_batch_is_refused(ci, tmp_path)
+
+
 def test_the_actor_acts_with_the_params_it_receives():
     check_the_actor_acts_with_the_params_it_receives(ci)
 
@@ -703,6 +712,18 @@ def test_ctrl_c_in_an_update_leaves_the_last_finished_iteration(tmp_path, monkey
     check_ctrl_c_in_an_update_leaves_the_last_finished_iteration(tmp_path, monkeypatch, ci, num_minibatches=2)
 
 
+def test_ctrl_c_after_an_update_leaves_a_whole_carry(tmp_path):
+    check_ctrl_c_after_an_update_leaves_a_whole_carry(tmp_path, ci, num_minibatches=2)
+
+
+def test_a_resume_rewrites_updates_jsonl_whole(tmp_path, monkeypatch):
+    check_a_resume_rewrites_updates_jsonl_whole(tmp_path, monkeypatch, ci)
+
+
+def test_an_interrupted_video_leaves_no_mp4(tmp_path, monkeypatch):
+    check_an_interrupted_video_leaves_no_mp4(tmp_path, monkeypatch, ci)
+
+
 def test_ctrl_c_while_the_pools_start(tmp_path, monkeypatch):
     check_ctrl_c_while_the_pools_start(tmp_path, monkeypatch, ci, num_minibatches=2)
 
@@ -711,3 +732,43 @@ def test_ctrl_c_while_the_pools_start(tmp_path, monkeypatch):
 @pytest.mark.parametrize("phase", ["start", "training", "evaluation"])
 def test_ctrl_c_ends_the_run_within_10_s_and_writes_what_it_writes(tmp_path, phase):
     check_ctrl_c(tmp_path, SCRIPT, phase)
+
+
+def test_the_progress_line_never_shows_a_negative_time_left():
+    args = ci.resolve_args(ci.Args(env_id="ToyChain-v0", local_num_envs=8, num_steps=5, total_timesteps=400))
+    assert " left=0:00:00" in ci.progress_line(args, 440, 10.0, 0.0, {})
+
+
+def test_a_resume_takes_the_learning_rate_and_rmsprop_settings_of_the_command(tmp_path, monkeypatch):
+    """optimizer.load_state_dict restores the checkpoint's param_groups: a resume still steps with the command's
+    --learning-rate, --rmsprop-eps and --rmsprop-alpha."""
+    args = ci.Args(
+        env_id="ToyChain-v0",
+        output_dir=str(tmp_path),
+        local_num_envs=4,
+        num_steps=5,
+        total_timesteps=40,
+        num_minibatches=2,
+        num_eval_episodes=0,
+        cuda=False,
+        save_model=True,
+        quiet=True,
+    )
+    seen = []
+    update = ci.Learner.update
+
+    def recorded(learner, batch, iteration):
+        seen.append({name: learner.optimizer.param_groups[0][name] for name in ("eps", "alpha")})
+        out = update(learner, batch, iteration)
+        seen[-1]["lr"] = learner.optimizer.param_groups[0]["lr"]
+        return out
+
+    changed = dict(learning_rate=1e-3, anneal_lr=False, rmsprop_eps=0.5, rmsprop_alpha=0.9)
+    try:
+        ci.main(args)
+        final = os.path.join(only_run_dir(tmp_path), "final_ckpt.pt")
+        monkeypatch.setattr(ci.Learner, "update", recorded)
+        ci.main(dataclasses.replace(args, total_timesteps=80, checkpoint=final, output_dir="runs", **changed))
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert seen and all(step == {"eps": 0.5, "alpha": 0.9, "lr": 1e-3} for step in seen), seen

@@ -410,6 +410,10 @@ IDLE_FLAGS = [
     (dict(env_id="CartPole-v1", capture_video=True, num_eval_episodes=0), "--capture-video: does nothing with --num"),
     (dict(env_id="ToyChain-v0", checkpoint_freq=5), "--checkpoint-freq 5: does nothing without --save-model"),
     (dict(env_id="ToyChain-v0", wandb_entity="me"), "--wandb-entity me: does nothing without --track"),
+    (
+        dict(env_id="ToyChain-v0", quiet=True, progress_interval=5.0),
+        "--progress-interval 5.0: does nothing with --quiet",
+    ),
     (dict(env_id="ToyChain-v0", evaluate=True, save_model=True), "--save-model: does nothing with --evaluate"),
     (dict(env_id="ToyChain-v0", evaluate=True, total_timesteps=800), "--total-timesteps 800: does nothing with"),
     (dict(env_id="ToyChain-v0", evaluate=True, debug_learner_delay=1.0), "--debug-learner-delay 1.0: does nothing"),
@@ -488,6 +492,36 @@ def check_checkpoints_of_something_else_are_refused(script, tmp_path):
 
 def test_checkpoints_of_something_else_are_refused(tmp_path):
     check_checkpoints_of_something_else_are_refused(cp, tmp_path)
+
+
+def check_a_resume_with_another_batch_is_refused(script, tmp_path):
+    """Shared with test_cleanba_impala.py: a checkpoint keeps its run's env steps an iteration (all processes), which
+    its iteration counts; a resume with another --local-num-envs, --num-steps or number of processes is refused."""
+    args = script.resolve_args(script.Args(env_id="ToyChain-v0", local_num_envs=8, num_steps=5, total_timesteps=400))
+    learner = script.Learner(args, script.Agent(args), torch.device("cpu"), 0)
+    learner.carry = {"iteration": 2, "global_step": 80, "actors": None, "previous_model": None, "wandb_id": None}
+    script.save_checkpoint(tmp_path / "ckpt_80.pt", args, learner)
+    resume = script.Args(env_id="ToyChain-v0", checkpoint=str(tmp_path / "ckpt_80.pt"), total_timesteps=400)
+    assert script.resolve_args(dataclasses.replace(resume, local_num_envs=8, num_steps=5)).num_iterations == 10
+    assert script.resolve_args(dataclasses.replace(resume, total_timesteps=None, evaluate=True)).evaluate
+    cases = [
+        (dict(local_num_envs=16, num_steps=5), 1, "--local-num-envs 16 x --num-steps 5 x 1 process(es) = 80 env"),
+        (dict(local_num_envs=8, num_steps=10), 1, "--local-num-envs 8 x --num-steps 10 x 1 process(es) = 80 env"),
+        (dict(local_num_envs=8, num_steps=5), 2, "--local-num-envs 8 x --num-steps 5 x 2 process(es) = 80 env"),
+    ]
+    for kwargs, world_size, message in cases:
+        with pytest.raises(script.ArgsError) as error:
+            script.resolve_args(dataclasses.replace(resume, **kwargs), world_size)
+        assert str(error.value) == f"{message} steps an iteration, the checkpoint's 40: resume with its batch"
+
+
+def test_a_resume_with_another_batch_is_refused(tmp_path):
+    check_a_resume_with_another_batch_is_refused(cp, tmp_path)
+
+
+def test_the_progress_line_never_shows_a_negative_time_left():
+    args = cp.resolve_args(cp.Args(env_id="ToyChain-v0", local_num_envs=8, num_steps=5, total_timesteps=400))
+    assert " left=0:00:00" in cp.progress_line(args, 440, 10.0, time.time(), {})
 
 
 def test_evaluate_needs_an_episode_and_a_checkpoint(tmp_path):
@@ -1072,8 +1106,6 @@ def check_progress_lines_in_a_log_file_and_none_with_quiet(tmp_path, script_path
         "--no-cuda",
         "--debug-learner-delay",
         "0.25",
-        "--progress-interval",
-        "1",
     ]
     found = {}
     for quiet in (False, True):
@@ -1081,7 +1113,11 @@ def check_progress_lines_in_a_log_file_and_none_with_quiet(tmp_path, script_path
         with open(log_path, "w") as log:
             command = [sys.executable, script_path, "--output-dir", str(tmp_path / str(quiet)), *flags]
             proc = subprocess.run(
-                command + ["--quiet"] * quiet, stdout=log, stderr=subprocess.STDOUT, timeout=300, cwd=ROOT
+                command + (["--quiet"] if quiet else ["--progress-interval", "1"]),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                timeout=300,
+                cwd=ROOT,
             )
         text = log_path.read_text()
         assert proc.returncode == 0 and "\r" not in text, text[-2000:]
@@ -1329,6 +1365,93 @@ def check_ctrl_c_in_an_update_leaves_the_last_finished_iteration(tmp_path, monke
     assert all(torch.equal(final["model"][name], first["model"][name]) for name in first["model"])
     for index, state in first["optimizer"]["state"].items():
         assert all(torch.equal(value, final["optimizer"]["state"][index][name]) for name, value in state.items())
+
+
+def check_ctrl_c_after_an_update_leaves_a_whole_carry(tmp_path, script, **kwargs):
+    """Shared with test_cleanba_impala.py. Ctrl-C at each line after the second update (a trace raises it there, in
+    the learner loop): final_ckpt.pt's iteration, global step and model are of one iteration, never half of each."""
+    args = script.Args(
+        env_id="ToyChain-v0", local_num_envs=4, num_steps=5, total_timesteps=60, num_eval_episodes=0, cuda=False
+    )
+    args = dataclasses.replace(args, num_actor_threads=1, save_model=True, quiet=True, **kwargs)
+    for lines_after in range(1, 8):
+        first_losses = []  # iteration 1's, until the second update returns its own
+        seen = []
+
+        def trace(frame, event, arg):
+            if frame.f_code.co_name != "train":
+                return None
+            if event != "line" or frame.f_locals.get("iteration") != 2:
+                return trace
+            if not first_losses:
+                first_losses.append(frame.f_locals["losses"])
+            elif frame.f_locals["losses"] is not first_losses[0]:
+                seen.append(frame.f_lineno)
+                if len(seen) == lines_after:
+                    raise KeyboardInterrupt
+            return trace
+
+        out = tmp_path / str(lines_after)
+        sys.settrace(trace)
+        try:
+            with pytest.raises(KeyboardInterrupt):
+                script.main(dataclasses.replace(args, output_dir=str(out)))
+        finally:
+            sys.settrace(None)
+            torch.use_deterministic_algorithms(False)
+        final = torch.load(os.path.join(only_run_dir(out), "final_ckpt.pt"), weights_only=True)
+        assert final["global_step"] == 20 * final["iteration"], (lines_after, final["iteration"], final["global_step"])
+        assert final["iteration"] in (1, 2) and len(final["previous_model"]) == len(final["model"])
+
+
+def check_a_resume_rewrites_updates_jsonl_whole(tmp_path, monkeypatch, script):
+    """Shared with test_cleanba_impala.py. A resume at step 40 keeps the rows before it and drops a killed run's
+    partial last line; a rewrite interrupted half-way leaves the old file whole (written aside, then renamed)."""
+    args = script.resolve_args(script.Args(env_id="ToyChain-v0"))
+    jsonl = tmp_path / "updates.jsonl"
+    text = "".join(json.dumps({"global_step": step}) + "\n" for step in (20, 40, 60)) + '{"global_step": 8'
+    jsonl.write_text(text)
+    write_text = Path.write_text
+
+    def half_then_interrupted(path, data):
+        write_text(path, data[: len(data) // 2])
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(Path, "write_text", half_then_interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        script.Logger(tmp_path, args, 40, None)
+    assert jsonl.read_text() == text
+    monkeypatch.setattr(Path, "write_text", write_text)
+    script.Logger(tmp_path, args, 40, None).close()
+    assert [json.loads(row)["global_step"] for row in jsonl.read_text().splitlines()] == [20, 40]
+
+
+def test_a_resume_rewrites_updates_jsonl_whole(tmp_path, monkeypatch):
+    check_a_resume_rewrites_updates_jsonl_whole(tmp_path, monkeypatch, cp)
+
+
+def check_an_interrupted_video_leaves_no_mp4(tmp_path, monkeypatch, script):
+    """Shared with test_cleanba_impala.py: the mp4 is written aside and renamed, so a video cut off half-way (Ctrl-C
+    in imageio.mimsave) leaves no file of the video's name."""
+    import imageio
+
+    def half_then_interrupted(path, frames, **kwargs):
+        Path(path).write_bytes(b"half an mp4")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(imageio, "mimsave", half_then_interrupted)
+    args = script.resolve_args(script.Args(env_id="CartPole-v1", num_eval_episodes=1, capture_video=True, cuda=False))
+    with pytest.raises(KeyboardInterrupt):
+        script.evaluate(args, script.Agent(args), torch.device("cpu"), 0, tmp_path / "videos" / "eval_0.mp4")
+    assert not (tmp_path / "videos" / "eval_0.mp4").exists()
+
+
+def test_an_interrupted_video_leaves_no_mp4(tmp_path, monkeypatch):
+    check_an_interrupted_video_leaves_no_mp4(tmp_path, monkeypatch, cp)
+
+
+def test_ctrl_c_after_an_update_leaves_a_whole_carry(tmp_path):
+    check_ctrl_c_after_an_update_leaves_a_whole_carry(tmp_path, cp)
 
 
 def test_ctrl_c_in_an_update_leaves_the_last_finished_iteration(tmp_path, monkeypatch):
