@@ -44,7 +44,6 @@ import copy
 import ctypes
 import glob
 import json
-import math
 import os
 import random
 import signal
@@ -88,7 +87,8 @@ class Args:
     wandb_entity: Optional[str] = None
     """wandb entity (team)"""
     save_model: bool = False
-    """write checkpoints: ckpt_{global_step}.pt at each evaluation but a run's first, final_ckpt.pt at its end"""
+    """write checkpoints: ckpt_{global_step}.pt at each evaluation but a run's first, final_ckpt.pt at its end and on
+    Ctrl-C (once the run has stepped)"""
     checkpoint: Optional[str] = None
     """a checkpoint whose run to continue (in its directory; the same --num-envs, --nstep, --toy.*), or to --evaluate"""
     evaluate: bool = False
@@ -297,7 +297,8 @@ def resolve_args(args: Args) -> Args:
 
 
 def check_checkpoint(args: Args) -> None:
-    """--checkpoint must be pql.py's, of --env-id; to resume, also of --num-envs, --nstep, --toy.* and before
+    """--checkpoint must be pql.py's, of --env-id and --distributional (the networks' shapes); to resume, also of
+    --num-envs, --nstep, --toy.*, the device types (the generators' states) and more than a warm-up before
     --total-timesteps (a resume continues the run with the Actor's carried state). Else ArgsError."""
     flag = f"--checkpoint {args.checkpoint}"
     if not os.path.isfile(args.checkpoint):
@@ -315,18 +316,31 @@ def check_checkpoint(args: Args) -> None:
         raise ArgsError(f"{flag}: a checkpoint of {script}, not of pql.py")
     if ckpt["env_id"] != args.env_id:
         raise ArgsError(f"{flag}: a checkpoint of {ckpt['env_id']}, not of --env-id {args.env_id}")
-    if args.evaluate:
-        return
     saved = json.loads(ckpt["args"])
-    kept = [("num_envs", args.num_envs, saved["num_envs"]), ("nstep", args.nstep, saved["nstep"])]
-    kept += [(f"toy.{name}", value, saved["toy"][name]) for name, value in asdict(args.toy).items()]
+    kept = [("distributional", args.distributional, saved["distributional"])]  # (the networks' shapes)
+    if not args.evaluate:
+        kept += [("num_envs", args.num_envs, saved["num_envs"]), ("nstep", args.nstep, saved["nstep"])]
+        kept += [(f"toy.{name}", value, saved["toy"][name]) for name, value in asdict(args.toy).items()]
+        devices = ("actor_device", "v_learner_device", "p_learner_device")  # (a CPU and a CUDA generator differ)
+        kept += [(name, torch.device(getattr(args, name)).type, torch.device(saved[name]).type) for name in devices]
     for name, value, theirs in kept:
         if value != theirs:
             setting = f"--{name.replace('_', '-')} {value}"
-            raise ArgsError(f"{setting}: the checkpoint's run has {theirs}; a resume continues it with that")
+            use = "its networks fit only that" if name == "distributional" else "a resume continues it with that"
+            raise ArgsError(f"{setting}: the checkpoint's run has {theirs}; {use}")
+    if args.evaluate:
+        return
     if ckpt["iteration"] >= args.num_actor_steps:
         steps = f"the checkpoint is at global step {ckpt['global_step']} already; pass a larger value"
         raise ArgsError(f"--total-timesteps {args.total_timesteps}: {steps}")
+    if args.num_actor_steps - ckpt["iteration"] <= warm_up_length(args):
+        steps = f"{args.num_actor_steps - ckpt['iteration']} Actor steps left after the checkpoint <= the warm-up"
+        raise ArgsError(f"--total-timesteps {args.total_timesteps}: {steps}, nothing would be learned")
+
+
+def warm_up_length(args: Args) -> int:
+    """Actor steps before learning starts (a resume's too): --warm-up-steps, at least the n - 1 that fill the window."""
+    return max(args.warm_up_steps, args.nstep - 1)
 
 
 def format_settings(args: Args) -> str:
@@ -371,8 +385,13 @@ def make_maniskill_env(args: Args, num_envs: int, evaluation: bool, video_dir: O
         reconfiguration_freq=int(evaluation),
     )
     if video_dir:
-        horizon = args.resolved_horizon
-        env = RecordEpisode(FirstFrames(env), video_dir, save_trajectory=False, max_steps_per_video=horizon)
+        env = RecordEpisode(
+            FirstFrames(env),
+            video_dir,
+            save_trajectory=False,
+            max_steps_per_video=args.resolved_horizon,
+            avoid_overwriting_video=True,  # (a resume's, --evaluate's videos go on from the last one's number)
+        )
     if isinstance(env.action_space, gym.spaces.Dict):
         env = FlattenActionSpaceWrapper(env)
     if args.sim_backend == "physx_cpu":
@@ -682,6 +701,7 @@ class VLearner:
         if state is not None:
             self.critic_target.load_state_dict(state["model"]["critic_target"])
             self.optimizer.load_state_dict(state["optimizer"]["critic"])
+            self.optimizer.param_groups[0]["lr"] = args.learning_rate  # (not the checkpoint's)
             self.generator.set_state(state["rng"]["v_learner"])
         self.buffer = ReplayBuffer(capacity, transition_shapes(obs_dim, act_dim), device)
         self.obs_rms = RunningMeanStd((obs_dim,), device)  # the Actor's, received with every message
@@ -746,6 +766,7 @@ class PLearner:
         self.generator = torch.Generator(device=device).manual_seed(args.seed + 2)  # batches
         if state is not None:
             self.optimizer.load_state_dict(state["optimizer"]["policy"])
+            self.optimizer.param_groups[0]["lr"] = args.learning_rate  # (not the checkpoint's)
             self.generator.set_state(state["rng"]["p_learner"])
         self.buffer = ReplayBuffer(capacity, {"obs": (obs_dim,)}, device)
         self.obs_rms = RunningMeanStd((obs_dim,), device)  # the Actor's, received with every message
@@ -839,9 +860,11 @@ class SlotRing:
 
 
 class LearnerCounts(ctypes.Structure):
-    """One learner's shared counts (written by it only): updates done, checkpoint requests served, its last loss."""
+    """One learner's shared counts (written by it only): updates done, checkpoint requests served, its last loss (once
+    reported: it may be NaN)."""
 
     _fields_ = [("updates", ctypes.c_int64), ("served", ctypes.c_int64), ("loss", ctypes.c_double)]
+    _fields_ += [("loss_reported", ctypes.c_bool)]
 
 
 class SharedCounters(ctypes.Structure):
@@ -886,9 +909,11 @@ def learner_process(role, args, sizes, inbox, outbox, counters, stop, run_dir, t
                 mine.updates += 1
                 if mine.updates % 64 == 0:  # its loss for the Actor's log, not at every update (a GPU sync)
                     mine.loss = result.loss.item()
+                    mine.loss_reported = True
                 continue
             if result is not None:  # idle: its last loss
                 mine.loss = result.loss.item()
+                mine.loss_reported = True
             if not mp.parent_process().is_alive():  # the Actor was killed (SIGKILL): no orphans
                 return
             time.sleep(POLL_S)
@@ -918,12 +943,16 @@ def start_learners(args, ctx, supervisor, counters, sizes, numels: dict, threads
             daemon=True,
             args=(role, args, sizes, *channels, counters, supervisor.stop, str(supervisor.run_dir), threads),
         )
+    for stale in supervisor.run_dir.glob("*_error.txt"):  # of a learner that failed before a resume: not this one
+        stale.unlink()
     # SIGINT blocked while they start: the learners inherit the block (never see Ctrl-C), the Actor gets it on unblock
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
-    for role, process in supervisor.processes.items():
-        process.start()
-        print(f"{ROLES[role]} started: pid {process.pid}", flush=True)
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+    try:
+        for role, process in supervisor.processes.items():
+            process.start()
+            print(f"{ROLES[role]} started: pid {process.pid}", flush=True)
+    finally:  # (a SIGTERM or an error meanwhile: Ctrl-C is not left blocked)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     return to_learner, from_learner
 
 
@@ -1128,8 +1157,9 @@ def actor_networks(args: Args, envs, device: torch.device) -> tuple:
 
 
 def evaluate_checkpoint(args: Args) -> dict:
-    """--evaluate: one evaluation of the checkpoint's policy, with the seed of its run's evaluation at that step; prints
-    its line and writes eval_<checkpoint stem>.json (and the videos) beside the checkpoint. No run directory."""
+    """--evaluate: one evaluation of the checkpoint's policy, seeded as its run's evaluation at that step (the same
+    episodes if --seed, --num-eval-envs and --horizon are the run's); prints its line and writes
+    eval_<checkpoint stem>.json (and the videos) beside the checkpoint. No run directory."""
     path = Path(args.checkpoint)
     device = torch.device(args.actor_device)
     video_dir = path.parent / "videos" if args.capture_video else None
@@ -1151,6 +1181,26 @@ def evaluate_checkpoint(args: Args) -> dict:
     return {"interrupted": False, **result}
 
 
+def open_run_logs(args: Args, run_dir: Path, wandb_id: Optional[str], purge_step: Optional[int]) -> SummaryWriter:
+    """Writes config.json, starts the W&B run (--track) and returns the TensorBoard writer (a resume's purges the
+    steps after its checkpoint: no step twice)."""
+    (run_dir / "config.json").write_text(json.dumps(asdict(args), indent=2))
+    if args.track:
+        import wandb
+
+        wandb.init(
+            project=args.wandb_project_name,
+            entity=args.wandb_entity,
+            name=run_dir.name,
+            id=wandb_id,
+            resume="allow",
+            config=asdict(args),
+            sync_tensorboard=True,
+            save_code=True,
+        )
+    return SummaryWriter(str(run_dir), purge_step=purge_step)
+
+
 # ---- The Actor (Alg. 1): the main process ----------------------------------------------------------------------------
 def main(args: Args) -> dict:
     args = resolve_args(args)
@@ -1165,10 +1215,9 @@ def main(args: Args) -> dict:
     else:  # a resume continues the checkpoint's run: its directory, TensorBoard stream and W&B run
         run_dir = Path(args.checkpoint).parent
         print(f"resuming {run_dir} at global step {ckpt['global_step']} (iteration {ckpt['iteration']})", flush=True)
-        warm_up = f"a warm-up of {max(args.warm_up_steps, args.nstep - 1)} Actor steps with the checkpoint's policy"
+        warm_up = f"a warm-up of {warm_up_length(args)} Actor steps with the checkpoint's policy"
         simulator = "" if is_toy else "; the simulator's state is not in it either: the envs start anew"
         print(f"resume: the replay buffers are not in the checkpoint: the learners refill them ({warm_up}){simulator}")
-    (run_dir / "config.json").write_text(json.dumps(asdict(args), indent=2))
     parallel = not (args.ddpg_n or args.sequential)
     cores = len(os.sched_getaffinity(0))
     threads = max(1, cores // 3) if parallel else cores  # torch threads per process: the cores split among them
@@ -1179,20 +1228,10 @@ def main(args: Args) -> dict:
     supervisor = Supervisor(run_dir, ctx.Event())
     wandb_id = ckpt["wandb_id"] if ckpt else None
     if args.track:
-        import wandb
-
         wandb_id = wandb_id or os.urandom(4).hex()  # (a new run's id: 8 characters, as W&B's own)
-        wandb.init(
-            project=args.wandb_project_name,
-            entity=args.wandb_entity,
-            name=run_dir.name,
-            id=wandb_id,
-            resume="allow",
-            config=asdict(args),
-            sync_tensorboard=True,
-            save_code=True,
-        )
-    writer = SummaryWriter(str(run_dir), purge_step=ckpt["global_step"] if ckpt else None)  # (no step twice)
+    # a resume writes into its run directory only once its networks and generators are loaded: one refused or
+    # interrupted before leaves the run as it was
+    writer = None if ckpt else open_run_logs(args, run_dir, wandb_id, None)
     last: dict[str, float] = {}  # the last value of every scalar, for summary.json
 
     def log(values: dict) -> None:
@@ -1210,8 +1249,6 @@ def main(args: Args) -> dict:
     summary: dict = {"interrupted": False, "eval_time_s": 0.0}
     envs = eval_envs = serial = None
     counters = mp.RawValue(SharedCounters)  # zeros, in shared memory
-    counters.v_learner.loss = math.nan  # (none reported yet)
-    counters.p_learner.loss = math.nan
     iteration = global_step = 0  # Actor steps and env steps taken
     if ckpt is not None:
         iteration = ckpt["iteration"]
@@ -1267,7 +1304,8 @@ def main(args: Args) -> dict:
             np.random.set_state(ckpt["actor"]["rng"]["numpy"])
             random.setstate(ckpt["actor"]["rng"]["python"])
             explore_rng.set_state(ckpt["actor"]["explore"])
-        warm_up_end = first_step + max(args.warm_up_steps, args.nstep - 1)  # learning starts after the warm-up
+            writer = open_run_logs(args, run_dir, wandb_id, ckpt["global_step"])
+        warm_up_end = first_step + warm_up_length(args)  # learning starts after the warm-up
         timers = {"time/rollout": 0.0, "time/update": 0.0}  # seconds since the last log
         supervisor.handle_signals(at_once=False)
         train_start = time.time()
@@ -1317,7 +1355,8 @@ def main(args: Args) -> dict:
                 }
                 if parallel:
                     for role in ROLES:
-                        timers["time/update"] += supervisor.wait_for(to_learner[role].has_room)
+                        # (a Ctrl-C waits for the step's end: the env has stepped, the counters must follow)
+                        timers["time/update"] += supervisor.wait_for(to_learner[role].has_room, interruptible=False)
                         to_learner[role].put(messages[role])
                 else:  # (each learner copies the tensors to its device)
                     serial.v_learner.receive(messages["v_learner"])
@@ -1354,9 +1393,9 @@ def main(args: Args) -> dict:
                 if v_updates > 0:  # the measured speed ratios (Sec. 3.2)
                     log({"pql/ratio_a_v": counters.actor_steps / v_updates})
                     log({"pql/ratio_p_v": counters.p_learner.updates / v_updates})
-                if parallel and not math.isnan(counters.v_learner.loss):  # each learner's last loss
+                if parallel and counters.v_learner.loss_reported:  # each learner's last loss
                     log({"losses/qf_loss": counters.v_learner.loss})
-                if parallel and not math.isnan(counters.p_learner.loss):
+                if parallel and counters.p_learner.loss_reported:
                     log({"losses/actor_loss": counters.p_learner.loss})
                 if not parallel:
                     log(serial.losses)
@@ -1399,10 +1438,11 @@ def main(args: Args) -> dict:
         if counters.v_learner.updates > 0:
             summary["pql/ratio_a_v"] = counters.actor_steps / counters.v_learner.updates
             summary["pql/ratio_p_v"] = counters.p_learner.updates / counters.v_learner.updates
-        temporary = run_dir / "summary.json.tmp"  # written whole, then renamed
-        temporary.write_text(json.dumps(summary, indent=2))
-        os.replace(temporary, run_dir / "summary.json")
-        writer.close()
+        if writer is not None:  # (not a resume that ended before its run continued)
+            temporary = run_dir / "summary.json.tmp"  # written whole, then renamed
+            temporary.write_text(json.dumps(summary, indent=2))
+            os.replace(temporary, run_dir / "summary.json")
+            writer.close()
         supervisor.stop.set()  # the learners end at their next look at it
         for env in (envs, eval_envs):
             if env is not None:

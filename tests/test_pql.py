@@ -584,13 +584,34 @@ def test_a_resume_continues_the_runs_envs_and_needs_steps_left(tmp_path):
         (dict(num_envs=8, nstep=1), "--nstep 1: the checkpoint's run has 3"),
         (dict(num_envs=8, toy=toy(horizon=100)), "--toy.horizon 100: the checkpoint's run has 200"),
         (dict(num_envs=8, total_timesteps=800), "--total-timesteps 800: the checkpoint is at global step 800 already"),
+        (dict(num_envs=8, total_timesteps=8 * 132), "--total-timesteps 1056: 32 Actor steps left after the checkpoint"),
+        (dict(num_envs=8, distributional=True), "--distributional True: the checkpoint's run has False"),
     ]
     for fields, message in refused:
         with pytest.raises(pql.ArgsError, match=re.escape(message)):
             resume(**fields)
-    assert resume(num_envs=8, total_timesteps=808).num_actor_steps == 101
+    assert resume(num_envs=8, total_timesteps=8 * 133).num_actor_steps == 133  # (33 steps left: one learns)
     evaluation = pql.resolve_args(pql.Args(env_id=pql.TOY_ENV_ID, cuda=False, checkpoint=checkpoint, evaluate=True))
     assert evaluation.num_envs == 64  # (--evaluate steps no training envs)
+    with pytest.raises(pql.ArgsError, match=re.escape("--distributional True: the checkpoint's run has False; its")):
+        pql.resolve_args(
+            pql.Args(env_id=pql.TOY_ENV_ID, cuda=False, checkpoint=checkpoint, evaluate=True, distributional=True)
+        )
+    on_cuda = torch.load(checkpoint, weights_only=True)  # a checkpoint of a run on CUDA: generators of CUDA
+    on_cuda["args"] = on_cuda["args"].replace('"cpu"', '"cuda"')
+    torch.save(on_cuda, tmp_path / "on_cuda.pt")
+    with pytest.raises(pql.ArgsError, match=re.escape("--actor-device cpu: the checkpoint's run has cuda")):
+        pql.resolve_args(
+            pql.Args(env_id=pql.TOY_ENV_ID, cuda=False, num_envs=8, checkpoint=str(tmp_path / "on_cuda.pt"))
+        )
+
+
+def test_a_resume_trains_with_its_learning_rate_not_the_checkpoints(tmp_path):
+    checkpoint = tiny_checkpoint(tmp_path / "ckpt.pt", learning_rate=1e-3)
+    resumed = pql.resolve_args(pql.Args(env_id=pql.TOY_ENV_ID, cuda=False, num_envs=8, checkpoint=checkpoint))
+    resumed = dataclasses.replace(resumed, learning_rate=2e-4)
+    for learner in (pql.VLearner, pql.PLearner):
+        assert learner(resumed, 40, 4, 1, torch.device("cpu")).optimizer.param_groups[0]["lr"] == 2e-4, learner
 
 
 UNUSED = [  # (Args fields, the start of the message): a flag given where it would do nothing
@@ -1165,6 +1186,74 @@ def test_a_resume_continues_the_actor_where_its_checkpoint_left_it(tmp_path, mon
     assert inits[1]["resume"] == "allow" and inits[1]["name"] == os.path.basename(run_dir)
 
 
+def test_a_refused_or_interrupted_resume_leaves_the_run_as_it_was(tmp_path, monkeypatch):
+    """A resume refused (another --distributional) and one interrupted while its envs start (Ctrl-C) write nothing
+    into the run: config.json, summary.json and the TensorBoard event files stay byte-identical, and no file is added."""
+    run = dict(env_id=pql.TOY_ENV_ID, toy=toy(horizon=10), num_envs=8, total_timesteps=8 * 12, warm_up_steps=4)
+    run.update(num_eval_envs=2, batch_size=16, sequential=True, eval_freq=0, save_model=True)
+    run_in_process(**run, output_dir=str(tmp_path))
+    run_dir = only_run_dir(tmp_path)
+    checkpoint = os.path.join(run_dir, "final_ckpt.pt")
+    files = {name: open(os.path.join(run_dir, name), "rb").read() for name in os.listdir(run_dir)}
+    resume = dict(run, total_timesteps=8 * 24, checkpoint=checkpoint)
+    with pytest.raises(pql.ArgsError):
+        run_in_process(**resume, distributional=True)
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(pql, "make_env", interrupted)
+    assert run_in_process(**resume)["interrupted"]
+    assert {name: open(os.path.join(run_dir, name), "rb").read() for name in os.listdir(run_dir)} == files
+
+
+def start_parallel_run(tmp_path, monkeypatch, steps, recorder=TrajectoryRecorder, **fields):
+    """An in-process run of PQL's three processes on the toy chain; `steps` records each training env step."""
+    make_env = pql.make_env
+    monkeypatch.setattr(
+        pql,
+        "make_env",
+        lambda args, num_envs, device, evaluation, video_dir=None: (
+            make_env(args, num_envs, device, evaluation)
+            if evaluation
+            else recorder(make_env(args, num_envs, device, evaluation), steps)
+        ),
+    )
+    run = dict(env_id=pql.TOY_ENV_ID, toy=toy(horizon=10), num_envs=8, total_timesteps=8 * 30, warm_up_steps=4)
+    return run_in_process(**run, num_eval_envs=2, batch_size=16, eval_freq=0, output_dir=str(tmp_path), **fields)
+
+
+def test_ctrl_c_while_the_actor_hands_a_step_over_checkpoints_after_that_step(tmp_path, monkeypatch):
+    """Ctrl-C while the Actor waits for room in a learner's slots (its envs have stepped): final_ckpt.pt holds as many
+    Actor steps as the envs took, not one fewer."""
+    steps, looks = [], []
+    has_room = pql.SlotRing.has_room
+
+    def full_once_at_step_10(ring):
+        looks.append(len(steps))
+        if len(steps) == 10 and looks.count(10) == 1:
+            os.kill(os.getpid(), signal.SIGINT)  # (noted by the Actor's handler)
+            return False
+        return has_room(ring)
+
+    monkeypatch.setattr(pql.SlotRing, "has_room", full_once_at_step_10)
+    summary = start_parallel_run(tmp_path, monkeypatch, steps, save_model=True)
+    ckpt = torch.load(os.path.join(only_run_dir(tmp_path), "final_ckpt.pt"), weights_only=True)
+    assert summary["interrupted"] and len(steps) == 10 and ckpt["iteration"] == 10 and ckpt["global_step"] == 80
+
+
+class NaNRewards(TrajectoryRecorder):
+    def step(self, action):
+        obs, reward, terminated, truncated, info = super().step(action)
+        return obs, reward * math.nan, terminated, truncated, info
+
+
+def test_a_learners_nan_loss_is_logged(tmp_path, monkeypatch):
+    """NaN rewards make the V-learner's loss NaN: it is logged (and in summary.json) as NaN, not left out."""
+    summary = start_parallel_run(tmp_path, monkeypatch, [], recorder=NaNRewards)
+    assert math.isnan(summary["losses/qf_loss"])
+
+
 def test_the_progress_line_reads_as_documented():
     """The line of a run of 3M env steps at 257,760 of them (8.6%, rounded down), 4,096 steps/s, a minute in: the time
     left is 669 s; then the latest return and success, the three processes' counts and the ratios measured/target."""
@@ -1446,7 +1535,7 @@ def test_save_model_then_evaluate_then_resume(tmp_path):
     message = "--total-timesteps 1920: the checkpoint is at global step 1920 already; pass a larger value"
     assert proc.returncode == 2 and proc.stderr.strip() == f"error: {message}"
     proc = run_script(evaluation[:-2] + ["--evaluate", "--checkpoint", final], None, check=False)
-    assert proc.returncode == 2 and "does not fit these networks" in proc.stderr and "--distributional" in proc.stderr
+    assert proc.returncode == 2 and "--distributional False: the checkpoint's run has True" in proc.stderr
 
 
 # pql.py with one learner's update() failing after 20 updates. A spawned process imports the main script (this one)
