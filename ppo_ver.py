@@ -1179,7 +1179,7 @@ def write_whole(path: Path, write: Callable[[Path], object]) -> None:
 
 
 def rng_state(rng: np.random.Generator, device) -> dict:
-    """The random generators this process draws from: torch's and `rng` (nothing draws from numpy's or Python's global)."""
+    """The random generators this process draws from: torch's and `rng` (none draws from numpy's or Python's global)."""
     return {
         "torch": torch.get_rng_state(),
         "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None,
