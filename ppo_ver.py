@@ -42,7 +42,6 @@ import json
 import math
 import os
 import pickle
-import random
 import signal
 import socket
 import sys
@@ -91,7 +90,7 @@ class Args:
     checkpoint: Optional[str] = None
     """a checkpoint of this script: continue its run, in its folder (or evaluate it, with --evaluate)"""
     evaluate: bool = False
-    """only evaluate the policy of --checkpoint (one line, and eval_<checkpoint name>.json beside it), then exit"""
+    """only evaluate the policy of --checkpoint (one result line; eval_<checkpoint name>.json beside it), then exit"""
     progress_interval: float = 15.0
     """seconds between two progress lines, >= 1"""
     quiet: bool = False
@@ -171,7 +170,8 @@ PRESETS = {  # defaults (ToyChain-v0, ManiSkill3 tasks): any flag overrides them
 
 
 class ArgsError(ValueError):
-    """Bad command-line input, reported before any environment or process starts."""
+    """Bad command-line input, reported before any env or process starts (a checkpoint of another network: once the
+    network is built, before any env worker starts or anything is written)."""
 
 
 class WorkerError(RuntimeError):
@@ -225,6 +225,7 @@ def check_unused(args: Args, given: dict) -> None:
         ("toy.slow_rank_factor", args.world_size == 1, "on one rank (it slows rank 0 of two or more, under torchrun)"),
         ("output_dir", resuming, "on a resume, which continues in the checkpoint's folder"),
         ("exp_name", resuming, "on a resume, which continues in the checkpoint's folder"),
+        ("progress_interval", args.quiet, "with --quiet, which prints no progress lines"),
     ]
     for name in given:
         toy_timing = name.startswith(("toy.step_time", "toy.slow"))  # (ToyChain evaluates without delays)
@@ -249,11 +250,18 @@ def check_checkpoint(args: Args) -> None:
     for found, expected in ((checkpoint["script"], "ppo_ver.py"), (checkpoint.get("env_id"), args.env_id)):
         if found != expected:
             raise ArgsError(f"--checkpoint {args.checkpoint}: a checkpoint of {found}, not of {expected}")
+    if "global_step" not in checkpoint:
+        raise ArgsError(f'--checkpoint {args.checkpoint}: not a checkpoint of ppo_ver.py (no "global_step" in it)')
     step = checkpoint["global_step"]
     total = args.total_timesteps
     if not args.evaluate and step >= total:
         message = f"--total-timesteps {total}: the checkpoint is at global step {step} already; pass a larger value"
         raise ArgsError(message)
+    saved_steps = checkpoint.get("steps_per_iteration", args.batch_size * args.world_size)  # (older checkpoints: none)
+    if not args.evaluate and saved_steps != args.batch_size * args.world_size:
+        ours = f"{args.num_steps} x {args.num_envs} x {args.world_size} = {args.batch_size * args.world_size}"
+        message = f"--num-steps, --num-envs and ranks: T x N x ranks = {ours} steps per iteration, the checkpoint's"
+        raise ArgsError(f"{message} run {saved_steps}; resume with the same")
 
 
 def resolve_args(args: Args, world_size: Optional[int] = None) -> Args:
@@ -290,6 +298,8 @@ def resolve_args(args: Args, world_size: Optional[int] = None) -> Args:
             raise ArgsError("ManiSkill3 needs a Vulkan driver, even for state observations: bash .ci/install_system.sh")
     if resolved.evaluate and not resolved.checkpoint:
         raise ArgsError("--evaluate needs --checkpoint PATH")
+    if resolved.evaluate and resolved.world_size > 1:
+        raise ArgsError(f"--evaluate: one process evaluates; run it without torchrun ({resolved.world_size} ranks)")
     resolved.batch_size = resolved.num_envs * resolved.num_steps
     if resolved.batch_size % resolved.num_minibatches != 0:
         batch = f"T*N = {resolved.num_steps}*{resolved.num_envs} = {resolved.batch_size}"
@@ -1023,6 +1033,30 @@ class Collector:
         self.inflight_row[envs] = np.arange(len(envs))
         return len(envs)
 
+    def state_dict(self) -> dict:
+        """Each env's episode so far, for a checkpoint: its counters, whether it starts, its recurrent state; a step in
+        flight counts as recorded (the workers' saved states are past it, its result in the slots: fetch_states)."""
+        flight = self.inflight_row >= 0
+        ended = flight & (self.view["terminated"] | self.view["truncated"])
+        return {
+            "episode_return": torch.from_numpy(
+                np.where(ended, 0.0, self.episode_return + flight * self.view["reward"])
+            ),
+            "episode_length": torch.from_numpy(np.where(ended, 0, self.episode_length + flight)),
+            "episode_success": torch.from_numpy(~ended & (self.episode_success | flight & self.view["success"])),
+            "episode_start": torch.from_numpy(self.episode_start | ended),
+            "recurrent_state": [state.cpu() for state in self.recurrent_state or ()],  # (h, c); none for the MLP
+        }
+
+    def load_state_dict(self, saved: dict) -> None:
+        """A checkpoint's state_dict() into the first envs (more envs: the others start anew, as in EnvWorkers)."""
+        k = min(self.num_envs, len(saved["episode_start"]))
+        for name in ("episode_return", "episode_length", "episode_success", "episode_start"):
+            getattr(self, name)[:k] = saved[name][:k].numpy()
+        if self.recurrent_state is not None:
+            for stored, state in zip(self.recurrent_state, saved["recurrent_state"]):  # h, then c
+                stored[:, :k] = state[:, :k].to(self.device)
+
     def state_of(self, envs: np.ndarray, reset: Optional[np.ndarray] = None):
         """The recurrent state (h, c) of `envs` after their last step (zeros where `reset`), or None for the MLP."""
         if self.recurrent_state is None:
@@ -1145,14 +1179,10 @@ def write_whole(path: Path, write: Callable[[Path], object]) -> None:
 
 
 def rng_state(rng: np.random.Generator, device) -> dict:
-    """This process's random generators, in types that weights_only loads (numpy's global key as a tensor)."""
-    numpy_state = np.random.get_state(legacy=False)
-    numpy_state["state"]["key"] = torch.from_numpy(numpy_state["state"]["key"].astype(np.int64))
+    """The random generators this process draws from: torch's and `rng` (none draws from numpy's or Python's global)."""
     return {
         "torch": torch.get_rng_state(),
         "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None,
-        "numpy": numpy_state,
-        "python": random.getstate(),
         "generator": rng.bit_generator.state,  # minibatches and fill_from_previous
     }
 
@@ -1161,9 +1191,6 @@ def set_rng_state(state: dict, rng: np.random.Generator, device) -> None:
     torch.set_rng_state(state["torch"])
     if state["cuda"] is not None and device.type == "cuda":
         torch.cuda.set_rng_state(state["cuda"], device)
-    state["numpy"]["state"]["key"] = state["numpy"]["state"]["key"].numpy().astype(np.uint32)
-    np.random.set_state(state["numpy"])
-    random.setstate(state["python"])
     rng.bit_generator.state = state["generator"]
 
 
@@ -1243,7 +1270,7 @@ def main(args: Args) -> dict:
     resuming = checkpoint is not None and not args.evaluate
     writer = None  # rank 0 logs, evaluates and saves, in the run directory (none with --evaluate)
     run_dir = None
-    wandb_id = None
+    wandb_id = checkpoint.get("wandb_id") if resuming else None  # (kept by a resume without --track)
     last = {}  # the last value of each metric, for summary.json and the progress line
 
     def log(metrics: dict, step: int) -> None:
@@ -1263,6 +1290,7 @@ def main(args: Args) -> dict:
 
     def save(name: str) -> None:  # rank 0: with its random generators and (toy chain) envs, not the other ranks'
         states = workers.fetch_states() if args.env_kind == "toy" else None  # (None if Ctrl-C cut a pipe read short)
+        episodes = collector.state_dict()  # each env's episode so far (after fetch_states: the steps in flight ended)
         checkpoint = {
             "script": "ppo_ver.py",
             "env_id": args.env_id,
@@ -1270,12 +1298,36 @@ def main(args: Args) -> dict:
             "optimizer": optimizer.state_dict(),
             "global_step": global_step,
             "iteration": summary["iteration"],  # (that of global_step: Ctrl-C may come in the middle of one)
+            "steps_per_iteration": args.batch_size * args.world_size,
             "obs_rms": {"mean": obs_rms.mean, "var": obs_rms.var, "count": obs_rms.count},
             "rng": rng_state(rng, device),
-            "envs": None if states is None else {"states": states, "obs": slots.obs.clone()},
+            "envs": None if states is None else {"states": states, "obs": slots.obs.clone(), "collector": episodes},
             "wandb_id": wandb_id,
         }
         write_whole(run_dir / name, lambda tmp: torch.save(checkpoint, tmp))
+
+    def open_run() -> None:  # rank 0 of a training run: its directory, config.json, W&B run and TensorBoard stream
+        nonlocal run_dir, wandb_id, writer
+        run_dir = Path(args.output_dir) / f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}"
+        if resuming:  # the same run directory, TensorBoard stream and W&B run
+            run_dir = Path(args.checkpoint).parent
+        if args.track:  # (before anything is written: a W&B error leaves the run directory as it was)
+            import wandb
+
+            wandb_id = wandb.init(
+                project=args.wandb_project_name,
+                entity=args.wandb_entity,
+                sync_tensorboard=True,
+                config=asdict(args),
+                name=run_dir.name,
+                save_code=True,
+                id=wandb_id,  # None: W&B makes one, then stored in every checkpoint
+                resume="allow",
+            ).id
+        run_dir.mkdir(parents=True, exist_ok=resuming)
+        write_whole(run_dir / "config.json", lambda tmp: tmp.write_text(json.dumps(asdict(args), indent=2)))
+        # TensorBoard drops the old files' events logged after the checkpoint: no duplicated or backward steps
+        writer = SummaryWriter(str(run_dir), purge_step=global_step + 1 if resuming else None)
 
     summary: dict = {"interrupted": False}
     env_busy_time = 0.0
@@ -1298,13 +1350,15 @@ def main(args: Args) -> dict:
                 agent.load_state_dict(checkpoint["model"])
                 if resuming:
                     optimizer.load_state_dict(checkpoint["optimizer"])
+                for group in optimizer.param_groups:  # this command's --learning-rate, not the checkpoint's
+                    group["lr"] = args.learning_rate
+                for name in ("mean", "var", "count"):
+                    setattr(obs_rms, name, checkpoint["obs_rms"][name].to(device))
+                iteration = checkpoint["iteration"]
             except (RuntimeError, KeyError, ValueError) as error:
                 raise ArgsError(f"--checkpoint {args.checkpoint}: not a checkpoint of this configuration ({error})")
-            for name in ("mean", "var", "count"):
-                setattr(obs_rms, name, checkpoint["obs_rms"][name].to(device))
             obs_rms.merged = obs_rms.totals()  # (every rank loads the same)
             global_step = checkpoint["global_step"]
-            iteration = checkpoint["iteration"]
             start_step = global_step  # SPS counts the steps of this run
         torch.manual_seed(args.seed + 1000 * rank + iteration)  # per-rank action sampling
         rng = np.random.default_rng(args.seed + 7919 * rank + iteration)
@@ -1321,32 +1375,19 @@ def main(args: Args) -> dict:
             path = Path(args.checkpoint).with_name(f"eval_{Path(args.checkpoint).stem}.json")
             write_whole(path, lambda tmp: tmp.write_text(json.dumps(metrics, indent=2)))
             return metrics
-        if rank == 0:
-            run_dir = Path(args.output_dir) / f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}"
-            if resuming:  # the same run directory, TensorBoard stream and W&B run
-                run_dir = Path(args.checkpoint).parent
-                print(f"resuming {run_dir} at global step {global_step} (iteration {iteration})")
-                if checkpoint["envs"] is None:  # ManiSkill's simulator state cannot be saved
-                    print(f"resume: the envs' state is not in the checkpoint ({args.env_id}): they start anew")
-            run_dir.mkdir(parents=True, exist_ok=resuming)
-            write_whole(run_dir / "config.json", lambda tmp: tmp.write_text(json.dumps(asdict(args), indent=2)))
-            if args.track:
-                import wandb
-
-                wandb_id = wandb.init(
-                    project=args.wandb_project_name,
-                    entity=args.wandb_entity,
-                    sync_tensorboard=True,
-                    config=asdict(args),
-                    name=run_dir.name,
-                    save_code=True,
-                    id=(checkpoint or {}).get("wandb_id"),  # None: W&B makes one, then stored in every checkpoint
-                    resume="allow",
-                ).id
-            # TensorBoard drops the old files' events logged after the checkpoint: no duplicated or backward steps
-            writer = SummaryWriter(str(run_dir), purge_step=global_step + 1 if resuming else None)
-        workers = EnvWorkers(args, slots, rank, checkpoint["envs"] if resuming and rank == 0 else None)
+        if rank == 0 and resuming:
+            print(f"resuming {Path(args.checkpoint).parent} at global step {global_step} (iteration {iteration})")
+            if checkpoint["envs"] is None:  # ManiSkill's simulator state cannot be saved
+                print(f"resume: the envs' state is not in the checkpoint ({args.env_id}): they start anew")
+        if rank == 0 and not resuming:  # (a resume writes into its run once its workers have started: Ctrl-C before
+            open_run()  # leaves the run as it was)
+        saved_envs = checkpoint["envs"] if resuming and rank == 0 else None
+        workers = EnvWorkers(args, slots, rank, saved_envs)
         collector = Collector(args, workers, slots, agent, obs_rms, device)
+        if saved_envs is not None and "collector" in saved_envs:  # (older checkpoints hold none: counters from 0)
+            collector.load_state_dict(saved_envs["collector"])
+        if rank == 0 and resuming:
+            open_run()
         if args.env_kind == "toy":
             targets = draw_target_actions(args.toy).to(device)
         previous = None  # the previous rollout's batch
@@ -1401,9 +1442,9 @@ def main(args: Args) -> dict:
                 "launchers_gone": float(distributed and os.getppid() != launcher),
             }
             counts = all_reduce_named(counts, device)
-            global_step += int(counts["env_steps"])
+            steps = int(counts["env_steps"])
+            global_step, summary["iteration"] = global_step + steps, iteration  # one statement: Ctrl-C saves a pair
             env_busy_time += counts["env_busy_time"]
-            summary["iteration"] = iteration
             if counts["launchers_gone"] > 0:  # torchrun was killed: every rank stops here, as at Ctrl-C
                 print(f"rank {rank}: the launcher (pid {launcher}) is gone: stopping", file=sys.stderr)
                 raise KeyboardInterrupt

@@ -12,7 +12,6 @@ import glob
 import json
 import math
 import os
-import random
 import re
 import signal
 import subprocess
@@ -990,6 +989,7 @@ DOES_NOTHING = [  # (flags, ranks, the refusal): options of one mode given in an
     (dict(inference_min_batch=3, sync=True), 1, "--inference-min-batch 3: does nothing with --sync"),
     (dict(wandb_entity="team"), 1, "--wandb-entity team: does nothing without --track"),
     (dict(wandb_project_name="p"), 1, "--wandb-project-name p: does nothing without --track"),
+    (dict(quiet=True, progress_interval=5.0), 1, "--progress-interval 5.0: does nothing with --quiet"),
     (dict(toy=replace(DELAYS, slow_rank_factor=9.0)), 1, "--toy.slow-rank-factor 9.0: does nothing on one rank"),
     (
         dict(toy=ToyChainWorkerConfig(slow_env_factor=9.0)),
@@ -1054,6 +1054,7 @@ OURS = {"script": "ppo_ver.py", "env_id": "ToyChain-v0", "global_step": 1000}
         (b"localhost\n", "--checkpoint {}: not a checkpoint of ppo_ver.py (Weights only load failed"),
         ({"model": {}, "global_step": 3}, '--checkpoint {}: not a checkpoint of ppo_ver.py (no "script" in it)'),
         ([1, 2], '--checkpoint {}: not a checkpoint of ppo_ver.py (no "script" in it)'),
+        ({"script": "ppo_ver.py", "env_id": "ToyChain-v0"}, '--checkpoint {}: not a checkpoint of ppo_ver.py (no "glo'),
         ({**OURS, "script": "cleanba_ppo.py"}, "--checkpoint {}: a checkpoint of cleanba_ppo.py, not of ppo_ver.py"),
         ({**OURS, "env_id": "PickCube-v1"}, "--checkpoint {}: a checkpoint of PickCube-v1, not of ToyChain-v0"),
         (OURS, "--total-timesteps 1000: the checkpoint is at global step 1000 already; pass a larger value"),
@@ -1088,17 +1089,29 @@ def test_flags_that_do_nothing_on_a_resume_or_an_evaluation_are_refused(tmp_path
     ver.resolve_args(ver.Args(cuda=False, checkpoint=path, **evaluation), world_size=1)  # what an evaluation uses
 
 
+def test_a_resume_with_another_batch_or_an_evaluation_under_torchrun_is_refused(tmp_path):
+    """T x N x ranks steps per iteration as the checkpoint's run (global_step and iteration move together), and one
+    process evaluates (ranks would all write the same eval json)."""
+    path = saved(tmp_path, {**OURS, "steps_per_iteration": 64})
+    message = "--num-steps, --num-envs and ranks: T x N x ranks = 32 x 16 x 1 = 512 steps per iteration, the "
+    with pytest.raises(ver.ArgsError, match="^" + re.escape(message + "checkpoint's run 64; resume with the same")):
+        ver.resolve_args(ver.Args(cuda=False, checkpoint=path, total_timesteps=2000), world_size=1)
+    ver.resolve_args(ver.Args(cuda=False, checkpoint=path, total_timesteps=2000, num_envs=8, num_steps=8), world_size=1)
+    ver.resolve_args(ver.Args(cuda=False, checkpoint=path, total_timesteps=2000, num_envs=4, num_steps=8), world_size=2)
+    ver.resolve_args(ver.Args(cuda=False, checkpoint=path, evaluate=True), world_size=1)
+    with pytest.raises(ver.ArgsError, match="^" + re.escape("--evaluate: one process evaluates; run it without")):
+        ver.resolve_args(ver.Args(cuda=False, checkpoint=path, evaluate=True), world_size=2)
+
+
 def test_random_generators_go_into_a_checkpoint_and_come_back(tmp_path):
-    """rng_state and set_rng_state, through torch.save and torch.load(weights_only=True): torch's, numpy's global,
-    Python's and the numpy Generator of minibatches and fill_from_previous draw again what they drew after the save."""
+    """rng_state and set_rng_state, through torch.save and torch.load(weights_only=True): torch's and the numpy
+    Generator of minibatches and fill_from_previous draw again what they drew after the save."""
     rng = np.random.default_rng(5)
     torch.manual_seed(3)
-    np.random.seed(4)
-    random.seed(6)
     path = saved(tmp_path, ver.rng_state(rng, torch.device("cpu")))
 
     def draws():
-        return torch.rand(3).tolist(), np.random.rand(3).tolist(), random.random(), rng.random(3).tolist()
+        return torch.rand(3).tolist(), rng.random(3).tolist()
 
     expected = draws()
     draws()  # every generator moved on
@@ -1298,7 +1311,8 @@ def test_progress_lines_in_a_log_file_and_none_with_quiet(tmp_path):
     assert steps == sorted(set(steps)) and all(int(m[2]) == 100 * int(m[1]) // 320 for m in matches)
     assert max(float(match[5]) for match in matches) >= 0.25  # (env 0, 4x slower than the others)
     assert "ver/straggler_share" in scalars(only_run_dir(tmp_path / "loud"))
-    quiet = run_script(flags + ["--quiet", "--total-timesteps", "128"], tmp_path / "quiet").stdout  # (1.5 s at least)
+    quiet_flags = flags[:-2] + ["--quiet", "--total-timesteps", "128"]  # (--quiet refuses --progress-interval)
+    quiet = run_script(quiet_flags, tmp_path / "quiet").stdout
     assert "\nprogress " not in quiet and "settings:" in quiet and "eval/return=" in quiet
 
 
@@ -1327,7 +1341,7 @@ def test_recurrent_save_resume_and_evaluate(tmp_path, device):
     assert any(k.startswith("lstm.") for k in ckpt["model"]) and ckpt["optimizer"]["state"]
     assert set(ckpt["obs_rms"]) == {"mean", "var", "count"}  # the checkpoint's layout; ToyChain's block index is
     assert float(ckpt["obs_rms"]["count"]) == pytest.approx(1e-4)  # not normalized: obs_rms was never updated
-    assert set(ckpt["rng"]) == {"torch", "cuda", "numpy", "python", "generator"}
+    assert set(ckpt["rng"]) == {"torch", "cuda", "generator"}
     assert len(ckpt["envs"]["states"]) == 4 and ckpt["envs"]["obs"].shape == (4,)  # the 4 chains' states
 
     # A resume from the checkpoint at iteration 2 continues that run: same directory, TensorBoard from step 128 on.
@@ -1457,6 +1471,103 @@ def test_a_resume_continues_the_run_its_tensorboard_wandb_run_generators_and_toy
     assert checkpoint["wandb_id"] == "a1" and restored["rng"]["generator"] == checkpoint["rng"]["generator"]
     assert torch.equal(restored["rng"]["torch"], checkpoint["rng"]["torch"])
     assert restored["first_obs"] == dict(enumerate(checkpoint["envs"]["obs"].tolist()))
+
+
+def toy_main(total_timesteps, **kwargs):
+    """ver.main in this process on 2 toy chains (H = 20), T = 8, checkpoints at every second iteration (of 16 steps)."""
+    sigterm = signal.getsignal(signal.SIGTERM)
+    toy = ToyChainWorkerConfig(horizon=20)
+    try:
+        return ver.main(
+            ver.Args(
+                cuda=False,
+                num_envs=2,
+                num_steps=8,
+                num_minibatches=1,
+                update_epochs=1,
+                eval_freq=2,
+                toy=toy,
+                num_eval_episodes=1,
+                save_model=True,
+                total_timesteps=total_timesteps,
+                **kwargs,
+            )
+        )
+    finally:
+        signal.signal(signal.SIGTERM, sigterm)
+
+
+def test_a_resume_restores_each_envs_episode_so_far_keeps_the_wandb_id_and_takes_the_learning_rate(
+    tmp_path, monkeypatch
+):
+    """The checkpoint holds each env's episode so far (counters matching its chain's step in the episode, the steps
+    in flight included; whether it starts; the LSTM state), and the resume's collector starts from them; a resume
+    without --track keeps the W&B id; the optimizer learns at the resume's --learning-rate."""
+    import wandb
+
+    monkeypatch.setattr(wandb, "init", lambda **kwargs: SimpleNamespace(id=kwargs["id"] or "a1"))
+    toy_main(48, recurrent=True, track=True, output_dir=str(tmp_path))
+    run_dir = only_run_dir(tmp_path)
+    checkpoint = torch.load(os.path.join(run_dir, "ckpt_32.pt"), weights_only=True)
+    episodes = checkpoint["envs"]["collector"]
+    steps = [int(state["episode_step"][0]) for state in checkpoint["envs"]["states"]]
+    assert episodes["episode_length"].tolist() == steps and max(steps) > 0
+    started = {}
+    learning_rates = []
+
+    class Started(ver.Collector):
+        def collect(self, stop_early=None):
+            started.setdefault("lengths", self.episode_length.copy())
+            started.setdefault("starts", self.episode_start.copy())
+            started.setdefault("state", [state.clone() for state in self.recurrent_state])
+            return super().collect(stop_early)
+
+    ppo_update = ver.ppo_update
+    monkeypatch.setattr(ver, "Collector", Started)
+    monkeypatch.setattr(
+        ver,
+        "ppo_update",
+        lambda args, agent, optimizer, *more: (
+            learning_rates.append(optimizer.param_groups[0]["lr"]) or ppo_update(args, agent, optimizer, *more)
+        ),
+    )
+    toy_main(64, recurrent=True, learning_rate=1e-3, checkpoint=os.path.join(run_dir, "ckpt_32.pt"))
+    assert started["lengths"].tolist() == steps and started["starts"].tolist() == episodes["episode_start"].tolist()
+    assert all(torch.equal(*pair) for pair in zip(started["state"], episodes["recurrent_state"]))
+    assert learning_rates == [1e-3, 1e-3]
+    assert torch.load(os.path.join(run_dir, "final_ckpt.pt"), weights_only=True)["wandb_id"] == "a1"
+
+
+def test_a_refused_or_interrupted_resume_leaves_the_run_directory_as_it_was(tmp_path, monkeypatch):
+    """A checkpoint of another network, W&B failing, Ctrl-C while the env workers start: config.json, summary.json,
+    the TensorBoard events (a purge marker would drop the later ones) and the checkpoints byte for byte as before."""
+    import wandb
+
+    toy_main(48, output_dir=str(tmp_path))
+    run_dir = only_run_dir(tmp_path)
+    checkpoint = os.path.join(run_dir, "ckpt_32.pt")
+
+    def contents():
+        return {path: open(path, "rb").read() for path in glob.glob(os.path.join(run_dir, "*"))}
+
+    before = contents()
+    with pytest.raises(ver.ArgsError, match="not a checkpoint of this configuration"):
+        toy_main(64, recurrent=True, checkpoint=checkpoint)
+
+    def failing(**kwargs):
+        raise wandb.errors.CommError("no network")
+
+    monkeypatch.setattr(wandb, "init", failing)
+    with pytest.raises(wandb.errors.CommError):
+        toy_main(64, track=True, checkpoint=checkpoint)
+
+    def interrupted(*args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(ver, "EnvWorkers", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        toy_main(64, checkpoint=checkpoint)
+    assert contents() == before
 
 
 @pytest.mark.slow
