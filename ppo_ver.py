@@ -1443,7 +1443,8 @@ def main(args: Args) -> dict:
             }
             counts = all_reduce_named(counts, device)
             steps = int(counts["env_steps"])
-            global_step, summary["iteration"] = global_step + steps, iteration  # one statement: Ctrl-C saves a pair
+            global_step += steps  # (no call between these two stores: a Ctrl-C cannot split the pair save reads)
+            summary["iteration"] = iteration
             env_busy_time += counts["env_busy_time"]
             if counts["launchers_gone"] > 0:  # torchrun was killed: every rank stops here, as at Ctrl-C
                 print(f"rank {rank}: the launcher (pid {launcher}) is gone: stopping", file=sys.stderr)

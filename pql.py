@@ -863,8 +863,12 @@ class LearnerCounts(ctypes.Structure):
     """One learner's shared counts (written by it only): updates done, checkpoint requests served, its last loss (once
     reported: it may be NaN)."""
 
-    _fields_ = [("updates", ctypes.c_int64), ("served", ctypes.c_int64), ("loss", ctypes.c_double)]
-    _fields_ += [("loss_reported", ctypes.c_bool)]
+    _fields_ = [
+        ("updates", ctypes.c_int64),
+        ("served", ctypes.c_int64),
+        ("loss", ctypes.c_double),
+        ("loss_reported", ctypes.c_bool),
+    ]
 
 
 class SharedCounters(ctypes.Structure):
