@@ -371,9 +371,13 @@ def make_maniskill_env(args: Args, num_envs: int, evaluation: bool, video_dir: O
         render_mode="rgb_array" if video_dir else None,
     )
     if video_dir:  # the first VIDEO_ENVS sub-envs, tiled (RecordEpisode tiles all the frames the env renders)
-        # avoid_overwriting_video: numbered 0.mp4, 1.mp4, ... past those there (a resume and --evaluate overwrite none)
-        record = dict(save_trajectory=False, max_steps_per_video=args.horizon, avoid_overwriting_video=True)
-        env = RecordEpisode(FirstFrames(env), video_dir, **record)
+        env = RecordEpisode(
+            FirstFrames(env),
+            video_dir,
+            save_trajectory=False,
+            max_steps_per_video=args.horizon,
+            avoid_overwriting_video=True,  # numbered on past the videos there: a resume and --evaluate overwrite none
+        )
         env.video_nrows = int(math.sqrt(min(num_envs, VIDEO_ENVS)))
     if args.resolved_sim_backend == "physx_cpu":  # one env with numpy outputs, for a Gymnasium vector env
         env = CPUGymWrapper(env)
