@@ -169,11 +169,29 @@ CLASSIC_ENVS = {"CartPole-v1": (4, 2), "Acrobot-v1": (6, 3)}  # EnvPool classic 
 TABLE_3 = dict(num_minibatches=4, rmsprop_eps=0.01, ent_coef=0.01, anneal_lr=True)
 CLASSIC_DEPARTURES = dict(num_minibatches=8, rmsprop_eps=0.1, anneal_lr=False)
 CLASSIC_ENT_COEF = {"CartPole-v1": 0.0, "Acrobot-v1": 0.01}  # per task: the departures of the docstring
-AT_LEAST_ONE = ("checkpoint_freq", "progress_interval", "local_num_envs", "num_actor_threads", "total_timesteps")
-AT_LEAST_ONE += ("num_steps", "num_minibatches")
+AT_LEAST_ONE = (
+    "checkpoint_freq",
+    "progress_interval",
+    "local_num_envs",
+    "num_actor_threads",
+    "total_timesteps",
+    "num_steps",
+    "num_minibatches",
+)
 NAMING = ("output_dir", "exp_name")  # a resumed run's directory is the checkpoint's
-EVALUATION = ("seed", "torch_deterministic", "cuda", "checkpoint", "evaluate", "num_eval_episodes", "capture_video")
-EVALUATION += ("env_id", "max_episode_steps", "toy")  # what --evaluate reads; every other setting is training's
+# what --evaluate reads; every other setting is training's
+EVALUATION = (
+    "seed",
+    "torch_deterministic",
+    "cuda",
+    "checkpoint",
+    "evaluate",
+    "num_eval_episodes",
+    "capture_video",
+    "env_id",
+    "max_episode_steps",
+    "toy",
+)
 PRESETS = {
     "atari": dict(TABLE_3, local_num_envs=128, num_steps=20, total_timesteps=50_000_000, max_episode_steps=27000),
     "classic": dict(

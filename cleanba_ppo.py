@@ -170,12 +170,31 @@ CLASSIC_ENVS = {"CartPole-v1": (4, 2), "Acrobot-v1": (6, 3)}  # EnvPool classic 
 # App. B Table 2 (Atari, ToyChain); classic control: CleanRL's ppo.py clipping and the departures of the docstring
 TABLE_2_LOSS = dict(clip_coef=0.1, clip_vloss=False, ent_coef=0.01, adv_std_floor=0.0, anneal_lr=True)
 CLASSIC_LOSS = dict(clip_coef=0.2, clip_vloss=True, ent_coef=0.0, adv_std_floor=1.0, anneal_lr=False)
-AT_LEAST_ONE = ("checkpoint_freq", "progress_interval", "local_num_envs", "num_actor_threads", "total_timesteps")
-AT_LEAST_ONE += ("num_steps", "num_minibatches", "update_epochs")
+AT_LEAST_ONE = (
+    "checkpoint_freq",
+    "progress_interval",
+    "local_num_envs",
+    "num_actor_threads",
+    "total_timesteps",
+    "num_steps",
+    "num_minibatches",
+    "update_epochs",
+)
 AT_LEAST_ZERO = ("ent_coef", "adv_std_floor", "vf_coef")
 NAMING = ("output_dir", "exp_name")  # a resumed run's directory is the checkpoint's
-EVALUATION = ("seed", "torch_deterministic", "cuda", "checkpoint", "evaluate", "num_eval_episodes", "capture_video")
-EVALUATION += ("env_id", "max_episode_steps", "toy")  # what --evaluate reads; every other setting is training's
+# what --evaluate reads; every other setting is training's
+EVALUATION = (
+    "seed",
+    "torch_deterministic",
+    "cuda",
+    "checkpoint",
+    "evaluate",
+    "num_eval_episodes",
+    "capture_video",
+    "env_id",
+    "max_episode_steps",
+    "toy",
+)
 PRESETS = {
     "atari": dict(TABLE_2_LOSS, local_num_envs=128, num_steps=128, total_timesteps=50_000_000, max_episode_steps=27000),
     "classic": dict(CLASSIC_LOSS, local_num_envs=4, num_steps=128, total_timesteps=500_000, max_episode_steps=500),

@@ -200,8 +200,19 @@ class ProcessFailed(RuntimeError):
 
 
 # What --evaluate uses (the checkpoint, the evaluation's envs and device, the networks' shape): other flags are refused
-EVALUATE_USES = ("env_id", "seed", "cuda", "checkpoint", "evaluate", "capture_video", "horizon", "num_eval_envs", "toy")
-EVALUATE_USES += ("actor_device", "distributional")
+EVALUATE_USES = (
+    "env_id",
+    "seed",
+    "cuda",
+    "checkpoint",
+    "evaluate",
+    "capture_video",
+    "horizon",
+    "num_eval_envs",
+    "toy",
+    "actor_device",
+    "distributional",
+)
 
 
 def resolve_args(args: Args) -> Args:
