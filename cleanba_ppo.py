@@ -736,8 +736,7 @@ class Logger:
         jsonl = run_dir / "updates.jsonl"
         if purge_step is not None and jsonl.exists():  # split("\n")[:-1]: not a killed run's partial last line
             rows = [row for row in jsonl.read_text().split("\n")[:-1] if json.loads(row)["global_step"] < purge_step]
-            jsonl.with_name("updates.jsonl.tmp").write_text("".join(row + "\n" for row in rows))
-            os.replace(jsonl.with_name("updates.jsonl.tmp"), jsonl)  # renamed: a crash never leaves half the file
+            write_whole(jsonl, lambda tmp: tmp.write_text("".join(row + "\n" for row in rows)))
         self.jsonl = open(jsonl, "a")
         self.last: dict[str, float] = {}
 
@@ -753,10 +752,19 @@ class Logger:
         self.jsonl.close()
 
 
+def write_whole(path: Path, write) -> None:
+    """write(a temporary file), then renamed to `path`: a crash or Ctrl-C leaves the old file or none, never half of
+    one, and no temporary file."""
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
 def write_json(path: Path, data: dict) -> None:
-    """Written to a temporary file and renamed: a crash or Ctrl-C never leaves half a file."""
-    path.with_name(path.name + ".tmp").write_text(json.dumps(data, indent=2))
-    os.replace(path.with_name(path.name + ".tmp"), path)
+    write_whole(path, lambda tmp: tmp.write_text(json.dumps(data, indent=2)))
 
 
 def save_checkpoint(path: Path, args: Args, learner: Learner) -> None:
@@ -767,8 +775,7 @@ def save_checkpoint(path: Path, args: Args, learner: Learner) -> None:
     state = {"script": SCRIPT, "env_id": args.env_id, "model": learner.agent.state_dict(), **learner.carry}
     state["optimizer"] = learner.optimizer.state_dict()
     state["batch_size"] = args.batch_size  # env steps an iteration: a resume must make the same
-    torch.save(state, path.with_name(path.name + ".tmp"))  # then renamed: a crash never leaves half a checkpoint
-    os.replace(path.with_name(path.name + ".tmp"), path)
+    write_whole(path, partial(torch.save, state))
 
 
 @torch.no_grad()
@@ -798,10 +805,13 @@ def evaluate(args: Args, agent: nn.Module, device, global_step: int, video: Opti
         import imageio
 
         video.parent.mkdir(exist_ok=True)
-        partial = video.with_name(video.stem + ".partial.mp4")  # renamed once whole
+        unfinished = video.with_name(video.stem + ".partial.mp4")  # (imageio writes by the suffix) renamed once whole
         # real time on CartPole (0.02 s a step) and Atari (4 frames of 60 Hz); Acrobot (0.2 s a step) at Gymnasium's 15
-        imageio.mimsave(partial, frames, fps=50 if args.env_id == "CartPole-v1" else 15, macro_block_size=2)
-        os.replace(partial, video)
+        try:
+            imageio.mimsave(unfinished, frames, fps=50 if args.env_id == "CartPole-v1" else 15, macro_block_size=2)
+            os.replace(unfinished, video)
+        finally:
+            unfinished.unlink(missing_ok=True)
     out = {"eval/return": episodes.sums["returns"] / count, "eval/episode_len": episodes.sums["lengths"] / count}
     if args.env_id == TOY_ENV_ID:
         out["eval/success_at_end"] = episodes.sums["successes"] / count

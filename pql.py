@@ -1110,6 +1110,17 @@ def rng_states() -> dict:
     return {"torch": torch.get_rng_state(), "cuda": cuda, "numpy": numpy_state, "python": random.getstate()}
 
 
+def write_whole(path: Path, write) -> None:
+    """write(a temporary file), then renamed to `path`: a crash or Ctrl-C leaves the old file or none, never half of
+    one, and no temporary file."""
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
 def save_checkpoint(path: Path, args, supervisor, counters, serial, actor: dict, carried: dict) -> None:
     """The learners' networks, optimizers and generators (the learner processes write their parts), the shared counts,
     the Actor's `actor` (global_step, iteration, obs_rms, wandb_id) and its generators and `carried` state; no replay
@@ -1138,9 +1149,7 @@ def save_checkpoint(path: Path, args, supervisor, counters, serial, actor: dict,
         "actor": carried,
         "args": json.dumps(asdict(args)),
     }
-    temporary = path.with_name(path.name + ".tmp")
-    torch.save(state, temporary)
-    os.replace(temporary, path)
+    write_whole(path, partial(torch.save, state))
 
 
 def check_buffer_memory(args: Args, obs_dim: int, act_dim: int, capacity: int) -> None:
@@ -1192,14 +1201,14 @@ def evaluate_checkpoint(args: Args) -> dict:
     result = {**metrics, "checkpoint": str(path), "global_step": ckpt["global_step"], "eval_seed": seed}
     result["num_eval_envs"] = args.num_eval_envs
     result["num_eval_episodes"] = args.num_eval_envs  # one episode of each eval env
-    (path.parent / f"eval_{path.stem}.json").write_text(json.dumps(result, indent=2))
+    write_whole(path.parent / f"eval_{path.stem}.json", lambda tmp: tmp.write_text(json.dumps(result, indent=2)))
     return {"interrupted": False, **result}
 
 
 def open_run_logs(args: Args, run_dir: Path, wandb_id: Optional[str], purge_step: Optional[int]) -> SummaryWriter:
     """Writes config.json, starts the W&B run (--track) and returns the TensorBoard writer (a resume's purges the
     steps after its checkpoint: no step twice)."""
-    (run_dir / "config.json").write_text(json.dumps(asdict(args), indent=2))
+    write_whole(run_dir / "config.json", lambda tmp: tmp.write_text(json.dumps(asdict(args), indent=2)))
     if args.track:
         import wandb
 
@@ -1454,9 +1463,7 @@ def main(args: Args) -> dict:
             summary["pql/ratio_a_v"] = counters.actor_steps / counters.v_learner.updates
             summary["pql/ratio_p_v"] = counters.p_learner.updates / counters.v_learner.updates
         if writer is not None:  # (not a resume that ended before its run continued)
-            temporary = run_dir / "summary.json.tmp"  # written whole, then renamed
-            temporary.write_text(json.dumps(summary, indent=2))
-            os.replace(temporary, run_dir / "summary.json")
+            write_whole(run_dir / "summary.json", lambda tmp: tmp.write_text(json.dumps(summary, indent=2)))
             writer.close()
         supervisor.stop.set()  # the learners end at their next look at it
         for env in (envs, eval_envs):

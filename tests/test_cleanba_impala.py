@@ -21,6 +21,7 @@ from test_cleanba_ppo import (
     check_a_resume_rewrites_updates_jsonl_whole,
     check_a_resume_with_another_batch_is_refused,
     check_a_resumed_run_ends_bit_identical_to_the_uninterrupted_run,
+    check_an_interrupted_checkpoint_leaves_no_file,
     check_an_interrupted_video_leaves_no_mp4,
     check_capture_video_records_breakout,
     check_checkpoints_of_something_else_are_refused,
@@ -722,6 +723,10 @@ def test_a_resume_rewrites_updates_jsonl_whole(tmp_path, monkeypatch):
 
 def test_an_interrupted_video_leaves_no_mp4(tmp_path, monkeypatch):
     check_an_interrupted_video_leaves_no_mp4(tmp_path, monkeypatch, ci)
+
+
+def test_an_interrupted_checkpoint_leaves_no_file(tmp_path, monkeypatch):
+    check_an_interrupted_checkpoint_leaves_no_file(tmp_path, monkeypatch, ci)
 
 
 def test_ctrl_c_while_the_pools_start(tmp_path, monkeypatch):

@@ -1443,11 +1443,35 @@ def check_an_interrupted_video_leaves_no_mp4(tmp_path, monkeypatch, script):
     args = script.resolve_args(script.Args(env_id="CartPole-v1", num_eval_episodes=1, capture_video=True, cuda=False))
     with pytest.raises(KeyboardInterrupt):
         script.evaluate(args, script.Agent(args), torch.device("cpu"), 0, tmp_path / "videos" / "eval_0.mp4")
-    assert not (tmp_path / "videos" / "eval_0.mp4").exists()
+    assert os.listdir(tmp_path / "videos") == []  # neither the video nor its unfinished file
 
 
 def test_an_interrupted_video_leaves_no_mp4(tmp_path, monkeypatch):
     check_an_interrupted_video_leaves_no_mp4(tmp_path, monkeypatch, cp)
+
+
+def check_an_interrupted_checkpoint_leaves_no_file(tmp_path, monkeypatch, script):
+    """Shared with test_cleanba_impala.py: a Ctrl-C inside torch.save leaves neither the checkpoint nor its temporary
+    file (the run's directory as it was), and a whole one replaces an older checkpoint of the name."""
+
+    def half_then_interrupted(state, path):
+        Path(path).write_bytes(b"half a checkpoint")
+        raise KeyboardInterrupt
+
+    args = script.resolve_args(script.Args(env_id="ToyChain-v0", cuda=False))
+    learner = script.Learner(args, script.Agent(args), torch.device("cpu"), 0)
+    script.save_checkpoint(tmp_path / "ckpt_0.pt", args, learner)
+    monkeypatch.setattr(torch, "save", half_then_interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        script.save_checkpoint(tmp_path / "ckpt_0.pt", args, learner)
+    with pytest.raises(KeyboardInterrupt):
+        script.save_checkpoint(tmp_path / "final_ckpt.pt", args, learner)
+    assert os.listdir(tmp_path) == ["ckpt_0.pt"]
+    assert torch.load(tmp_path / "ckpt_0.pt", weights_only=True)["script"] == os.path.basename(script.__file__)
+
+
+def test_an_interrupted_checkpoint_leaves_no_file(tmp_path, monkeypatch):
+    check_an_interrupted_checkpoint_leaves_no_file(tmp_path, monkeypatch, cp)
 
 
 def test_ctrl_c_after_an_update_leaves_a_whole_carry(tmp_path):

@@ -1803,3 +1803,19 @@ def test_a_replay_buffer_larger_than_memory_is_an_error_naming_the_flag(tmp_path
     )
     assert proc.returncode == 2 and "--buffer-size" in proc.stderr and "use a smaller --buffer-size" in proc.stderr
     assert "started: pid" not in proc.stdout
+
+
+def test_write_whole_leaves_the_old_file_and_no_temporary_one_when_interrupted(tmp_path):
+    """Checkpoints, summary.json, config.json and eval json go through write_whole: a Ctrl-C while writing leaves the
+    file as it was (or none) and no temporary file."""
+
+    def half_then_interrupted(path):
+        path.write_text("half")
+        raise KeyboardInterrupt
+
+    pql.write_whole(tmp_path / "summary.json", lambda path: path.write_text("whole"))
+    with pytest.raises(KeyboardInterrupt):
+        pql.write_whole(tmp_path / "summary.json", half_then_interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        pql.write_whole(tmp_path / "final_ckpt.pt", half_then_interrupted)
+    assert os.listdir(tmp_path) == ["summary.json"] and (tmp_path / "summary.json").read_text() == "whole"
